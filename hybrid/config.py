@@ -1,0 +1,178 @@
+"""The typed schema of ``conf/``: plain keyword-only dataclasses.
+
+Hydra composes the YAML files into these (they are registered in its ConfigStore by
+``launch/``), so a misspelt key or a wrong type fails at composition time. Everything inside
+``hybrid/`` receives these dataclasses, never an OmegaConf ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel size: replicas that see different data and average gradients."""
+    tp: int = 1
+    """Tensor-parallel size: each weight matrix is split across this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: the layers are split into this many stages."""
+    vpp: int = 1
+    """Virtual stages (model chunks) per pipeline rank; > 1 needs schedule=interleaved-1f1b."""
+    order: str = "tp-dp-pp"
+    """Rank order, fastest-varying axis first (Megatron's default: TP fastest, inside a node)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1."""
+    zero: int = 0
+    """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence between TP regions (Megatron's sequence parallel)."""
+    partition: str = "uniform"
+    """How blocks are split into stages: uniform (by layer count) | balanced (by parameters)."""
+    bucket_mb: float = 25.0
+    """Size of a gradient all-reduce bucket in MiB (torch DDP's default is 25)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for display."""
+    layers: int = 2
+    """Number of transformer layers."""
+    hidden: int = 64
+    """Hidden size h."""
+    heads: int = 4
+    """Attention heads; must divide hidden."""
+    ffn_hidden: Optional[int] = None
+    """MLP inner size; None means 4 * hidden."""
+    vocab: int = 256
+    """Vocabulary size before padding (256 = byte-level tokens)."""
+    vocab_pad_multiple: int = 64
+    """The vocabulary is padded up to a multiple of this (independent of TP, so every layout
+    trains the same model); tp must divide the padded size."""
+    seq_len: int = 64
+    """Maximum sequence length (rows of the learned position table); also the training length."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (GPT-2 style)."""
+    recompute: bool = False
+    """Recompute each transformer layer's activations in the backward pass."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    norm_eps: float = 1e-5
+    """Layer-norm epsilon."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_pad_multiple
+        return -(-self.vocab // m) * m
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run."""
+    global_batch: int = 16
+    """Sequences per optimizer step, summed over all DP replicas and micro-batches."""
+    micro_batch: int = 2
+    """Sequences per micro-batch on one DP replica."""
+    precision: str = "fp32"
+    """fp32 | bf16 (bf16 compute, fp32 master weights and gradient reduction)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    device: str = "auto"
+    """auto (CUDA if available, else CPU) | cpu | cuda."""
+    log_every: int = 1
+    """Print a log line every this many steps."""
+    timeline_step: int = 2
+    """Record the pipeline timeline of this step (1-based); 0 disables it."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic (generated, learnable, needs no files) | tokens (a flat binary token file)."""
+    path: Optional[str] = None
+    """Token file for source=tokens (made by ``hybrid-data``)."""
+    dtype: str = "uint16"
+    """Element type of the token file: uint16 | uint32."""
+    samples: int = 4096
+    """Number of generated sequences for source=synthetic."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = "adamw"
+    """Only AdamW for now."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 2
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices (not norms, biases or position tables)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass(kw_only=True)
+class LauncherConfig:
+    name: str = "local"
+    """local (torch elastic agent on this machine) | torchrun | slurm."""
+    nnodes: int = 1
+    """Number of nodes."""
+    nproc_per_node: Optional[int] = None
+    """Processes per node; None means world size / nnodes."""
+    omp_threads: Optional[int] = None
+    """OMP_NUM_THREADS per worker; None means cores / local workers (at least 1)."""
+    max_restarts: int = 0
+    """Restarts of the whole worker group after a failure."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    seed: int = 1234
+    """Seeds weights, data order and generated data: the same seed gives the same run on any
+    layout."""
+
+
+@dataclass(kw_only=True)
+class PlanConfig(Config):
+    format: str = "text"
+    """Output of ``hybrid-plan``: text | json."""
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict, cls: type = Config) -> Any:
+    """Rebuild a (nested) config dataclass from ``to_dict`` output; unknown keys are errors."""
+    kwargs = {}
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in names:
+            raise ValueError(f"unknown config key {cls.__name__}.{key}")
+        sub = _dataclass_type(cls, key)
+        kwargs[key] = from_dict(value, sub) if sub is not None else value
+    return cls(**kwargs)
+
+
+def _dataclass_type(cls: type, name: str) -> Optional[type]:
+    hints = {"parallel": ParallelConfig, "model": ModelConfig, "train": TrainConfig,
+             "data": DataConfig, "optim": OptimConfig, "launcher": LauncherConfig}
+    return hints.get(name) if issubclass(cls, Config) else None

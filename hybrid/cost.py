@@ -1,0 +1,110 @@
+"""Analytical parameter counts and a first memory estimate per rank (pure arithmetic).
+
+Blocks follow the model's block list: block 0 = embedding (word + learned position),
+blocks 1..L = transformer layers, block L+1 = head (final norm + output layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.config import ModelConfig
+
+BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameters of one block, split into TP-sharded and TP-replicated parts."""
+
+    sharded: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+    def per_rank(self, tp: int) -> int:
+        return self.sharded // tp + self.replicated
+
+
+def layer_params(m: ModelConfig) -> BlockParams:
+    h, f = m.hidden, m.ffn
+    sharded = (3 * h * h + 3 * h) + (h * h) + (h * f + f) + (f * h)  # qkv, proj W, fc1, fc2 W
+    replicated = h + h + 4 * h  # proj bias, fc2 bias, two layer norms
+    return BlockParams(sharded, replicated)
+
+
+def block_params(m: ModelConfig, *, head_owns_embedding_copy: bool = False) -> list[BlockParams]:
+    """Per-block parameters of the 1-process model (tied: the head owns no output matrix,
+    unless ``head_owns_embedding_copy``, as on a last pipeline stage without the embedding)."""
+    vocab_h = m.padded_vocab * m.hidden
+    embedding = BlockParams(sharded=vocab_h, replicated=m.seq_len * m.hidden)
+    owns_output = not m.tie_embeddings or head_owns_embedding_copy
+    head = BlockParams(sharded=vocab_h if owns_output else 0, replicated=2 * m.hidden)
+    return [embedding] + [layer_params(m)] * m.layers + [head]
+
+
+def param_count(m: ModelConfig) -> int:
+    """Exact parameter count of the 1-process model (padded vocabulary)."""
+    return sum(b.total for b in block_params(m))
+
+
+def standard_formula(m: ModelConfig) -> float:
+    """12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)) with V the padded vocabulary (Narayanan et al.).
+
+    It counts one V×h matrix and no final norm: ``param_count`` equals it plus 2h for a tied
+    model, plus V·h more for an untied one.
+    """
+    l, h = m.layers, m.hidden
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (m.padded_vocab + m.seq_len) / (12 * l * h))
+
+
+def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
+                               precision: str) -> float:
+    """Activations one layer keeps for backward, per micro-batch (Korthikanti et al. 2022,
+    eq. 2-4, no dropout masks: 34 -> 30 units of s·b·h with 16-bit values; doubled for fp32)."""
+    s, b, h, a = m.seq_len, micro_batch, m.hidden, m.heads
+    attention_scores = 5 * a * s / (h * tp)
+    if sp:
+        units = 30 / tp + attention_scores
+    else:
+        units = 10 + 20 / tp + attention_scores
+    scale = BYTES[precision] / 2
+    return s * b * h * units * scale
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def estimate_memory(m: ModelConfig, blocks: list[int], *, tp: int, dp: int, zero: int,
+                    micro_batch: int, inflight: int, sp: bool, precision: str,
+                    embedding_copy: bool = False) -> MemoryEstimate:
+    """Bytes on one rank holding ``blocks``: fp32 weights and gradients, AdamW's two fp32
+    moments (sharded over DP with ZeRO-1; bf16 adds no master copy since weights stay fp32),
+    and the activations of ``inflight`` micro-batches kept for backward."""
+    per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
+    params = sum(per_block[i].per_rank(tp) for i in blocks)
+    layers = sum(1 for i in blocks if 1 <= i <= m.layers)
+    optimizer = 2 * 4 * params // (dp if zero >= 1 else 1)
+    act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision) * layers * inflight
+    return MemoryEstimate(params=params, param_bytes=4 * params, grad_bytes=4 * params,
+                          optimizer_bytes=optimizer, activation_bytes=int(act))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,111 @@
+"""Run a function on N gloo processes from an ordinary pytest test.
+
+``spawn(fn, world_size, *args)`` starts ``world_size`` processes, initialises torch.distributed
+in each through a file store in a fresh temporary directory (no ports at all), calls
+``fn(rank, world_size, *args)`` and returns the per-rank results. If any rank raises, or the
+whole job outlives ``timeout`` seconds, every process is killed and ``SpawnError`` carries the
+failing rank's traceback, so a hang fails the test instead of blocking the suite.
+
+Processes come from a fork server that imports torch and megatron-core once per test session,
+so each job pays fork cost, not import cost, and no process forks after running torch compute.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+PRELOAD = ["torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.groups"]
+_CONTEXT = None
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed or the job timed out."""
+
+
+def _context():
+    global _CONTEXT  # a cache of the fork-server context, not process-group state
+    if _CONTEXT is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
+            results: Any, collective_timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results.
+
+    ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Raises
+    ``SpawnError`` naming the first failing rank and its traceback, or the timeout.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="hybrid-spawn-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, store, fn, args, results, timeout))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout)
+        finally:
+            _kill(procs)
+
+
+def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list[Any]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    outputs: dict[int, Any] = {}
+    while len(outputs) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(set(range(world_size)) - set(outputs))
+            raise SpawnError(f"timed out after {timeout:.0f}s waiting for ranks {missing}")
+        try:
+            rank, status, payload = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in outputs]
+            if dead:
+                raise SpawnError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+            continue
+        if status == "error":
+            raise SpawnError(f"rank {rank} of {world_size} failed:\n{payload}")
+        outputs[rank] = payload
+    return [outputs[r] for r in range(world_size)]
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)

@@ -1,0 +1,146 @@
+"""Check a whole config before any worker starts (pure: no torch).
+
+``validate_config(cfg)`` raises ``LayoutError`` with one line naming the field, the values and
+the fix, or returns the ``Layout`` the job will use. The launcher calls it before spawning, so a
+bad config never starts a process.
+"""
+
+from __future__ import annotations
+
+from hybrid.config import Config
+from hybrid.layout import Layout, LayoutError, valid_sizes
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+PARTITIONS = ("uniform", "balanced")
+LAUNCHERS = ("local", "torchrun", "slurm")
+
+
+def _choose(field: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise LayoutError(f"{field}={value!r} is unknown; choose one of {', '.join(map(str, allowed))}")
+
+
+def _positive(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{field}={value!r} must be an integer >= 1")
+
+
+def _tp_divides(tp: int, field: str, value: int) -> None:
+    if value % tp:
+        fits = [d for d in valid_sizes(value) if d <= 64]
+        raise LayoutError(f"parallel.tp={tp} does not divide {field}={value}; "
+                          f"choose tp in {{{', '.join(map(str, fits))}}}")
+
+
+def validate_config(cfg: Config) -> Layout:
+    """Every check that can be made before launch; returns the job's ``Layout``."""
+    par = cfg.parallel
+    layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
+    _check_names(cfg)
+    _check_model(cfg, layout)
+    _check_schedule(cfg, layout)
+    _check_batch(cfg, layout)
+    _check_world(cfg, layout)
+    return layout
+
+
+def _check_names(cfg: Config) -> None:
+    _choose("parallel.schedule", cfg.parallel.schedule, SCHEDULES)
+    _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
+    _choose("parallel.zero", cfg.parallel.zero, (0, 1))
+    _choose("train.precision", cfg.train.precision, PRECISIONS)
+    _choose("train.device", cfg.train.device, DEVICES)
+    _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
+    if cfg.parallel.bucket_mb <= 0:
+        raise LayoutError(f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be > 0 "
+                          f"(torch DDP uses 25)")
+
+
+def _check_model(cfg: Config, layout: Layout) -> None:
+    m = cfg.model
+    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad_multiple"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.hidden % m.heads:
+        raise LayoutError(f"model.heads={m.heads} does not divide model.hidden={m.hidden}; "
+                          f"choose heads in {{{', '.join(map(str, valid_sizes(m.hidden)))}}}")
+    _positive("model.ffn_hidden", m.ffn)
+    _tp_divides(layout.tp, "model.heads", m.heads)
+    _tp_divides(layout.tp, "model.hidden", m.hidden)
+    _tp_divides(layout.tp, "model.ffn_hidden", m.ffn)
+    if m.padded_vocab % layout.tp:
+        raise LayoutError(
+            f"parallel.tp={layout.tp} does not divide the padded vocabulary {m.padded_vocab} "
+            f"(model.vocab={m.vocab} padded to a multiple of model.vocab_pad_multiple="
+            f"{m.vocab_pad_multiple}); set model.vocab_pad_multiple to a multiple of {layout.tp}")
+    if cfg.parallel.sequence_parallel and m.seq_len % layout.tp:
+        raise LayoutError(f"parallel.sequence_parallel=true needs model.seq_len={m.seq_len} "
+                          f"divisible by parallel.tp={layout.tp}; change seq_len or tp")
+    stages = layout.pp * layout.vpp
+    if stages > m.layers:
+        raise LayoutError(
+            f"parallel.pp={layout.pp} x parallel.vpp={layout.vpp} = {stages} stages exceeds "
+            f"model.layers={m.layers}; every stage needs a layer: lower pp/vpp or add layers")
+
+
+def _check_schedule(cfg: Config, layout: Layout) -> None:
+    schedule, vpp = cfg.parallel.schedule, layout.vpp
+    if schedule == "interleaved-1f1b" and vpp < 2:
+        raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.vpp >= 2; "
+                          "set parallel.vpp=2 or use schedule=1f1b")
+    if schedule != "interleaved-1f1b" and vpp > 1:
+        raise LayoutError(f"parallel.vpp={vpp} needs parallel.schedule=interleaved-1f1b "
+                          f"(got {schedule}); set the schedule or parallel.vpp=1")
+    if schedule == "interleaved-1f1b" and layout.pp < 2:
+        raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.pp >= 2; "
+                          "use schedule=1f1b for pp=1")
+
+
+def microbatches(cfg: Config) -> int:
+    """Micro-batches per optimizer step on each DP replica."""
+    return cfg.train.global_batch // (cfg.parallel.dp * cfg.train.micro_batch)
+
+
+def _check_batch(cfg: Config, layout: Layout) -> None:
+    t = cfg.train
+    for name in ("steps", "global_batch", "micro_batch"):
+        _positive(f"train.{name}", getattr(t, name))
+    per_step = layout.dp * t.micro_batch
+    if t.global_batch % per_step:
+        fits = [g for g in range(per_step, 4 * per_step + 1, per_step)]
+        raise LayoutError(
+            f"train.global_batch={t.global_batch} is not divisible by parallel.dp={layout.dp} x "
+            f"train.micro_batch={t.micro_batch} = {per_step}; use global_batch in "
+            f"{{{', '.join(map(str, fits))}, ...}} or change micro_batch")
+    m = microbatches(cfg)
+    if cfg.parallel.schedule == "interleaved-1f1b" and m % layout.pp:
+        raise LayoutError(
+            f"parallel.schedule=interleaved-1f1b needs micro-batches per step ({m} = "
+            f"global_batch {t.global_batch} / (dp {layout.dp} x micro_batch {t.micro_batch})) "
+            f"to be a multiple of parallel.pp={layout.pp}; change global_batch or micro_batch")
+
+
+def _check_world(cfg: Config, layout: Layout) -> None:
+    launcher = cfg.launcher
+    _positive("launcher.nnodes", launcher.nnodes)
+    if launcher.nproc_per_node is None:
+        if layout.world_size % launcher.nnodes:
+            raise LayoutError(
+                f"dp*tp*pp={layout.world_size} ranks cannot be spread evenly over "
+                f"launcher.nnodes={launcher.nnodes}; set launcher.nproc_per_node or the sizes")
+        return
+    _positive("launcher.nproc_per_node", launcher.nproc_per_node)
+    world = launcher.nnodes * launcher.nproc_per_node
+    if world != layout.world_size:
+        raise LayoutError(
+            f"parallel.dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} = {layout.world_size} "
+            f"but the launcher starts {world} processes (launcher.nnodes={launcher.nnodes} x "
+            f"nproc_per_node={launcher.nproc_per_node}); make them equal")
+
+
+def ranks_per_node(cfg: Config, layout: Layout) -> int:
+    """Processes per node the launcher will start (for placement reports)."""
+    if cfg.launcher.nproc_per_node is not None:
+        return cfg.launcher.nproc_per_node
+    return layout.world_size // cfg.launcher.nnodes

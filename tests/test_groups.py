@@ -1,0 +1,87 @@
+"""ParallelGroups on real gloo processes, and the spawn harness itself."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid.groups import ParallelGroups
+from hybrid.layout import Layout, LayoutError
+from hybrid.testing import SpawnError, spawn
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _all_reduce_members(rank, world, layout_kwargs):
+    layout = Layout(**layout_kwargs)
+    groups = ParallelGroups.create(layout)
+    seen = {}
+    for axis in ("dp", "tp", "pp", "tp-pp", "embedding"):
+        # Each rank contributes a one-hot of its own rank: the sum says who took part.
+        onehot = torch.zeros(world)
+        onehot[rank] = 1.0
+        dist.all_reduce(onehot, group=groups.group[axis])
+        seen[axis] = [int(i) for i in torch.nonzero(onehot).flatten()]
+    return seen, groups.coords, groups.ranks
+
+
+@pytest.mark.parametrize("layout_kwargs", [
+    {"dp": 2, "tp": 2, "pp": 2},
+    {"dp": 2, "tp": 2, "pp": 2, "order": "pp-dp-tp"},
+])
+def test_all_reduce_on_each_axis_sums_exactly_the_layout_group(layout_kwargs):
+    layout = Layout(**layout_kwargs)
+    results = spawn(_all_reduce_members, 8, layout_kwargs)
+    for rank, (seen, coords, ranks) in enumerate(results):
+        assert coords == layout.coords(rank)
+        for axis, members in seen.items():
+            assert members == sorted(layout.group_of(axis, rank)), (rank, axis)
+            assert ranks[axis] == layout.group_of(axis, rank)
+
+
+def _two_layouts_in_one_process(rank, world):
+    parallel = ParallelGroups.create(Layout(tp=2, dp=world // 2))
+    reference = ParallelGroups.create(Layout())  # a 1-rank replica on every process
+    x = torch.ones(1)
+    dist.all_reduce(x, group=parallel.tp)
+    y = torch.ones(1)
+    dist.all_reduce(y, group=reference.tp)
+    return x.item(), y.item(), reference.coords, reference.replica_offset
+
+
+def test_two_layouts_coexist_and_small_layouts_replicate():
+    results = spawn(_two_layouts_in_one_process, 4)
+    for rank, (tp_sum, ref_sum, ref_coords, offset) in enumerate(results):
+        assert (tp_sum, ref_sum) == (2.0, 1.0)
+        assert ref_coords == {"dp": 0, "tp": 0, "pp": 0}
+        assert offset == rank
+
+
+def _layout_not_fitting_world(rank, world):
+    ParallelGroups.create(Layout(tp=3))
+
+
+def test_layout_that_does_not_divide_the_world_is_a_layout_error():
+    with pytest.raises(SpawnError, match="world size 2 is not a multiple of dp\\*tp\\*pp=3"):
+        spawn(_layout_not_fitting_world, 2)
+
+
+def _fail_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 would wait here forever without the harness
+
+
+def test_harness_reports_failing_rank_and_does_not_hang():
+    with pytest.raises(SpawnError, match="rank 1 of 2 failed") as err:
+        spawn(_fail_on_rank_one, 2, timeout=60)
+    assert "boom on purpose" in str(err.value)
+
+
+def _hang(rank, world):
+    if rank == 0:
+        dist.barrier()
+
+
+def test_harness_times_out_a_hung_job():
+    with pytest.raises(SpawnError, match="timed out|failed"):
+        spawn(_hang, 2, timeout=5)

@@ -1,0 +1,90 @@
+"""validate_config: every bad config is one actionable line, raised before anything starts."""
+
+import dataclasses
+
+import pytest
+
+from hybrid.config import Config, LauncherConfig, ModelConfig, ParallelConfig, TrainConfig
+from hybrid.layout import LayoutError
+from hybrid.validate import microbatches, validate_config
+
+
+def make(parallel=None, model=None, train=None, launcher=None) -> Config:
+    return Config(
+        parallel=ParallelConfig(**{"dp": 2, "tp": 2, "pp": 2, **(parallel or {})}),
+        model=ModelConfig(**{"layers": 4, "hidden": 64, "heads": 4, **(model or {})}),
+        train=TrainConfig(**{"global_batch": 16, "micro_batch": 2, **(train or {})}),
+        launcher=LauncherConfig(**(launcher or {})),
+    )
+
+
+def test_a_good_config_returns_its_layout():
+    layout = validate_config(make())
+    assert (layout.dp, layout.tp, layout.pp, layout.world_size) == (2, 2, 2, 8)
+    assert microbatches(make()) == 4
+
+
+BAD = [
+    ({"parallel": {"tp": 3}}, "parallel.tp=3 does not divide model.heads=4; choose tp in {1, 2, 4}"),
+    ({"parallel": {"tp": 8}, "model": {"heads": 8, "hidden": 64, "ffn_hidden": 100}},
+     "parallel.tp=8 does not divide model.ffn_hidden=100"),
+    ({"parallel": {"tp": 2}, "model": {"vocab": 255, "vocab_pad_multiple": 1}},
+     "parallel.tp=2 does not divide the padded vocabulary 255"),
+    ({"model": {"heads": 5}}, "model.heads=5 does not divide model.hidden=64"),
+    ({"parallel": {"pp": 4, "vpp": 2, "schedule": "interleaved-1f1b"}},
+     "parallel.pp=4 x parallel.vpp=2 = 8 stages exceeds model.layers=4"),
+    ({"parallel": {"pp": 8}, "train": {"global_batch": 32}},
+     "parallel.pp=8 x parallel.vpp=1 = 8 stages exceeds model.layers=4"),
+    ({"train": {"global_batch": 15}},
+     "train.global_batch=15 is not divisible by parallel.dp=2 x train.micro_batch=2 = 4"),
+    ({"parallel": {"pp": 4, "vpp": 1, "schedule": "interleaved-1f1b"}},
+     "parallel.schedule=interleaved-1f1b needs parallel.vpp >= 2"),
+    ({"parallel": {"vpp": 2}}, "parallel.vpp=2 needs parallel.schedule=interleaved-1f1b"),
+    ({"parallel": {"pp": 4, "vpp": 1, "dp": 1, "schedule": "interleaved-1f1b"},
+      "model": {"layers": 8}}, "needs parallel.vpp >= 2"),
+    ({"parallel": {"pp": 2, "vpp": 2, "dp": 1, "schedule": "interleaved-1f1b"},
+      "train": {"global_batch": 6}},
+     "needs micro-batches per step (3 = global_batch 6 / (dp 1 x micro_batch 2)) "
+     "to be a multiple of parallel.pp=2"),
+    ({"parallel": {"schedule": "1f2b"}}, "parallel.schedule='1f2b' is unknown; choose one of "
+                                         "gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+    ({"parallel": {"order": "tp-pp"}}, "parallel.order='tp-pp' is not a permutation"),
+    ({"parallel": {"dp": 0}}, "parallel.dp=0 must be an integer >= 1"),
+    ({"parallel": {"zero": 2}}, "parallel.zero=2 is unknown; choose one of 0, 1"),
+    ({"parallel": {"sequence_parallel": True}, "model": {"seq_len": 33}},
+     "parallel.sequence_parallel=true needs model.seq_len=33 divisible by parallel.tp=2"),
+    ({"train": {"precision": "fp16"}}, "train.precision='fp16' is unknown"),
+    ({"train": {"micro_batch": 0}}, "train.micro_batch=0 must be an integer >= 1"),
+    ({"launcher": {"nproc_per_node": 4}}, "parallel.dp*tp*pp = 2*2*2 = 8 but the launcher "
+                                          "starts 4 processes"),
+    ({"launcher": {"nnodes": 3}}, "cannot be spread evenly over launcher.nnodes=3"),
+    ({"parallel": {"partition": "greedy"}}, "parallel.partition='greedy' is unknown"),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", BAD, ids=[e[:40] for _, e in BAD])
+def test_bad_configs_raise_one_line_with_the_fix(overrides, expected):
+    with pytest.raises(LayoutError) as err:
+        validate_config(make(**overrides))
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_messages_say_what_to_change():
+    with pytest.raises(LayoutError, match="use global_batch in {4, 8, 12, 16, ...}"):
+        validate_config(make(train={"global_batch": 6}))
+
+
+def test_config_dataclasses_are_keyword_only_and_documented():
+    with pytest.raises(TypeError):
+        ParallelConfig(2, 2, 2)  # noqa: positional use would silently swap axes
+    import inspect
+
+    import hybrid.config as schema
+
+    text = inspect.getsource(schema)
+    for cls in (ParallelConfig, ModelConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            block = text.split(f"    {f.name}:", 1)[1].split("\n", 2)[1]
+            assert '"""' in block, f"{cls.__name__}.{f.name} has no docstring"
