@@ -1,0 +1,126 @@
+"""Pipeline actions: the small values that a schedule is made of (no torch).
+
+A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. Virtual stage ``s``
+(in model order, ``0 <= s < pp * vpp``) lives on rank ``s % pp`` as chunk ``s // pp``
+(Megatron's interleaved placement); with ``vpp == 1`` the stage is the rank.
+
+Text form, as in torch.distributed.pipelining: ``<stage><KIND><micro-batch>``, e.g. ``2F0``,
+``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``. ``Action.parse`` and ``str`` round-trip,
+and so do ``to_text``/``from_text`` and ``dump_csv``/``load_csv`` for whole schedules.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+FORWARD = "F"
+BACKWARD = "B"  # full backward: input gradient and weight gradient together
+BACKWARD_INPUT = "I"  # input gradient only (zero-bubble split)
+BACKWARD_WEIGHT = "W"  # weight gradient only (zero-bubble split)
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+
+COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS
+
+# Longest kinds first, so that "SEND_F" is never read as "S" + ...; anchored on both ends.
+_ACTION_PATTERN = re.compile(
+    r"^(\d+)(" + "|".join(sorted(ALL_KINDS, key=len, reverse=True)) + r")(\d+)$"
+)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built or does not hold; the first line says what to change."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one pipeline rank: ``kind`` of virtual ``stage`` for micro-batch ``mb``."""
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ALL_KINDS:
+            raise ScheduleError(f"unknown action kind {self.kind!r}; use one of {ALL_KINDS}")
+        if self.stage < 0 or self.mb < 0:
+            raise ScheduleError(f"action {self} has a negative stage or micro-batch")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``"2F0"`` -> ``Action(stage=2, kind="F", mb=0)``."""
+        match = _ACTION_PATTERN.match(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot read action {text!r}; write <stage><kind><micro-batch> like 2F0 or "
+                f"3RECV_B1, with kind in {ALL_KINDS}"
+            )
+        stage, kind, mb = match.groups()
+        return cls(int(stage), kind, int(mb))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    @property
+    def is_backward_input(self) -> bool:
+        """True for the actions that produce the input gradient (B or I)."""
+        return self.kind in (BACKWARD, BACKWARD_INPUT)
+
+
+def stage_rank(stage: int, pp: int) -> int:
+    """The pipeline rank that holds virtual stage ``stage``."""
+    return stage % pp
+
+
+def stage_chunk(stage: int, pp: int) -> int:
+    """The virtual chunk (0 .. vpp-1) that ``stage`` is on its rank."""
+    return stage // pp
+
+
+# ----- whole schedules as text and CSV -------------------------------------------------------
+def to_text(lists: list[list[Action]]) -> str:
+    """One line per rank, ``rank 0: 0F0 0F1 0B0 ...``; read back with ``from_text``."""
+    return "".join(f"rank {rank}: {' '.join(map(str, actions))}".rstrip() + "\n"
+                   for rank, actions in enumerate(lists))
+
+
+def from_text(text: str) -> list[list[Action]]:
+    """The inverse of ``to_text``; lines must be ``rank <r>: <actions>`` in rank order."""
+    lists: list[list[Action]] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        head, sep, body = line.partition(":")
+        if not sep or head.strip() != f"rank {len(lists)}":
+            raise ScheduleError(
+                f"schedule text line {line!r} should start with 'rank {len(lists)}:'"
+            )
+        lists.append([Action.parse(word) for word in body.split()])
+    return lists
+
+
+def dump_csv(lists: list[list[Action]], path: str | Path) -> None:
+    """One CSV row per rank, one action text per cell."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        for actions in lists:
+            writer.writerow([str(action) for action in actions])
+
+
+def load_csv(path: str | Path) -> list[list[Action]]:
+    """The inverse of ``dump_csv``; an empty row is a rank with no actions."""
+    with open(path, newline="") as handle:
+        return [[Action.parse(cell) for cell in row if cell.strip()]
+                for row in csv.reader(handle)]

@@ -1,0 +1,65 @@
+"""Chrome traces, PNG timelines and the bubble measured from events."""
+
+import json
+from fractions import Fraction as Fr
+
+import pytest
+
+from hybrid.pipeline.schedules import add_communication, build_schedule
+from hybrid.pipeline.simulate import Costs, simulate
+from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
+
+
+def _simulated(name="1f1b", p=4, m=8, v=1, lowered=False, costs=Costs()):
+    lists = build_schedule(name, p, m, v)
+    if lowered:
+        lists = add_communication(lists, p, v)
+    return simulate(lists, p, m, v, costs)
+
+
+def test_chrome_trace_loads_back_with_one_event_per_action(tmp_path):
+    result = _simulated(lowered=True)
+    write_chrome_trace(result.events, tmp_path / "trace.json")
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    complete = [event for event in trace["traceEvents"] if event["ph"] == "X"]
+    assert len(complete) == len(result.events)
+    rank, action, start, end = result.events[5]
+    event = complete[5]
+    assert event["name"] == str(action) and event["tid"] == rank and event["pid"] == 0
+    assert event["ts"] == pytest.approx(start * 1e6)
+    assert event["dur"] == pytest.approx((end - start) * 1e6)
+    assert event["args"] == {"kind": action.kind, "stage": action.stage, "mb": action.mb}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {f"rank {r}" for r in range(4)}
+
+
+def test_chrome_trace_accepts_action_texts(tmp_path):
+    write_chrome_trace([(0, "0F0", 0.0, 0.5), (1, "1I0", 0.5, 1.0)], tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert [e["args"]["kind"] for e in events if e["ph"] == "X"] == ["F", "I"]
+
+
+@pytest.mark.parametrize("name,v,lowered", [("1f1b", 1, False), ("zb-h1", 1, True),
+                                            ("interleaved-1f1b", 2, True)])
+def test_draw_timeline_writes_a_real_png(tmp_path, name, v, lowered):
+    costs = Costs(F=Fr(1), B=Fr(2), I=Fr(1), W=Fr(1), p2p=Fr(1, 10))  # exact times draw too
+    result = _simulated(name, 4, 8, v, lowered, costs.per_chunk(v))
+    path = tmp_path / "timeline.png"
+    draw_timeline(result.events, path, title=f"{name} pp=4 m=8", pp=4)
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(data) > 10_000
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
+                                    ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("lowered", [False, True])
+def test_measured_bubble_of_simulated_events_is_the_simulators(name, v, lowered):
+    costs = Costs(F=Fr(1), B=Fr(2), I=Fr(1), W=Fr(1), p2p=Fr(1, 3))
+    result = _simulated(name, 4, 8, v, lowered, costs)
+    assert tuple(measured_bubble(result.events)) == result.bubble_per_rank
+
+
+def test_measured_bubble_starts_the_clock_at_the_first_event():
+    events = [(0, "0F0", 10.0, 12.0), (1, "1RECV_F0", 10.0, 12.0), (1, "1F0", 12.0, 14.0)]
+    assert measured_bubble(events) == [0.5, 0.5]  # a RECV's wait is not busy time
