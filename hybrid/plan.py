@@ -1,0 +1,104 @@
+"""The plan of a job, as plain data: layout, rank table, groups, parameters, memory per rank.
+
+``build_plan(cfg)`` validates the config (raising ``LayoutError``) and returns a JSON-ready dict;
+``format_plan`` renders it for a terminal. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from hybrid.config import Config
+from hybrid.cost import estimate_memory, human_bytes, param_count
+from hybrid.layout import Layout
+from hybrid.validate import microbatches, ranks_per_node, validate_config
+
+GROUP_KEYS = ("tp", "dp", "pp", "tp-pp", "embedding")
+
+
+def stage_blocks(cfg: Config) -> list[list[int]]:
+    """Block ids held by each pipeline rank (all its virtual chunks together)."""
+    from hybrid.pipeline.plan import partition_for_config
+
+    stages = partition_for_config(cfg)
+    pp = cfg.parallel.pp
+    return [[b for s, rng in enumerate(stages) if s % pp == rank for b in rng]
+            for rank in range(pp)]
+
+
+def build_plan(cfg: Config) -> dict:
+    layout = validate_config(cfg)
+    per_node = ranks_per_node(cfg, layout)
+    ranks = [{"rank": r, "node": layout.node_of(r, per_node), **layout.coords(r)}
+             for r in range(layout.world_size)]
+    groups = {axis: layout.groups(axis) for axis in GROUP_KEYS}
+    crossing = {axis: layout.crossing_groups(axis, per_node) for axis in ("tp", "dp", "pp")}
+    return {
+        "world_size": layout.world_size,
+        "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+                   "order": layout.order, "nodes": -(-layout.world_size // per_node),
+                   "ranks_per_node": per_node},
+        "model": {"name": cfg.model.name, "layers": cfg.model.layers,
+                  "hidden": cfg.model.hidden, "heads": cfg.model.heads,
+                  "vocab": cfg.model.vocab, "padded_vocab": cfg.model.padded_vocab,
+                  "seq_len": cfg.model.seq_len, "params": param_count(cfg.model)},
+        "batch": {"global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
+                  "microbatches": microbatches(cfg)},
+        "ranks": ranks,
+        "groups": groups,
+        "crossing_nodes": crossing,
+        "warnings": layout.placement_warnings(per_node),
+        **_pipeline_section(cfg, layout),
+    }
+
+
+def _pipeline_section(cfg: Config, layout: Layout) -> dict:
+    from hybrid.pipeline.plan import schedule_summary
+
+    blocks = stage_blocks(cfg)
+    summary = schedule_summary(cfg)
+    memory = []
+    for pp_rank, held in enumerate(blocks):
+        est = estimate_memory(
+            cfg.model, held, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
+            micro_batch=cfg.train.micro_batch, inflight=summary["peak_inflight"][pp_rank],
+            sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
+            embedding_copy=cfg.model.tie_embeddings and 0 not in held)
+        memory.append({"pp_rank": pp_rank, "params": est.params, "param_bytes": est.param_bytes,
+                       "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
+                       "activation_bytes": est.activation_bytes,
+                       "total_bytes": est.total_bytes})
+    return {"stages": summary["stages"], "schedule": summary["schedule"], "memory": memory}
+
+
+def format_plan(plan: dict) -> str:
+    lay, model, batch = plan["layout"], plan["model"], plan["batch"]
+    lines = [
+        f"model {model['name']}: {model['layers']} layers, hidden {model['hidden']}, "
+        f"{model['heads']} heads, vocab {model['vocab']} (padded {model['padded_vocab']}), "
+        f"seq {model['seq_len']}: {model['params']:,} parameters",
+        f"layout dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} "
+        f"order={lay['order']}: world size {plan['world_size']} on {lay['nodes']} node(s) x "
+        f"{lay['ranks_per_node']}",
+        f"batch: global {batch['global_batch']} = dp {lay['dp']} x {batch['microbatches']} "
+        f"micro-batches x {batch['micro_batch']}",
+        "", "rank  node  dp  tp  pp",
+    ]
+    lines += [f"{r['rank']:>4}  {r['node']:>4}  {r['dp']:>2}  {r['tp']:>2}  {r['pp']:>2}"
+              for r in plan["ranks"]]
+    lines += ["", "groups (ranks in each):"]
+    names = {"tp-pp": "tp-pp (model parallel)", "embedding": "embedding (first+last stage)"}
+    for axis, groups in plan["groups"].items():
+        lines.append(f"  {names.get(axis, axis):<30} " + " ".join(map(str, groups)))
+    lines.append("")
+    lines += [f"warning: {w}" for w in plan["warnings"]] or ["no group crosses a node"]
+    lines += ["", "pipeline stages:"] + [f"  {s}" for s in plan["stages"]["lines"]]
+    sched = plan["schedule"]
+    lines += ["", f"schedule {sched['name']}: simulated bubble {sched['bubble_fraction']:.1%}, "
+                  f"peak in-flight micro-batches per pp rank {sched['peak_inflight']}"]
+    lines += ["", "memory per rank (estimate)  params    weights   grads     optimizer "
+                  "activations total"]
+    for m in plan["memory"]:
+        cells = [human_bytes(m[k]) for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                             "activation_bytes", "total_bytes")]
+        lines.append(f"  pp rank {m['pp_rank']:<17} {m['params']:<9,} " +
+                     " ".join(f"{c:<9}" for c in cells))
+    return "\n".join(lines)

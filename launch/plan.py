@@ -1,0 +1,42 @@
+"""``hybrid-plan``: print what a config would run, without starting anything.
+
+Takes the same overrides as ``hybrid-train`` plus ``format=json``::
+
+    hybrid-plan parallel.dp=2 parallel.tp=2 parallel.pp=2 format=json
+"""
+
+from __future__ import annotations
+
+import json
+
+import hydra
+from omegaconf import DictConfig
+
+from hybrid.config import PlanConfig
+from hybrid.layout import LayoutError
+from hybrid.plan import build_plan, format_plan
+from launch.app import CONF_DIR, exit_user_error, register_schemas, to_dataclass
+
+
+@hydra.main(config_path=CONF_DIR, config_name="plan", version_base="1.3")
+def _plan(dict_cfg: DictConfig) -> None:
+    cfg = to_dataclass(dict_cfg, PlanConfig)
+    try:
+        if cfg.format not in ("text", "json"):
+            raise LayoutError(f"format={cfg.format!r} is unknown; choose text or json")
+        plan = build_plan(cfg)
+    except (LayoutError, ValueError) as err:
+        exit_user_error(err)
+    if cfg.format == "json":
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_plan(plan))
+
+
+def main() -> None:
+    register_schemas()
+    _plan()
+
+
+if __name__ == "__main__":
+    main()

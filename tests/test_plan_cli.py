@@ -1,0 +1,67 @@
+"""hybrid-plan through the real console script: JSON plan, text plan, one-line errors."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.layout import Layout
+
+SCRIPT = Path(sys.executable).parent / "hybrid-plan"
+
+
+def plan(*overrides: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), *overrides], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_json_plan_of_2x2x2_lists_megatron_groups():
+    out = plan("parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "format=json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)  # exactly one JSON object on stdout
+    layout = Layout(dp=2, tp=2, pp=2)
+    assert data["world_size"] == 8
+    for axis in ("dp", "tp", "pp"):
+        assert data["groups"][axis] == layout.groups(axis)
+    assert data["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [r["rank"] for r in data["ranks"]] == list(range(8))
+    assert data["ranks"][5] == {"rank": 5, "node": 0, "dp": 0, "tp": 1, "pp": 1}
+    assert data["model"]["params"] > 0
+    assert len(data["memory"]) == 2 and all(m["total_bytes"] > 0 for m in data["memory"])
+    assert 0 < data["schedule"]["bubble_fraction"] < 1
+    assert data["schedule"]["peak_inflight"] == [2, 1]
+
+
+def test_text_plan_names_groups_and_crossing_nodes():
+    out = plan("parallel.order=pp-dp-tp", "launcher.nnodes=2")
+    assert out.returncode == 0, out.stderr
+    assert "rank  node  dp  tp  pp" in out.stdout
+    assert "warning: 4 tp group(s) cross nodes, e.g. [0, 4]" in out.stdout
+    assert "pipeline stages:" in out.stdout and "memory per rank" in out.stdout
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel.tp=3"], "parallel.tp=3 does not divide model.heads=4"),
+    (["parallel.pp=8"], "exceeds model.layers=4"),
+    (["train.global_batch=10"], "train.global_batch=10 is not divisible"),
+    (["parallel.schedule=1f2b"], "parallel.schedule='1f2b' is unknown"),
+    (["format=yaml"], "format='yaml' is unknown"),
+])
+def test_invalid_config_exits_2_with_one_line_and_no_traceback(overrides, needle):
+    start = time.monotonic()
+    out = plan(*overrides)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert time.monotonic() - start < 30  # "within a few seconds" on an idle machine
+
+
+def test_misspelt_key_and_wrong_type_fail_at_composition():
+    typo = plan("parallel.tpp=2")
+    assert typo.returncode != 0 and "tpp" in typo.stderr
+    wrong = plan("parallel.tp=two")
+    assert wrong.returncode != 0 and "parallel.tp" in wrong.stderr
