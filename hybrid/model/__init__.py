@@ -1,0 +1,36 @@
+"""GPT blocks on megatron-core tensor-parallel layers, with layout-independent initialisation.
+
+Only ``hybrid.model.megatron_adapter`` imports megatron-core. Names are loaded on first use
+(PEP 562) so that ``hybrid.model.shapes`` — parameter counts and shape checks, pure Python —
+can be imported by planners and launchers without importing torch or megatron-core.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "hybrid.model.gpt": ["GPT", "build_blocks", "num_blocks", "block_seed", "block_generator",
+                         "lm_loss"],
+    "hybrid.model.blocks": ["EmbeddingBlock", "TransformerLayer", "HeadBlock"],
+    "hybrid.model.cross_entropy": ["vocab_parallel_cross_entropy"],
+    "hybrid.model.inputs": ["ModelInputError", "validate_batch", "validate_batch_across"],
+    "hybrid.model.shapes": ["ModelConfigError", "param_count", "layer_param_count",
+                            "check_model_config", "check_model_fits", "valid_tp_sizes"],
+    "hybrid.model.shards": ["gather_tp_param"],
+    "hybrid.model.sequence_parallel": [
+        "allreduce_sequence_parallel_grads", "sequence_parallel_params",
+        "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+        "scatter_to_sequence_parallel_region"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybrid.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

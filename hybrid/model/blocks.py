@@ -1,0 +1,194 @@
+"""The three kinds of GPT block: embedding, transformer layer, head.
+
+Shapes (Megatron's, sequence first): tokens ``[b, s]`` int64; activations ``[s, b, h]``, or
+``[s/tp, b, h]`` with sequence parallelism; logits ``[s, b, V/tp]`` (vocab-parallel, ``V`` the
+padded vocabulary). Every block draws its weights from the ``torch.Generator`` it is given, in a
+fixed order, and megatron's CPU initialisation draws each full matrix before slicing it, so a
+shard's values do not depend on the TP size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybrid.config import ModelConfig
+from hybrid.model.megatron_adapter import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from hybrid.model.sequence_parallel import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+
+def normal_init(std: float, generator: torch.Generator) -> Callable[[torch.Tensor], None]:
+    def init(tensor: torch.Tensor) -> None:
+        nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+    return init
+
+
+def output_init(cfg: ModelConfig, generator: torch.Generator) -> Callable[[torch.Tensor], None]:
+    # GPT-2 / Megatron: layers that write into the residual stream start smaller, so the
+    # stream's variance does not grow with depth.
+    return normal_init(cfg.init_std / math.sqrt(2.0 * cfg.layers), generator)
+
+
+def layer_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.LayerNorm:
+    norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    for param in norm.parameters():
+        # On sequence shards a norm sees only this rank's tokens: its gradient is partial.
+        param.sequence_parallel = sequence_parallel
+    return norm
+
+
+def word_embedding(cfg: ModelConfig, tp_group: dist.ProcessGroup,
+                   generator: torch.Generator) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, tp_group=tp_group,
+                                  init_method=normal_init(cfg.init_std, generator))
+
+
+class EmbeddingBlock(nn.Module):
+    """Token + learned position embedding: tokens ``[b, s]`` -> ``[s(/tp), b, h]``."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+                 generator: torch.Generator, sequence_parallel: bool):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.word_embeddings = word_embedding(cfg, tp_group, generator)  # draws first
+        self.position_embeddings = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden))
+        normal_init(cfg.init_std, generator)(self.position_embeddings.data)
+        if cfg.tie_embeddings:
+            self.word_embeddings.weight.shared_embedding = True
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        hidden = self.word_embeddings(tokens.t())  # [s, b, h], all-reduced over TP
+        hidden = hidden + self.position_embeddings[:seq].unsqueeze(1)
+        if self.sequence_parallel:
+            # After the add, so the position table's gradient is complete on every rank.
+            hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
+        return hidden
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention; QKV columns laid out ``[heads, 3, head_dim]``.
+
+    That layout puts each head's q, k and v side by side, so a contiguous TP slice of the
+    output dimension holds whole heads, and the 1-process model uses the same layout.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+                 generator: torch.Generator, sequence_parallel: bool):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.head_dim = cfg.hidden // cfg.heads
+        self.local_heads = cfg.heads // tp_group.size()
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, tp_group=tp_group,
+                                        init_method=normal_init(cfg.init_std, generator),
+                                        bias=True, input_is_gathered=sequence_parallel)
+        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, tp_group=tp_group,
+                                      init_method=output_init(cfg, generator), bias=True,
+                                      output_sequence_parallel=sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
+        seq, batch = hidden.shape[:2]
+        qkv = self.qkv(hidden).view(seq, batch, self.local_heads, 3, self.head_dim)
+        # [s, b, n, hd] -> [b, n, s, hd], the layout scaled_dot_product_attention expects.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        context = context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        return self.proj(context)
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+                 generator: torch.Generator, sequence_parallel: bool):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.fc1 = ColumnParallelLinear(cfg.hidden, cfg.ffn, tp_group=tp_group,
+                                        init_method=normal_init(cfg.init_std, generator),
+                                        bias=True, input_is_gathered=sequence_parallel)
+        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, tp_group=tp_group,
+                                     init_method=output_init(cfg, generator), bias=True,
+                                     output_sequence_parallel=sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
+        return self.fc2(F.gelu(self.fc1(hidden), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``[s,b,h]`` -> same."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+                 generator: torch.Generator, sequence_parallel: bool):
+        super().__init__()
+        self.recompute = cfg.recompute
+        self.input_norm = layer_norm(cfg, sequence_parallel)
+        self.attention = SelfAttention(cfg, tp_group, generator=generator,
+                                       sequence_parallel=sequence_parallel)
+        self.mlp_norm = layer_norm(cfg, sequence_parallel)
+        self.mlp = MLP(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # Keep only the layer input; the backward re-runs the forward (and its TP
+            # collectives, in the same order on every TP rank).
+            return checkpoint(self._layer, hidden, use_reentrant=False)
+        return self._layer(hidden)
+
+    def _layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_norm(hidden))
+        return hidden + self.mlp(self.mlp_norm(hidden))
+
+
+class HeadBlock(nn.Module):
+    """Final norm + output layer: ``[s(/tp), b, h]`` -> vocab-parallel logits ``[s, b, V/tp]``.
+
+    With tied embeddings the output layer uses ``word_embeddings_weight``: the embedding
+    block's own Parameter when this rank built it, else a copy drawn from the embedding block's
+    RNG stream (``embedding_generator``), marked ``shared_embedding`` so the gradient sync can
+    all-reduce it with the embedding over ``groups.embedding``.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+                 generator: torch.Generator, sequence_parallel: bool,
+                 embedding: Optional[EmbeddingBlock] = None,
+                 embedding_generator: Optional[torch.Generator] = None):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tied = cfg.tie_embeddings
+        self.final_norm = layer_norm(cfg, sequence_parallel)
+        if self.tied:
+            if embedding is not None:
+                self.word_embeddings_weight = embedding.word_embeddings.weight
+            else:
+                assert embedding_generator is not None, "tied head needs the embedding's RNG"
+                own = word_embedding(cfg, tp_group, embedding_generator).weight
+                own.shared_embedding = True
+                self.word_embeddings_weight = own
+        self.output_layer = ColumnParallelLinear(
+            cfg.hidden, cfg.padded_vocab, tp_group=tp_group,
+            init_method=normal_init(cfg.init_std, generator), bias=False,
+            input_is_gathered=sequence_parallel, shared_weight=self.tied)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.final_norm(hidden)
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
+        weight = self.word_embeddings_weight if self.tied else None
+        return self.output_layer(hidden, weight)

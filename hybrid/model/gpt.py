@@ -1,0 +1,110 @@
+"""A GPT decoder as a plain list of blocks, and the 1-process / pp=1 model that holds them all.
+
+Block 0 is the embedding, blocks 1..L the transformer layers, block L+1 the head. A pipeline
+partitioner builds only the blocks of its stages (``build_blocks(..., block_ids=...)``); there
+is no pipeline plumbing in here. Each block's weights come from its own RNG stream,
+``block_seed(seed, block_id)``, so they are the same whichever other blocks a rank builds and
+whatever the TP size (a shard is a slice of the 1-process weight).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from hybrid.config import ModelConfig
+from hybrid.groups import ParallelGroups
+from hybrid.layout import LayoutError
+from hybrid.model.blocks import EmbeddingBlock, HeadBlock, TransformerLayer
+from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
+from hybrid.model.inputs import validate_batch_across
+from hybrid.model.shapes import check_model_fits
+
+_SEED_STRIDE = 1_000_003  # a prime larger than any block count: streams never collide
+
+
+def num_blocks(cfg: ModelConfig) -> int:
+    """Embedding + ``cfg.layers`` transformer layers + head."""
+    return cfg.layers + 2
+
+
+def block_seed(seed: int, block_id: int) -> int:
+    return seed * _SEED_STRIDE + block_id
+
+
+def block_generator(seed: int, block_id: int) -> torch.Generator:
+    """The CPU generator that initialises block ``block_id`` (megatron initialises on CPU)."""
+    return torch.Generator(device="cpu").manual_seed(block_seed(seed, block_id))
+
+
+def _checked_block_ids(cfg: ModelConfig, block_ids: Optional[Sequence[int]]) -> list[int]:
+    total = num_blocks(cfg)
+    if block_ids is None:
+        return list(range(total))
+    ids = list(block_ids)
+    if ids != sorted(set(ids)) or any(not 0 <= i < total for i in ids):
+        raise ValueError(f"block_ids={ids} must be increasing, distinct and within "
+                         f"0..{total - 1} (embedding, {cfg.layers} layers, head)")
+    return ids
+
+
+def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
+                 block_ids: Optional[Sequence[int]] = None,
+                 sequence_parallel: bool = False) -> list[nn.Module]:
+    """Build the requested blocks (all if None), in order, on ``groups.device``.
+
+    Sharded over ``groups.tp``. With tied embeddings, a head built together with the embedding
+    shares its Parameter; a head built without it gets its own copy marked
+    ``shared_embedding`` (see ``HeadBlock``). ``sequence_parallel`` is ignored at tp=1.
+    """
+    check_model_fits(cfg, groups.layout.tp)
+    tp_group, last = groups.tp, num_blocks(cfg) - 1
+    sequence_parallel = sequence_parallel and groups.layout.tp > 1
+    blocks: list[nn.Module] = []
+    embedding: Optional[EmbeddingBlock] = None
+    for block_id in _checked_block_ids(cfg, block_ids):
+        generator = block_generator(seed, block_id)
+        common = dict(generator=generator, sequence_parallel=sequence_parallel)
+        if block_id == 0:
+            block = embedding = EmbeddingBlock(cfg, tp_group, **common)
+        elif block_id == last:
+            block = HeadBlock(cfg, tp_group, **common, embedding=embedding,
+                              embedding_generator=block_generator(seed, 0))
+        else:
+            block = TransformerLayer(cfg, tp_group, **common)
+        block.block_id = block_id
+        blocks.append(block.to(groups.device))
+    return blocks
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """Mean token cross-entropy (fp32 scalar) of vocab-parallel logits ``[s, b, V/tp]``
+    against ``labels`` ``[b, s]``; identical on every TP rank."""
+    labels_sb = labels.t().contiguous()  # [s, b], the logits' layout
+    return vocab_parallel_cross_entropy(logits, labels_sb, groups.tp).mean()
+
+
+class GPT(nn.Module):
+    """All blocks in one module: the 1-process reference model, and the model for pp=1."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        if groups.layout.pp != 1:
+            raise LayoutError(f"GPT holds every block, so it needs pp=1, got "
+                              f"{groups.layout.describe()}; use build_blocks per pipeline stage")
+        self.cfg, self.groups = cfg, groups
+        self.sequence_parallel = sequence_parallel and groups.layout.tp > 1
+        self.blocks = nn.ModuleList(build_blocks(cfg, groups, seed=seed,
+                                                 sequence_parallel=sequence_parallel))
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the micro-batch; every TP rank validates it before communicating."""
+        shards = self.groups.layout.tp if self.sequence_parallel else 1
+        validate_batch_across(tokens, labels, self.cfg, self.groups.tp, sequence_shards=shards)
+        hidden = tokens
+        for block in self.blocks:
+            hidden = block(hidden)
+        return lm_loss(hidden, labels, self.groups)

@@ -1,0 +1,142 @@
+"""The one seam between hybrid and megatron-core: nothing else imports ``megatron.core``.
+
+What we take from megatron-core: the tensor-parallel layers' parameter layout and their
+layout-independent CPU initialisation (every rank draws the full master weight from the same
+RNG stream and keeps its slice), the ``tensor_model_parallel`` / ``partition_dim`` attributes on
+sharded parameters, the tensor-parallel linear autograd function and the explicit-group
+mappings (copy-to / reduce-from the TP region), and the group-free math of
+``VocabParallelCrossEntropy``.
+
+What we do not take, and why (``tests/test_megatron_adapter.py`` pins each point):
+
+- ``vocab_parallel_cross_entropy`` reads megatron's global ``parallel_state`` TP group; our
+  ``hybrid.model.cross_entropy`` reuses its static math helpers with an explicit group.
+- megatron's sequence-parallel mappings allocate on ``torch.cuda.current_device()`` and its
+  linear's ``sequence_parallel=True`` path uses a global CUDA buffer, so they fail on CPU;
+  ``hybrid.model.sequence_parallel`` has explicit-group, device-neutral versions. Layers here are
+  therefore always built with ``config.sequence_parallel=False``; the blocks gather/scatter
+  around them.
+- megatron's linear autograd function is written for CUDA autocast (``custom_bwd`` re-enters
+  CUDA autocast in backward). Under CPU autocast its backward multiplies a bf16 gradient with
+  the fp32 weight and fails, so ``_forward_impl`` below casts the operands first, exactly as
+  autocast would for ``F.linear``.
+
+Megatron's global ``parallel_state`` is never initialised: every layer gets ``tp_group``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import ModelParallelConfig
+from megatron.core import tensor_parallel as _mcore_tp
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+from hybrid.model.sequence_parallel import reduce_scatter_to_sequence_parallel_region
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelCrossEntropy",
+    "VocabUtility",
+]
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def _layer_config() -> ModelParallelConfig:
+    # CPU initialisation is what makes shards slices of one master weight, on any device.
+    return ModelParallelConfig(use_cpu_initialization=True, sequence_parallel=False,
+                               params_dtype=torch.float32)
+
+
+def _autocast_operands(input_: torch.Tensor, weight: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> tuple:
+    """Cast matmul operands to the autocast dtype (differentiably), as autocast does for F.linear.
+
+    Inside megatron's autograd function the backward then sees one dtype on every operand, on
+    CPU (where autocast is off during backward) as on CUDA; gradients flow back to the fp32
+    master parameters through the casts.
+    """
+    device_type = input_.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return input_, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        return t if t is None or t.dtype == dtype else t.to(dtype)
+
+    return cast(input_), cast(weight), cast(bias)
+
+
+class ColumnParallelLinear(_mcore_tp.ColumnParallelLinear):
+    """megatron's column-parallel linear (output dim sharded) on an explicit TP group.
+
+    ``input_is_gathered=True`` is for sequence parallelism: the caller all-gathered the input
+    (whose backward reduce-scatters), so the layer must not also all-reduce the input gradient.
+    ``shared_weight=True`` allocates no weight; ``forward`` then takes one (tied embeddings).
+    Returns the output tensor only (bias, if any, added).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
+                 init_method: InitMethod, bias: bool, input_is_gathered: bool = False,
+                 shared_weight: bool = False):
+        super().__init__(input_size, output_size, config=_layer_config(), init_method=init_method,
+                         bias=bias, gather_output=False, skip_weight_param_allocation=shared_weight,
+                         disable_grad_reduce=input_is_gathered, tp_group=tp_group)
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        output, _ = super().forward(input_, weight)
+        return output
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's name)
+        input, weight, kwargs["bias"] = _autocast_operands(input, weight, kwargs.get("bias"))
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class RowParallelLinear(_mcore_tp.RowParallelLinear):
+    """megatron's row-parallel linear (input dim sharded) on an explicit TP group.
+
+    The partial products are all-reduced (megatron's own path) or, with
+    ``output_sequence_parallel=True``, reduce-scattered along the sequence (ours); the bias is
+    added after the reduction, so with sequence parallelism it sees only this rank's tokens and
+    is marked ``sequence_parallel`` for the gradient all-reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
+                 init_method: InitMethod, bias: bool, output_sequence_parallel: bool = False):
+        super().__init__(input_size, output_size, config=_layer_config(), init_method=init_method,
+                         bias=bias, input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
+        self.output_sequence_parallel = output_sequence_parallel
+        if self.bias is not None:
+            self.bias.sequence_parallel = output_sequence_parallel
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.output_sequence_parallel:
+            partial = self._forward_impl(
+                input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=False,
+                allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group,
+                grad_output_buffer=None)
+            output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            output, _ = super().forward(input_)
+        return output if self.bias is None else output + self.bias
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's name)
+        input, weight, kwargs["bias"] = _autocast_operands(input, weight, kwargs.get("bias"))
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class VocabParallelEmbedding(_mcore_tp.VocabParallelEmbedding):
+    """megatron's vocab-parallel embedding (rows sharded, output all-reduced), explicit group."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: dist.ProcessGroup,
+                 init_method: InitMethod):
+        super().__init__(num_embeddings, embedding_dim, init_method=init_method,
+                         reduce_scatter_embeddings=False, config=_layer_config(),
+                         tp_group=tp_group)
+

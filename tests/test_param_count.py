@@ -1,0 +1,106 @@
+"""Parameter counts against the standard GPT formula, real models, and the model presets."""
+
+from dataclasses import fields, replace
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hybrid.config import ModelConfig
+from hybrid.groups import ParallelGroups
+from hybrid.layout import Layout
+from hybrid.model.shapes import check_model_fits, param_count, valid_tp_sizes
+from hybrid.testing import spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+PRESETS = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def load_preset(name: str) -> ModelConfig:
+    return ModelConfig(**yaml.safe_load((PRESETS / f"{name}.yaml").read_text()))
+
+
+def standard_formula(layers: int, hidden: int, vocab: int, seq: int) -> int:
+    """12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), evaluated exactly."""
+    l, h = Fraction(layers), Fraction(hidden)
+    value = 12 * l * h**2 * (1 + Fraction(13) / (12 * h) + (vocab + seq) / (12 * l * h))
+    assert value.denominator == 1
+    return int(value)
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "gpt2-350m", "gpt3-1.3b", "gpt3-13b", "gpt3-175b"])
+def test_param_count_is_the_standard_formula_plus_final_norm_and_untied_head(name):
+    cfg = load_preset(name)
+    h, vocab = cfg.hidden, cfg.padded_vocab
+    formula = standard_formula(cfg.layers, h, vocab, cfg.seq_len)
+    tied, untied = replace(cfg, tie_embeddings=True), replace(cfg, tie_embeddings=False)
+    assert param_count(tied) == formula + 2 * h
+    assert param_count(untied) == formula + 2 * h + vocab * h
+
+
+def test_gpt2_counts_match_the_published_checkpoints_before_padding():
+    # Hugging Face gpt2 / gpt2-medium: 124,439,808 and 354,823,168 parameters (tied, V=50257).
+    assert param_count(replace(load_preset("gpt2-124m"), vocab_pad_multiple=1)) == 124_439_808
+    assert param_count(replace(load_preset("gpt2-350m"), vocab_pad_multiple=1)) == 354_823_168
+
+
+@pytest.mark.parametrize("name, nominal", [
+    ("gpt3-125m", 125e6), ("gpt3-350m", 350e6), ("gpt3-760m", 760e6), ("gpt3-1.3b", 1.3e9),
+    ("gpt3-2.7b", 2.7e9), ("gpt3-6.7b", 6.7e9), ("gpt3-13b", 13.0e9), ("gpt3-175b", 175.0e9),
+])
+def test_gpt3_presets_have_their_nominal_size(name, nominal):
+    cfg = load_preset(name)
+    assert (cfg.seq_len, cfg.vocab, cfg.tie_embeddings) == (2048, 50257, True)
+    assert param_count(cfg) == pytest.approx(nominal, rel=0.03)
+
+
+def test_every_preset_is_a_complete_model_config_that_splits_over_tp():
+    names = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+    assert {"tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-1.3b", "gpt3-175b"} <= set(names)
+    for name in names:
+        text = (PRESETS / f"{name}.yaml").read_text()
+        assert text.startswith("# "), f"{name}.yaml must start with a comment line"
+        assert set(yaml.safe_load(text)) == {f.name for f in fields(ModelConfig)}, name
+        cfg = load_preset(name)
+        assert cfg.name == name
+        check_model_fits(cfg, 1)
+        assert {1, 2, 4} <= set(valid_tp_sizes(cfg)), name
+        if param_count(cfg) > 1e9:
+            assert 8 in valid_tp_sizes(cfg), name  # one 8-GPU node per TP group
+
+
+TINY = dict(layers=2, hidden=32, heads=4, vocab=100, vocab_pad_multiple=64, seq_len=16)
+REAL_MODEL_CASES = [dict(tie_embeddings=False), dict(tie_embeddings=True),
+                    dict(tie_embeddings=False, ffn_hidden=48)]
+
+
+def _numel_job(rank, world):
+    from hybrid.model import GPT
+
+    reference = ParallelGroups.create(Layout())
+    tp2 = ParallelGroups.create(Layout(tp=2))
+    out = []
+    for extra in REAL_MODEL_CASES:
+        cfg = ModelConfig(**TINY, **extra)
+        full = sum(p.numel() for p in GPT(cfg, reference, seed=0).parameters())
+        sharded = replicated = 0
+        for p in GPT(cfg, tp2, seed=0).parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += p.numel()
+            else:
+                replicated += p.numel()
+        total = torch.tensor([sharded])
+        torch.distributed.all_reduce(total, group=tp2.tp)
+        out.append((full, int(total) + replicated))
+    return out
+
+
+def test_param_count_equals_the_real_models_numel_on_one_and_two_ranks():
+    results = spawn(_numel_job, 2, timeout=60)
+    for extra, (full, tp2_total) in zip(REAL_MODEL_CASES, results[0]):
+        expected = param_count(ModelConfig(**TINY, **extra))
+        assert full == expected, extra
+        assert tp2_total == expected, extra  # shards sum to the whole, replicas counted once
