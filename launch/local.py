@@ -1,0 +1,200 @@
+"""Run a function on N worker processes of this machine under torch's elastic agent.
+
+``run_local(fn, args, nproc=4, run_dir=...)`` is ``torchrun --standalone --nproc-per-node=4``
+done in-process: a c10d rendezvous on ``localhost:0`` (a free port, never a fixed one), workers
+started with ``spawn``, each given the usual torchrun variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) so it can call
+``torch.distributed.init_process_group(backend)`` itself. It returns the per-rank results.
+
+Failures: when a worker raises or dies, the agent stops all the others and ``run_local``
+raises ``WorkerFailure`` (``rank 3 failed: ValueError: ...`` and the worker's traceback
+tail). Ctrl-C stops every worker, then raises ``KeyboardInterrupt``; SIGTERM, SIGHUP or
+SIGQUIT stop every worker, then raise ``LaunchInterrupted``.
+
+A script that calls ``run_local`` needs the ``if __name__ == "__main__":`` guard: spawned
+workers import the main module, and without the guard each would launch again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import uuid
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+TRACEBACK_TAIL_LINES = 15
+AGENT_FRAME_MARK = "torch/distributed/elastic/"
+SHUTDOWN_TIMEOUT_S = 10
+"""Seconds workers get to exit after SIGTERM/SIGINT before the agent sends SIGKILL (torch's
+default, 30, is long for a worker that is stuck in a collective and cannot see the signal)."""
+# The agent replaces these handlers for good and sets these variables in this process;
+# run_local puts them back so the caller's Ctrl-C behaves as before once the run is over.
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+TORCHRUN_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT")
+
+
+class WorkerFailure(RuntimeError):
+    """A worker raised or died; every other worker has been stopped.
+
+    ``str(err)`` is ``rank R failed: <error>`` followed by the traceback tail; the parts are
+    also attributes: ``rank``, ``error`` (one line), ``traceback`` (may be empty),
+    ``exitcode`` (negative: killed by that signal) and ``pid``.
+    """
+
+    def __init__(self, *, rank: int, error: str, traceback: str, exitcode: int, pid: int):
+        self.rank, self.error, self.traceback = rank, error, traceback
+        self.exitcode, self.pid = exitcode, pid
+        super().__init__(f"rank {rank} failed: {error}" + (f"\n{traceback}" if traceback else ""))
+
+    @property
+    def summary(self) -> str:
+        """The one-line form: ``rank R failed: <error>``."""
+        return f"rank {self.rank} failed: {self.error}"
+
+
+class WorkerInterrupted(RuntimeError):
+    """Raised inside a worker that got SIGINT on its own, so that it counts as a failure."""
+
+
+class LaunchInterrupted(RuntimeError):
+    """The launcher got a termination signal other than SIGINT; all workers were stopped."""
+
+    def __init__(self, signal_number: int, nproc: int):
+        self.signal_number = signal_number
+        name = signal.Signals(signal_number).name
+        super().__init__(f"launcher got {name}; all {nproc} workers were stopped")
+
+
+def default_omp_threads(nproc: int) -> int:
+    """OMP threads per worker: the CPUs this process may use, shared out, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
+def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int,
+              omp_threads: Optional[int] = None, max_restarts: int = 0,
+              run_dir: str | os.PathLike, start_method: str = "spawn",
+              shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S) -> list[Any]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local workers; return their results by rank.
+
+    ``entrypoint`` must be a module-level function and ``args`` picklable (workers are fresh
+    processes). Worker logs and error files go under ``run_dir/workers``. ``omp_threads``
+    defaults to ``default_omp_threads(nproc)``. ``max_restarts`` restarts the whole group
+    after a failure before giving up. Raises ``WorkerFailure`` when a worker fails,
+    ``KeyboardInterrupt`` on Ctrl-C, ``LaunchInterrupted`` on other termination signals.
+
+    ``start_method="forkserver"`` starts workers faster when the main module imports torch
+    (they fork from a server that imported it once), but they then inherit that server's
+    state from when it started, not the launcher's current one; ``spawn`` is the safe default.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} must be >= 1")
+    if omp_threads is not None and omp_threads < 1:
+        raise ValueError(f"launcher.omp_threads={omp_threads} must be >= 1, or null for "
+                         f"cores / workers")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r} is unsupported; use spawn or "
+                         f"forkserver (fork is unsafe once torch has started threads)")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        start_method=start_method, monitor_interval=0.1, shutdown_timeout=shutdown_timeout_s,
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(os.fspath(run_dir), "workers")))
+    threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
+    # Workers inherit the launcher's environment when they start, before they import torch.
+    with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers():
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            results = elastic_launch(config, _call_entrypoint)(entrypoint, *args)
+        except ChildFailedError as err:
+            raise worker_failure_from(err) from None
+        except SignalException as err:
+            if err.sigval == signal.SIGINT:
+                raise KeyboardInterrupt(f"all {nproc} workers were stopped") from None
+            raise LaunchInterrupted(int(err.sigval), nproc) from None
+    return [results[rank] for rank in range(nproc)]
+
+
+def _call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """Worker side: run ``entrypoint``; a SIGINT aimed at this worker alone is a failure.
+
+    torch.multiprocessing treats KeyboardInterrupt in a worker as a clean exit (code 0, no
+    return value), after which the agent would wait forever for that worker's result.
+    """
+    try:
+        return entrypoint(*args)
+    except KeyboardInterrupt as err:
+        raise WorkerInterrupted("got SIGINT and stopped") from err
+
+
+def worker_failure_from(err: Any) -> WorkerFailure:
+    """Turn the agent's ``ChildFailedError`` into a ``WorkerFailure`` for its first failure."""
+    rank, failure = err.get_first_failure()
+    message, traceback = failure.message, ""
+    if isinstance(message, dict):  # written by @record: {"message": ..., "extraInfo": ...}
+        traceback = _tail(message.get("extraInfo", {}).get("py_callstack", ""))
+        message = message.get("message", "")
+    if failure.exitcode < 0 and not traceback:
+        message = (f"killed by signal {failure.signal_name()} "
+                   f"(exit code {failure.exitcode}, pid {failure.pid})")
+    elif not traceback:
+        # No error file: the worker left without a Python exception (sys.exit, os._exit).
+        message = f"exited with code {failure.exitcode} (pid {failure.pid})"
+    return WorkerFailure(rank=rank, error=str(message).strip(), traceback=traceback,
+                         exitcode=failure.exitcode, pid=failure.pid)
+
+
+def _tail(traceback: str) -> str:
+    """The last lines of ``traceback`` without the agent's own wrapper frames."""
+    kept, in_agent_frame = [], False
+    for line in traceback.rstrip().splitlines():
+        if line.startswith("  File "):
+            in_agent_frame = AGENT_FRAME_MARK in line.replace(os.sep, "/")
+        elif not line.startswith("    "):
+            in_agent_frame = False
+        if not in_agent_frame:
+            kept.append(line)
+    return "\n".join(kept[-TRACEBACK_TAIL_LINES:])
+
+
+@contextlib.contextmanager
+def _restored_environ(keys: Sequence[str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _restored_signal_handlers() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread, so the agent sets none either
+        return
+    signals = [getattr(signal, name) for name in AGENT_SIGNALS if hasattr(signal, name)]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def worker_env_summary() -> str:
+    """One line a worker can print: its torchrun variables, e.g. ``RANK=0 WORLD_SIZE=2 ...``."""
+    return " ".join(f"{key}={os.environ[key]}" for key in TORCHRUN_ENV_KEYS if key in os.environ)

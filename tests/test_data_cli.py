@@ -1,0 +1,92 @@
+"""``hybrid-data`` through the installed console script: output, errors, atomic writes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import launch.data
+from hybrid.config import DataConfig, ModelConfig, TrainConfig
+from hybrid.data import make_dataset, validate_data
+
+HYBRID_DATA = str(Path(sys.executable).parent / "hybrid-data")
+TEXT = "Ünïcödé and plain ASCII: the quick brown fox jumps over the lazy dog. " * 20
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _run(*args):
+    return subprocess.run([HYBRID_DATA, *map(str, args)], capture_output=True, text=True,
+                          timeout=30)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_tokens_round_trip_through_make_dataset(tmp_path, dtype):
+    source, output = tmp_path / "in.txt", tmp_path / "tokens.bin"
+    source.write_text(TEXT, encoding="utf-8")
+    data = TEXT.encode("utf-8")
+    result = _run(source, output, *([] if dtype == "uint16" else ["--dtype", dtype]))
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {len(data)} tokens ({dtype}" in result.stdout
+    assert f"data.source=tokens data.path={output} data.dtype={dtype}" in result.stdout
+    assert output.stat().st_size == len(data) * np.dtype(dtype).itemsize
+
+    data_cfg, model_cfg = DataConfig(source="tokens", path=str(output), dtype=dtype), \
+        ModelConfig(vocab=256, seq_len=32)
+    assert validate_data(data_cfg, model_cfg, TrainConfig(global_batch=8)) == (len(data) - 1) // 32
+    dataset = make_dataset(data_cfg, model_cfg, seed=0)
+    # Windows overlap by one token (stride seq_len): stitch them back into the text.
+    stitched = [int(t) for t in dataset[0]]
+    for i in range(1, len(dataset)):
+        stitched.extend(int(t) for t in dataset[i][1:])
+    assert bytes(stitched) == data[:len(stitched)]
+    assert len(data) - len(stitched) < 32
+
+
+def test_missing_input_exits_2_with_one_line(tmp_path):
+    output = tmp_path / "tokens.bin"
+    result = _run(tmp_path / "nope.txt", output)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: input file") and "does not exist" in result.stderr
+    assert not output.exists()
+
+
+def test_failed_rename_leaves_no_partial_file(tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text(TEXT)
+    blocker = tmp_path / "out.bin"
+    blocker.mkdir()  # os.replace of a file onto a folder fails after the data is written
+    result = _run(source, blocker)
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.bin"]
+
+
+def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
+    source, output = tmp_path / "in.txt", tmp_path / "tokens.bin"
+    source.write_text(TEXT)
+    output.write_bytes(b"old")
+    monkeypatch.setattr(launch.data, "READ_CHUNK_BYTES", 64)
+
+    def fail_fsync(fd):
+        raise KeyboardInterrupt  # as if Ctrl-C arrived after part of the data was written
+
+    monkeypatch.setattr(os, "fsync", fail_fsync)
+    with pytest.raises(KeyboardInterrupt):
+        launch.data.tokenize_file(str(source), str(output))
+    assert output.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "tokens.bin"]
+
+
+def test_empty_input_and_missing_output_folder_are_user_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = _run(empty, tmp_path / "t.bin")
+    assert result.returncode == 2 and "is empty" in result.stderr
+    source = tmp_path / "in.txt"
+    source.write_text(TEXT)
+    result = _run(source, tmp_path / "missing" / "t.bin")
+    assert result.returncode == 2 and "output folder" in result.stderr
