@@ -1,0 +1,260 @@
+"""``GradSync``: the one object the training loop talks to about gradients and the optimizer.
+
+Per optimizer step the loop makes exactly two calls around its micro-batches::
+
+    sync.start_step(num_microbatches)
+    for each micro-batch (in any pipeline schedule): backward of loss / num_microbatches
+    grad_norm = sync.finish_step(lr=lr_at(step, cfg.optim, cfg.train.steps),
+                                 max_norm=cfg.train.grad_clip)
+
+When is a gradient final? Counted, not flagged: a hook after each gradient accumulation counts
+per parameter; when a parameter has accumulated ``num_microbatches`` times, its gradient is
+final, and when every parameter of a bucket is final, that bucket's DP collective starts
+asynchronously, while the backward of the last micro-batch goes on. Buckets start strictly in
+order (all ranks must issue collectives in the same order, as DDP does). Nothing else toggles
+sync: this works the same under any pipeline schedule and with activation recomputation.
+
+Averaging: pre-divide. A bucket is scaled by ``1/d`` (``d`` = DP size) and then summed over DP,
+so every rank ends with the mean of the DP ranks' gradients; with the loss of each micro-batch
+scaled by ``1/num_microbatches`` that is the 1-process mean gradient over the global batch.
+For power-of-two ``d`` the division is exact, so pre- and post-dividing agree bit for bit.
+
+Gradients are reduced in fp32 (the buffers are fp32; parameters stay fp32 master weights and
+bf16 compute runs under autocast, whose gradients arrive in the parameters' fp32).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterable, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.config import OptimConfig
+from hybrid.dp.buckets import Bucket, Piece, plan_buckets
+from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm, scale_grads_
+from hybrid.dp.zero import Shard, all_gather_params
+from hybrid.optim import build_adamw, named_unique_parameters, set_lr, wants_weight_decay
+
+MIB = 1024 * 1024
+
+
+class DataParallelConfigError(ValueError):
+    """A user error in the DP/ZeRO settings; one line, with the fix."""
+
+
+def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
+    """The group whose partial gradients must be summed before the DP mean, if any:
+    ``"tp"`` for sequence-parallel parameters (each TP rank saw its slice of the sequence),
+    ``"embedding"`` for a tied embedding split over the first and last pipeline stage."""
+    if getattr(param, "sequence_parallel", False) and groups.layout.tp > 1:
+        return "tp"
+    if getattr(param, "shared_embedding", False) and groups.layout.pp > 1:
+        return "embedding"
+    return None
+
+
+class GradSync:
+    """Bucketed DP gradient sync, other-axis reductions, clipping, AdamW and ZeRO-1.
+
+    ``model``: this rank's module, or its list of model chunks (pipeline stages). All its
+    trainable parameters must be fp32. ``bucket_mb``: bucket size in MiB. ``zero``: 0 or 1.
+    ``optimizer`` is the AdamW it builds (over shard slices under ZeRO-1).
+    """
+
+    def __init__(self, model: Union[nn.Module, Iterable[nn.Module]], groups,
+                 optim: OptimConfig, *, bucket_mb: float = 25.0, zero: int = 0):
+        if zero not in (0, 1):
+            raise DataParallelConfigError(f"parallel.zero={zero} is not supported; use 0 or 1")
+        if not bucket_mb > 0:
+            raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
+                                          f"25 is torch DDP's default")
+        modules = [model] if isinstance(model, nn.Module) else list(model)
+        named = named_unique_parameters(modules)
+        _check_fp32(named)
+        self.groups, self.zero = groups, zero
+        self.dp_size, self.dp_rank = groups.dp.size(), groups.dp_rank
+        self.names = {id(p): name for name, p in named}
+        self.buckets = self._build_buckets([p for _, p in named], bucket_mb)
+        self.shards = [Shard.of(b, self.dp_rank, self.dp_size) for b in self.buckets] if zero \
+            else []
+        pieces_by_bucket = self._pieces_by_bucket()
+        self.pieces = [piece for pieces in pieces_by_bucket for piece in pieces]
+        self.optimizer = build_adamw([(p.tensor, p.decays) for p in self.pieces], optim)
+        self._norm_grads = self._grads_counted_in_norm(pieces_by_bucket)
+        self._hooks = [param.register_post_accumulate_grad_hook(partial(self._accumulated, b, i))
+                       for b in self.buckets for i, param in enumerate(b.params)]
+        self._microbatches: Union[int, None] = None
+        self._next_launch = 0
+        self.launched_in_backward = 0
+        """Overlapped buckets whose collective started during the last step's backward."""
+
+    @classmethod
+    def from_config(cls, model: Union[nn.Module, Iterable[nn.Module]], groups,
+                    cfg) -> "GradSync":
+        """From a ``hybrid.config.Config``: ``optim``, ``parallel.bucket_mb``, ``parallel.zero``."""
+        return cls(model, groups, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
+                   zero=cfg.parallel.zero)
+
+    # ----- construction ----------------------------------------------------------------------
+    def _build_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
+        backward_order = list(reversed(params))
+        late = {"tp": [], "embedding": []}
+        overlapped = []
+        for param in backward_order:
+            axis = reduce_first_axis(param, self.groups)
+            (late[axis] if axis else overlapped).append(param)
+        pad_to = self.dp_size if self.zero else 1
+        buckets = [Bucket.allocate(i, ps, pad_to=pad_to)
+                   for i, ps in enumerate(plan_buckets(overlapped, int(bucket_mb * MIB)))]
+        self.num_overlapped = len(buckets)
+        # Kept out of the overlapped buckets (simplest correct way): summed over their own
+        # group in finish_step, then DP-reduced like any other bucket.
+        for axis, ps in late.items():
+            if ps:
+                buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
+                                               reduce_first=self.groups.group[axis]))
+        if self.zero:
+            for bucket in buckets:
+                bucket.flatten_params()
+        return buckets
+
+    def _decays(self, param: torch.Tensor) -> bool:
+        return wants_weight_decay(self.names[id(param)], param)
+
+    def _pieces_by_bucket(self) -> list[list[Piece]]:
+        in_norm = partial(counts_in_norm, groups=self.groups)
+        if self.zero:
+            return [shard.pieces(self._decays, in_norm) for shard in self.shards]
+        return [[Piece(tensor=p, grad=p.grad, param=p, offset=0, decays=self._decays(p),
+                       counts_in_norm=in_norm(p)) for p in bucket.params]
+                for bucket in self.buckets]
+
+    def _grads_counted_in_norm(self, pieces_by_bucket: list[list[Piece]]) -> list[torch.Tensor]:
+        """A bucket's whole buffer where all its pieces count (one dot product per bucket; the
+        padding is zero), else its counted pieces one by one."""
+        grads: list[torch.Tensor] = []
+        for buffer, pieces in zip(self._grad_buffers(), pieces_by_bucket):
+            if all(p.counts_in_norm for p in pieces):
+                grads.append(buffer)
+            else:
+                grads.extend(p.grad for p in pieces if p.counts_in_norm)
+        return grads
+
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        """The buffers that hold this rank's reduced gradients (what clipping scales)."""
+        return [s.grad for s in self.shards] if self.zero else [b.grad for b in self.buckets]
+
+    # ----- the step ----------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Declare the step's micro-batch count: after that many accumulations per parameter
+        its gradient is final. Call before the step's first backward."""
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
+                or num_microbatches < 1:
+            raise DataParallelConfigError(
+                f"num_microbatches={num_microbatches!r} must be an integer >= 1")
+        if self._microbatches is not None:
+            raise RuntimeError("start_step() called twice; call finish_step() in between")
+        for bucket in self.buckets:
+            bucket.reset_step()
+        self._next_launch = 0
+        self.launched_in_backward = 0
+        self._microbatches = num_microbatches
+
+    def _accumulated(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of ``bucket.params[slot]``."""
+        expected = self._microbatches
+        if expected is None:
+            raise RuntimeError("a gradient was accumulated outside a step; call "
+                               "GradSync.start_step(num_microbatches) before the first backward")
+        count = bucket.accumulations[slot] + 1
+        if count > expected:
+            raise RuntimeError(f"parameter {self.names[id(param)]} accumulated {count} gradients "
+                               f"in a step declared with {expected} micro-batches; pass the "
+                               f"true count to start_step()")
+        bucket.accumulations[slot] = count
+        if count == expected:
+            bucket.check_grad_is_view(slot)
+            bucket.final_params += 1
+            if not bucket.late:
+                self._launch_ready_in_order(in_backward=True)
+
+    def _launch_ready_in_order(self, *, in_backward: bool) -> None:
+        while self._next_launch < self.num_overlapped:
+            bucket = self.buckets[self._next_launch]
+            if in_backward and bucket.final_params < len(bucket.params):
+                return
+            self._launch(bucket)
+            self.launched_in_backward += in_backward
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's DP mean: pre-divide by d, then an async sum over ``groups.dp``."""
+        if self.dp_size == 1:
+            return
+        bucket.grad.mul_(1.0 / self.dp_size)
+        if self.zero:
+            self.shards[bucket.index].launch_reduce_scatter(self.groups.dp)
+        else:
+            bucket.works.append(dist.all_reduce(bucket.grad, group=self.groups.dp,
+                                                async_op=True))
+
+    def reduce_gradients(self) -> None:
+        """Finish the step's gradient sync: start whatever did not start during backward
+        (parameters that got no gradient this step), sum the late buckets over their own
+        group then DP-reduce them, and wait for every collective."""
+        if self._microbatches is None:
+            raise RuntimeError("gradients reduced without start_step(); call "
+                               "GradSync.start_step(num_microbatches) before the backward")
+        self._launch_ready_in_order(in_backward=False)
+        for bucket in self.buckets[self.num_overlapped:]:
+            if bucket.reduce_first.size() > 1:
+                dist.all_reduce(bucket.grad, group=bucket.reduce_first)
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.wait()
+        self._microbatches = None
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global gradient norm (before clipping); scales gradients to ``max_norm`` when
+        above it (``max_norm <= 0``: no clipping). Collective over mp (and dp under ZeRO)."""
+        norm = global_grad_norm(self._norm_grads, self.groups, sharded_over_dp=bool(self.zero))
+        scale_grads_(self._grad_buffers(), clip_coefficient(norm, max_norm))
+        return norm
+
+    def optimizer_step(self, lr: float) -> None:
+        """AdamW step at ``lr``; under ZeRO-1 then all-gather the updated parameters."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        if self.zero:
+            all_gather_params(self.shards, self.groups.dp)
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (``.grad`` stays a view of them)."""
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+
+    def finish_step(self, *, lr: float, max_norm: float) -> float:
+        """Reduce, clip, step, zero; returns the global gradient norm before clipping."""
+        self.reduce_gradients()
+        norm = self.clip_grad_norm_(max_norm)
+        self.optimizer_step(lr)
+        self.zero_grad()
+        return norm
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the model can then be used without this object)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _check_fp32(named: list[tuple[str, nn.Parameter]]) -> None:
+    for name, param in named:
+        if param.dtype != torch.float32:
+            raise DataParallelConfigError(
+                f"parameter {name} is {param.dtype}; hybrid keeps fp32 master weights and "
+                f"reduces gradients in fp32: keep parameters fp32 and use train.precision=bf16 "
+                f"(autocast) for bf16 compute")

@@ -1,0 +1,87 @@
+"""ZeRO-1: optimizer state sharded over the DP group.
+
+Every bucket (see ``dp.buckets``) is padded to a multiple of the DP size ``d`` and cut into
+``d`` equal, contiguous shards; DP rank ``r`` owns shard ``r`` of every bucket. Per step:
+
+1. the bucket's gradient buffer is reduce-scattered over DP (mean, pre-divided by ``d``) into
+   this rank's shard gradient: a separate buffer of ``numel/d`` (gloo does not promise that an
+   output overlapping its input is safe);
+2. the optimizer steps only the ``Piece``s of its shard: for each parameter, the slice of it
+   that lies in the shard, a view of the bucket's flat parameter buffer, in the weight-decay
+   group of that parameter; AdamW's ``exp_avg``/``exp_avg_sq`` exist for those elements only;
+3. each bucket's flat parameter buffer is all-gathered over DP from the shards; the model's
+   parameters are views of it, so they are updated in place.
+
+Padding elements belong to no parameter, so they have no optimizer state: per rank the
+per-element state is exactly ``1/d`` of the unsharded state when every bucket's size is a
+multiple of ``d``, and otherwise differs by at most the padding (the shards still add up to
+exactly the unsharded state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybrid.dp.buckets import Bucket, Piece
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch >= 2.5 is allowed.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(eq=False)
+class Shard:
+    """This rank's ``[start, end)`` of a bucket's flat buffers, and its reduced gradient."""
+
+    bucket: Bucket
+    start: int
+    end: int
+    grad: torch.Tensor
+
+    @classmethod
+    def of(cls, bucket: Bucket, dp_rank: int, dp_size: int) -> "Shard":
+        assert bucket.numel % dp_size == 0, "a ZeRO bucket must be padded to the DP size"
+        assert bucket.data is not None, "a ZeRO bucket needs flat parameters"
+        size = bucket.numel // dp_size
+        start = dp_rank * size
+        # With one DP rank there is nothing to scatter: the shard is the whole buffer.
+        grad = bucket.grad if dp_size == 1 else torch.zeros_like(bucket.grad[:size])
+        return cls(bucket=bucket, start=start, end=start + size, grad=grad)
+
+    def pieces(self, decays: Callable[[torch.Tensor], bool],
+               counts_in_norm: Callable[[torch.Tensor], bool]) -> list[Piece]:
+        """The slices of the bucket's parameters inside this shard, as optimizer pieces."""
+        found = []
+        for slot, param in enumerate(self.bucket.params):
+            begin, finish = self.bucket.span(slot)
+            lo, hi = max(begin, self.start), min(finish, self.end)
+            if lo >= hi:
+                continue
+            tensor = self.bucket.data[lo:hi]
+            tensor.grad = self.grad[lo - self.start:hi - self.start]
+            found.append(Piece(tensor=tensor, grad=tensor.grad, param=param, offset=lo - begin,
+                               decays=decays(param), counts_in_norm=counts_in_norm(param)))
+        return found
+
+    def launch_reduce_scatter(self, group: dist.ProcessGroup) -> None:
+        """Start the (sum) reduce-scatter of the bucket's gradients into ``self.grad``."""
+        work = _reduce_scatter(self.grad, self.bucket.grad, group=group, async_op=True)
+        self.bucket.works.append(work)
+
+
+def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup) -> None:
+    """Rebuild every bucket's flat parameters from the DP ranks' updated shards (in place).
+
+    Each rank's input is exactly its own slot of the output, as in Megatron's distributed
+    optimizer: the collective's copy of the input into that slot is then a no-op.
+    """
+    if group.size() == 1:
+        return
+    works = [_all_gather(s.bucket.data, s.bucket.data[s.start:s.end], group=group,
+                         async_op=True) for s in shards]
+    for work in works:
+        work.wait()

@@ -1,0 +1,110 @@
+"""AdamW with weight-decay groups, and the learning-rate schedule (a pure function).
+
+Weight decay (decoupled, AdamW) applies to the matrices of the model only: linear weights and
+the word-embedding table (which is also the output layer when tied). It does not apply to
+
+- biases and layer-norm gains/offsets (every 1-D parameter): they set scales and offsets, and
+  pulling them toward 0 fights what they encode;
+- the learned position table (a parameter whose name contains ``position``): each row is seen
+  only at its own position, so decay would shrink rarely-updated rows toward zero.
+
+A parameter can also opt out explicitly with ``param.no_weight_decay = True``. This follows
+GPT-2 / nanoGPT practice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+from hybrid.config import OptimConfig
+
+
+def wants_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Whether the parameter called ``name`` belongs to the decayed group (see module doc)."""
+    if getattr(param, "no_weight_decay", False) or param.ndim < 2:
+        return False
+    return "position" not in name.lower()
+
+
+def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig
+                ) -> torch.optim.AdamW:
+    """AdamW over ``(tensor, decays)`` pairs: two parameter groups, decayed and not decayed.
+
+    The tensors are model parameters, or (ZeRO-1) views of this rank's shard of them; both
+    groups always exist (possibly empty), so group 0 is decayed and group 1 is not.
+    """
+    if optim.name != "adamw":
+        raise ValueError(f"optim.name={optim.name!r} is not supported; use optim.name=adamw")
+    decayed = [t for t, decays in pieces if decays]
+    plain = [t for t, decays in pieces if not decays]
+    return torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": optim.weight_decay},
+         {"params": plain, "weight_decay": 0.0}],
+        lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (1-based: the first step is 1).
+
+    Linear warm-up to ``optim.lr`` over ``optim.warmup_steps`` steps (step ``k <= warmup``
+    gets ``lr·k/warmup``), then a half cosine from ``optim.lr`` down to ``optim.min_lr``,
+    reached exactly at ``total_steps``; steps past ``total_steps`` stay at ``min_lr``.
+    """
+    if step < 1:
+        raise ValueError(f"lr_at step={step}: steps are 1-based; pass the number of the "
+                         f"optimizer step about to be taken (1 for the first)")
+    if total_steps < 1:
+        raise ValueError(f"train.steps={total_steps} must be >= 1")
+    warmup = optim.warmup_steps
+    if step <= warmup:
+        return optim.lr * step / warmup
+    if step >= total_steps:
+        return optim.min_lr if total_steps > warmup else optim.lr
+    progress = (step - warmup) / (total_steps - warmup)
+    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the optimizer's state tensors, counted exactly.
+
+    ``per_element``: state tensors shaped like their parameter (AdamW's ``exp_avg`` and
+    ``exp_avg_sq``): the part that ZeRO-1 divides by the DP size. ``scalars``: the rest (one
+    4-byte ``step`` counter per tensor the optimizer holds).
+    """
+    per_element = scalars = 0
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            size = value.numel() * value.element_size()
+            if key != "step" and value.shape == param.shape:
+                per_element += size
+            else:
+                scalars += size
+    return {"per_element": per_element, "scalars": scalars}
+
+
+def named_unique_parameters(modules: Iterable[torch.nn.Module]
+                            ) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` of the trainable parameters of ``modules``, each Parameter once (a tied
+    weight held by two modules is one Parameter), in registration order. Names get a
+    ``"{i}."`` prefix per module when there are several (pipeline model chunks)."""
+    modules = list(modules)
+    seen: set[int] = set()
+    found = []
+    for index, module in enumerate(modules):
+        prefix = f"{index}." if len(modules) > 1 else ""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                found.append((prefix + name, param))
+    return found
