@@ -3,7 +3,7 @@
 What we take from megatron-core: the tensor-parallel layers' parameter layout and their
 layout-independent CPU initialisation (every rank draws the full master weight from the same
 RNG stream and keeps its slice), the ``tensor_model_parallel`` / ``partition_dim`` attributes on
-sharded parameters, the tensor-parallel linear autograd function and the explicit-group
+sharded parameters, and the explicit-group
 mappings (copy-to / reduce-from the TP region), and the group-free math of
 ``VocabParallelCrossEntropy``.
 
@@ -16,10 +16,15 @@ What we do not take, and why (``tests/test_megatron_adapter.py`` pins each point
   ``hybrid.model.sequence_parallel`` has explicit-group, device-neutral versions. Layers here are
   therefore always built with ``config.sequence_parallel=False``; the blocks gather/scatter
   around them.
-- megatron's linear autograd function is written for CUDA autocast (``custom_bwd`` re-enters
-  CUDA autocast in backward). Under CPU autocast its backward multiplies a bf16 gradient with
-  the fp32 weight and fails, so ``_forward_impl`` below casts the operands first, exactly as
-  autocast would for ``F.linear``.
+- megatron's fused linear autograd function (``linear_with_grad_accumulation_and_async_
+  allreduce``) is replaced by plain autograd ops in ``_forward_impl``: the TP region copy
+  (identity forward, all-reduce of the input gradient backward) followed by ``F.linear``. Two
+  reasons: (1) its single backward node computes the weight gradient together with the input
+  gradient, so a zero-bubble schedule could not defer the weight gradient (with ``F.linear``
+  the input-gradient pass skips the weight matmul and the W action runs it later); (2) it is
+  written for CUDA autocast: under CPU autocast its backward multiplies a bf16 gradient with
+  the fp32 weight and fails. What we give up is its overlap of the input-gradient all-reduce
+  with the weight-gradient matmul.
 
 Megatron's global ``parallel_state`` is never initialised: every layer gets ``tp_group``.
 """
@@ -30,6 +35,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import ModelParallelConfig
 from megatron.core import tensor_parallel as _mcore_tp
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
@@ -54,23 +60,16 @@ def _layer_config() -> ModelParallelConfig:
                                params_dtype=torch.float32)
 
 
-def _autocast_operands(input_: torch.Tensor, weight: torch.Tensor,
-                       bias: Optional[torch.Tensor]) -> tuple:
-    """Cast matmul operands to the autocast dtype (differentiably), as autocast does for F.linear.
+def _native_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   allreduce_dgrad: bool, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """What megatron's fused linear computes, as separate autograd ops (see the module doc).
 
-    Inside megatron's autograd function the backward then sees one dtype on every operand, on
-    CPU (where autocast is off during backward) as on CUDA; gradients flow back to the fp32
-    master parameters through the casts.
+    ``allreduce_dgrad``: megatron skipped its copy-to-TP-region for this input and expects the
+    linear to all-reduce the input gradient; the copy does exactly that in its backward.
     """
-    device_type = input_.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return input_, weight, bias
-    dtype = torch.get_autocast_dtype(device_type)
-
-    def cast(t):
-        return t if t is None or t.dtype == dtype else t.to(dtype)
-
-    return cast(input_), cast(weight), cast(bias)
+    if allreduce_dgrad:
+        input_ = _mcore_tp.copy_to_tensor_model_parallel_region(input_, group=tp_group)
+    return F.linear(input_, weight, bias)
 
 
 class ColumnParallelLinear(_mcore_tp.ColumnParallelLinear):
@@ -94,8 +93,9 @@ class ColumnParallelLinear(_mcore_tp.ColumnParallelLinear):
         return output
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's name)
-        input, weight, kwargs["bias"] = _autocast_operands(input, weight, kwargs.get("bias"))
-        return super()._forward_impl(input, weight, *args, **kwargs)
+        assert not kwargs.get("sequence_parallel"), "layers are built without sequence_parallel"
+        return _native_linear(input, weight, kwargs.get("bias"),
+                              bool(kwargs.get("allreduce_dgrad")), self.tp_group)
 
 
 class RowParallelLinear(_mcore_tp.RowParallelLinear):
@@ -127,8 +127,9 @@ class RowParallelLinear(_mcore_tp.RowParallelLinear):
         return output if self.bias is None else output + self.bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's name)
-        input, weight, kwargs["bias"] = _autocast_operands(input, weight, kwargs.get("bias"))
-        return super()._forward_impl(input, weight, *args, **kwargs)
+        assert not kwargs.get("sequence_parallel"), "layers are built without sequence_parallel"
+        return _native_linear(input, weight, kwargs.get("bias"),
+                              bool(kwargs.get("allreduce_dgrad")), self.tp_group)
 
 
 class VocabParallelEmbedding(_mcore_tp.VocabParallelEmbedding):

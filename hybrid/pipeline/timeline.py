@@ -74,12 +74,13 @@ def write_chrome_trace(events: Iterable[EventLike], path: str | Path) -> None:
 
 
 def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "pipeline",
-                  pp: int | None = None) -> None:
+                  pp: int | None = None, unit: str = "") -> None:
     """A PNG with one row per rank (rank 0 on top), bars coloured by kind, gaps = idle.
 
     Micro-batch numbers are written on the bars wide enough to hold them; RECV waits are thin
     grey bars; the mean bubble is in the title and each rank's bubble in its row label. Given
     ``pp``, later virtual chunks (stage // pp) are drawn in lighter shades of their kind.
+    ``unit`` names the time unit on the axis ("s" for a real run; none for simulated costs).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -97,9 +98,10 @@ def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "p
                     [f"rank {rank} ({bubble:.0%} idle)" for rank, bubble in enumerate(bubbles)])
     axes.set_ylim(max(n_ranks, 1) - 0.5, -0.5)  # rank 0 on top
     axes.set_xlim(0, makespan or 1)
-    axes.set_xlabel("time")
+    axes.set_xlabel(f"time ({unit})" if unit else "time")
     mean = sum(bubbles) / n_ranks if n_ranks else 0.0
-    axes.set_title(f"{title}: bubble {mean:.1%} (makespan {makespan:g})")
+    axes.set_title(f"{title}: bubble {mean:.1%}, makespan {makespan:.3g}{unit and ' ' + unit}",
+                   loc="left", fontsize=10)
     _draw_legend(axes, kinds_drawn)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -142,5 +144,6 @@ def _draw_legend(axes, kinds_drawn: list[str]) -> None:
     handles = [Patch(color=KIND_COLOURS.get(kind, WAIT_COLOUR),
                      label=KIND_LABELS.get(kind, "wait for RECV"))
                for kind in order if kind in kinds_drawn]
-    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18),
+    # Above the plot on the right, clear of the x-axis label and of the left-aligned title.
+    axes.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0),
                 ncol=len(handles) or 1, fontsize=8, frameon=False)

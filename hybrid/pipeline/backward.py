@@ -1,0 +1,219 @@
+"""Backward passes of one pipeline stage: full (``B``), input-only (``I``) and weight-only (``W``).
+
+``I`` must produce the stage's input gradient without the weight gradients, and ``W`` must
+later produce the weight gradients without redoing the work of ``I``. Autograd computes only
+the outputs that lead to the requested inputs, so ``I`` asks for the input gradient and, on the
+way, keeps what ``W`` needs at every *branch node*: a node on the path from the stage output to
+the stage input that also leads to parameters. ``W`` restarts the backward there
+(``GradientEdge`` roots), so only the parameter side of each branch runs. This is the idea of
+torch.distributed.pipelining's ``stage_backward_input``/``stage_backward_weight``, on public
+autograd APIs; unlike that code, ``W`` accumulates through autograd (``inputs=params``), so
+post-accumulate-grad hooks (the data-parallel sync counts them) fire once per parameter and
+micro-batch.
+
+What ``I`` keeps for a branch node depends on its kind:
+
+- a matrix product (``mm``/``linear``/``conv`` in its name), whose weight gradient is the work
+  worth deferring: the gradient that reached it, so that ``W`` runs it again for its weight
+  side only; but if it is a custom ``autograd.Function`` (megatron's tensor-parallel linear),
+  it computed its weight gradient in ``I`` anyway, and ``W`` starts from that result instead
+  of running it twice (which would also repeat its TP all-reduce of the input gradient);
+- anything else (layer norm, a bias add): its parameter gradients are cheap, so ``I`` asks
+  autograd for them along with the input gradient. Running such a node again in ``W`` would
+  cost one autograd call per node, each walking the graph, which is far more than the work.
+
+Parameters reached from several roots (a weight used twice) get all their roots in one call,
+so that each accumulates exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+Root = Union[torch.Tensor, GradientEdge]  # a stage output (or loss) to differentiate
+EdgeKey = tuple[Node, int]  # a GradientEdge as a dict key
+
+_DEFERRED_NODE = re.compile(r"mm|linear|conv", re.IGNORECASE)
+
+
+def full_backward(root: Root, grad: Optional[torch.Tensor]) -> None:
+    """``B``: every gradient at once, accumulated into ``.grad`` of the leaves it reaches."""
+    torch.autograd.backward([root], grad_tensors=None if grad is None else [grad])
+
+
+@dataclass(eq=False)
+class _Branch:
+    node: Node
+    param_edges: list[EdgeKey]  # the node's next edges that lead to parameters only
+    accumulators: set  # AccumulateGrad nodes below those edges
+    grad_outputs: Optional[tuple] = None  # what reached the node during I
+    param_grads: Optional[list] = None  # what it produced for param_edges during I, if anything
+
+    @property
+    def deferred(self) -> bool:
+        return bool(_DEFERRED_NODE.search(self.node.name()))
+
+
+@dataclass(eq=False)
+class _Start:
+    """One group of ``W`` roots: seeds on parameter-only edges, or a node to run again."""
+
+    roots: list[GradientEdge]
+    grads: list[torch.Tensor]
+    accumulators: set
+    pinned: list = field(default_factory=list)  # (node, saved grad_outputs) run again
+
+
+@dataclass
+class WeightGradients:
+    """What ``I`` leaves for ``W``."""
+
+    starts: list[_Start] = field(default_factory=list)
+
+    def run(self) -> None:
+        """``W``: accumulate this micro-batch's weight gradients into ``.grad``; frees the graph."""
+        groups, self.starts = _merge_sharing(self.starts), []
+        # Seeds below branch nodes never reach the input path: one call takes them all.
+        seeds = [g for g in groups if not g.pinned]
+        _accumulate(_concat(seeds))
+        for group in (g for g in groups if g.pinned):
+            # Pin each re-run node to its saved gradient: when one lies below another, the
+            # gradient reaching it in this call would otherwise be added to the saved one.
+            handles = [node.register_prehook(lambda _, saved=saved: saved)
+                       for node, saved in group.pinned]
+            try:
+                _accumulate(group)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+
+def _accumulate(start: _Start) -> None:
+    if start.roots:
+        params = [accumulator.variable for accumulator in start.accumulators]
+        torch.autograd.backward(start.roots, grad_tensors=start.grads, inputs=params)
+
+
+def _concat(starts: list[_Start]) -> _Start:
+    merged = _Start([], [], set())
+    for start in starts:
+        merged.roots += start.roots
+        merged.grads += start.grads
+        merged.accumulators |= start.accumulators
+        merged.pinned += start.pinned
+    return merged
+
+
+def _merge_sharing(starts: list[_Start]) -> list[_Start]:
+    """Merge starts that reach a common parameter: each parameter accumulates in one call."""
+    groups: list[_Start] = []
+    for start in starts:
+        sharing = [g for g in groups if g.accumulators & start.accumulators]
+        groups = [g for g in groups if not g.accumulators & start.accumulators]
+        groups.append(_concat(sharing + [start]))
+    return groups
+
+
+def input_backward(root: Root, grad: Optional[torch.Tensor], stage_input: torch.Tensor
+                   ) -> tuple[torch.Tensor, WeightGradients]:
+    """``I``: the gradient of ``stage_input`` (a leaf) only; returns it and the work for ``W``.
+
+    The graph is kept (``retain_graph``) until ``W`` has run.
+    """
+    top = root.node if isinstance(root, GradientEdge) else root.grad_fn
+    branches = find_branches(top, get_gradient_edge(stage_input).node)
+    deferred = [b for b in branches if b.deferred]
+    eager_edges = list(dict.fromkeys(e for b in branches if not b.deferred
+                                     for e in b.param_edges))
+    handles = []
+    for branch in deferred:
+        handles.append(branch.node.register_prehook(_keep_grad_outputs(branch)))
+        handles.append(branch.node.register_hook(_keep_param_grads(branch)))
+    try:
+        input_grad, *eager_grads = torch.autograd.grad(
+            [root], [stage_input] + [GradientEdge(*edge) for edge in eager_edges],
+            grad_outputs=None if grad is None else [grad], retain_graph=True,
+            allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    below = _accumulators_below
+    starts = [_Start([GradientEdge(*edge)], [g], below([edge[0]]))
+              for edge, g in zip(eager_edges, eager_grads) if g is not None]
+    starts += [_deferred_start(branch) for branch in deferred]
+    return input_grad, WeightGradients([s for s in starts if s.roots])
+
+
+def _deferred_start(branch: _Branch) -> _Start:
+    if branch.param_grads is not None:  # computed in I anyway: seed below the node
+        pairs = [(GradientEdge(*e), g) for e, g in zip(branch.param_edges, branch.param_grads)]
+        return _Start([r for r, _ in pairs], [g for _, g in pairs], branch.accumulators)
+    grads = branch.grad_outputs or ()
+    roots = [GradientEdge(branch.node, nr) for nr, g in enumerate(grads) if g is not None]
+    return _Start(roots, [g for g in grads if g is not None], branch.accumulators,
+                  [(branch.node, branch.grad_outputs)])
+
+
+def _keep_grad_outputs(branch: _Branch):
+    def hook(grad_outputs):
+        branch.grad_outputs = grad_outputs
+    return hook
+
+
+def _keep_param_grads(branch: _Branch):
+    indices = [i for i, edge in enumerate(branch.node.next_functions)
+               if edge in branch.param_edges]
+
+    def hook(grad_inputs, _grad_outputs):
+        produced = [grad_inputs[i] for i in indices]
+        if all(g is not None for g in produced):  # built-in nodes skip unrequested outputs
+            branch.param_grads = produced
+    return hook
+
+
+def find_branches(top: Node, input_node: Node) -> list[_Branch]:
+    """The nodes from which both ``input_node`` and some parameter are reachable, each with
+    the edges that lead to parameters only (one depth-first pass over the graph)."""
+    nexts: dict[Node, tuple] = {}
+    reaches_input: dict[Node, bool] = {input_node: True}
+    stack = [(top, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if children_done:
+            reaches_input[node] = any(reaches_input[n] for n, _ in nexts[node] if n is not None)
+            continue
+        if node in reaches_input or node in nexts:
+            continue
+        nexts[node] = node.next_functions
+        stack.append((node, True))
+        stack.extend((n, False) for n, _ in nexts[node]
+                     if n is not None and n not in reaches_input)
+    branches = []
+    for node, edges in nexts.items():
+        if not reaches_input[node]:
+            continue
+        param_edges = [edge for edge in edges
+                       if edge[0] is not None and not reaches_input[edge[0]]]
+        if param_edges:
+            below = _accumulators_below([n for n, _ in param_edges])
+            branches.append(_Branch(node, param_edges, below))
+    return branches
+
+
+def _accumulators_below(starts: list[Node]) -> set:
+    """The AccumulateGrad nodes (one per leaf, i.e. parameter) reachable from ``starts``."""
+    found, stack, seen = set(), list(starts), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: the node of a leaf
+            found.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found

@@ -1,0 +1,84 @@
+"""Checks of one rank's action list before the runtime runs it (pure; no torch).
+
+``check.check_schedule`` proves a whole schedule (all ranks) deadlock-free and is the check to
+run once when a job starts. The runtime sees only its own rank's list; these checks catch what
+a single list can get wrong (a stage held elsewhere, a missing or repeated action, a SEND or
+RECV too many or too few, an action before one it needs) before any message is posted, so a
+bad list fails at once with one line instead of leaving a peer waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from hybrid.pipeline.actions import (
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, ScheduleError, stage_rank,
+)
+from hybrid.pipeline.replay import dependencies, describe_key, result_key
+from hybrid.pipeline.schedules import add_communication
+
+
+def rank_stages(rank: int, pp: int, vpp: int) -> list[int]:
+    """The virtual stages that pipeline rank ``rank`` holds, chunk 0 first."""
+    return [rank + chunk * pp for chunk in range(vpp)]
+
+
+def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int) -> list[Action]:
+    """``add_communication`` for one rank's compute-only list."""
+    lists: list[list[Action]] = [[] for _ in range(pp)]
+    lists[rank] = list(actions)
+    return add_communication(lists, pp, vpp)[rank]
+
+
+def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,
+                       vpp: int, m: int) -> None:
+    """Raise ``ScheduleError`` unless ``actions`` is a complete, ordered list for this rank."""
+    expected_stages = rank_stages(rank, pp, vpp)
+    if sorted(stages) != expected_stages:
+        raise ScheduleError(f"pipeline rank {rank} of pp={pp}, vpp={vpp} holds stages "
+                            f"{expected_stages} but was given modules for stages "
+                            f"{sorted(stages)}; pass one module per stage it holds")
+    for action in actions:
+        if stage_rank(action.stage, pp) != rank or action.stage not in expected_stages:
+            raise ScheduleError(f"{action} is for stage {action.stage}, which rank {rank} does "
+                                f"not hold (it holds {expected_stages}); pass this rank's list")
+        if action.mb >= m:
+            raise ScheduleError(f"{action} names micro-batch {action.mb} but the step has {m} "
+                                f"micro-batches; build the schedule with m={m}")
+    repeated = [str(a) for a, count in Counter(actions).items() if count > 1]
+    if repeated:
+        raise ScheduleError(f"rank {rank} runs {', '.join(repeated)} more than once")
+    _check_complete(actions, expected_stages, rank, pp, vpp, m)
+    _check_order(actions, rank, pp, vpp)
+
+
+def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp: int,
+                    vpp: int, m: int) -> None:
+    present = set(actions)
+    compute = [a for a in actions if a.is_compute]
+    required = set(compute) | set(lower_rank_actions(compute, rank, pp, vpp))
+    for stage in stages:
+        for mb in range(m):
+            split = {Action(stage, BACKWARD_INPUT, mb), Action(stage, BACKWARD_WEIGHT, mb)}
+            backward = split if split & present else {Action(stage, BACKWARD, mb)}
+            required |= {Action(stage, FORWARD, mb)} | backward
+    missing, extra = required - present, present - required
+    if missing:
+        raise ScheduleError(f"rank {rank}'s list lacks {', '.join(map(str, sorted(missing)))}; "
+                            f"every forward needs its backward (B, or I and W) and every "
+                            f"cross-rank edge its SEND and RECV")
+    if extra:
+        raise ScheduleError(f"rank {rank}'s list has {', '.join(map(str, sorted(extra)))}, "
+                            f"which no stage needs; drop them")
+
+
+def _check_order(actions: Sequence[Action], rank: int, pp: int, vpp: int) -> None:
+    lowered = any(action.is_comm for action in actions)
+    done: set = set()
+    for step, action in enumerate(actions):
+        for dep in dependencies(action, pp, pp * vpp, lowered):
+            if dep.rank == rank and dep.key not in done:
+                raise ScheduleError(f"rank {rank} step {step}: {action} runs before "
+                                    f"{describe_key(dep.key)}, which it needs; move it later")
+        done.add(result_key(action))

@@ -1,0 +1,261 @@
+"""The pipeline runtime: one interpreter that runs any schedule's actions for this rank.
+
+Per training step every pipeline rank calls ``run_pipeline_step`` with its own action list
+(lowered, i.e. with SEND/RECV, or compute-only, then lowered here), its stage modules and the
+step's micro-batches. What the interpreter keeps between a micro-batch's forward and its
+backward is only what the backward needs:
+
+- the stage input (a leaf that requires grad, so that its gradient can be sent back) and the
+  autograd edge of the stage output, not the output tensor: a sent activation is referenced
+  only by its in-flight send and freed once the peer has it (see ``p2p.SendsInFlight``);
+- for ``I``/``W``: after ``I`` only the branch nodes of the graph and their gradients
+  (``backward.WeightGradients``).
+
+Mixed precision: wrap the call in ``torch.autocast``; forwards run under it, backwards not.
+
+Loss scaling: the last stage backpropagates ``loss_fn(output, labels) / m`` per micro-batch,
+so the accumulated gradients are those of the mean loss over the ``m`` equal micro-batches,
+exactly the 1-process model's mean over the whole batch. Gradients accumulate into ``.grad``
+through autograd, once per parameter and micro-batch (in ``W`` for split backwards); no
+data-parallel flag is touched here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from hybrid.groups import ParallelGroups
+from hybrid.pipeline import p2p
+from hybrid.pipeline.actions import (
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
+)
+from hybrid.pipeline.backward import full_backward, input_backward
+from hybrid.pipeline.rank_check import check_rank_actions, lower_rank_actions
+
+Microbatch = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # (tokens, labels)
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# A gloo send waits for the receiver to post its RECV before moving the data, which costs
+# about one extra round trip per message (a 256 KB ping-pong: ~3.7 ms with receives posted
+# late, ~0.8 ms posted early, on one machine). So on gloo each RECV is posted this many compute
+# actions before the one that consumes it; posting a receive never blocks, so this cannot
+# deadlock. NCCL runs p2p ops in order on one stream, where an early RECV could hold back a
+# SEND: there the list's order holds.
+GLOO_RECV_LOOKAHEAD = 2
+
+
+class Recorder(Protocol):
+    def record(self, action: Action, start_s: float, end_s: float) -> None: ...
+
+
+def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
+                      microbatches: Sequence[Microbatch], *, groups: ParallelGroups, pp: int,
+                      vpp: int, loss_fn: LossFn, act_shape: Sequence[int],
+                      act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
+                      recv_timeout_s: Optional[float] = None) -> Optional[float]:
+    """Run one step's forwards and backwards of this rank's stages; return the mean loss.
+
+    ``actions``: this rank's list of a schedule (``add_communication(build_schedule(...),
+    pp, vpp)[groups.pp_rank]``). ``chunks``: virtual stage id -> module (stage ``s`` lives on
+    pipeline rank ``s % pp``). ``microbatches``: ``m`` pairs (tokens ``[b, s]``, labels
+    ``[b, s]``); tokens are read on the rank of stage 0, labels on the rank of the last stage,
+    elsewhere they may be None. ``act_shape``/``act_dtype``: the activation passed between
+    stages (``[s, b, h]``, ``[s/tp, b, h]`` with sequence parallelism), the shape of every
+    receive buffer. ``recorder.record(action, start_s, end_s)`` gets the wall-clock span of
+    every action. A RECV that waits longer than ``recv_timeout_s`` (default: the process
+    group's timeout) raises ``PipelineTimeout``.
+
+    Returns the mean of the micro-batch losses on the rank holding the last stage, else None.
+    Every send has completed when it returns.
+    """
+    m = len(microbatches)
+    actions = list(actions)
+    if pp > 1 and not any(action.is_comm for action in actions):
+        actions = lower_rank_actions(actions, groups.pp_rank, pp, vpp)
+    check_rank_actions(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m)
+    step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, loss_fn=loss_fn,
+                 act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
+                 recv_timeout_s=recv_timeout_s)
+    with torch.enable_grad():
+        return step.run(actions)
+
+
+def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
+                 ) -> list[tuple[list[Action], Optional[Action]]]:
+    """``(SEND/RECV actions to post as one batch, compute action to run next)`` per step.
+
+    The SEND/RECV actions listed between two compute actions are posted together before the
+    second; a RECV moves ``recv_lookahead`` compute actions earlier than its consumer (never
+    before the first). The last step posts what follows the last compute action.
+    """
+    steps: list[tuple[list[Action], Optional[Action]]] = [
+        ([], action) for action in actions if action.is_compute] + [([], None)]
+    computes_before = 0
+    for action in actions:
+        if action.is_compute:
+            computes_before += 1
+            continue
+        at = computes_before
+        if action.kind in (RECV_F, RECV_B):
+            at = max(at - recv_lookahead, 0)
+        steps[at][0].append(action)
+    return [(posts, action) for posts, action in steps if posts or action is not None]
+
+
+class _Step:
+    """The state of one step on one rank, keyed by (stage, micro-batch)."""
+
+    def __init__(self, chunks, microbatches, *, groups, pp, vpp, loss_fn, act_shape, act_dtype,
+                 recorder, recv_timeout_s):
+        self.chunks, self.microbatches, self.groups = chunks, microbatches, groups
+        self.pp, self.m, self.last_stage = pp, len(microbatches), pp * vpp - 1
+        self.loss_fn, self.act_shape, self.act_dtype = loss_fn, act_shape, act_dtype
+        self.recorder = recorder
+        self.timeout = None if recv_timeout_s is None else timedelta(seconds=recv_timeout_s)
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # stage inputs (leaves)
+        self.roots: dict = {}  # output edge, or the loss on the last stage
+        self.local_grads: dict[tuple[int, int], torch.Tensor] = {}  # pp == 1 hand-over
+        self.outbox: dict[Action, torch.Tensor] = {}  # made by compute, taken by SEND
+        self.pending: dict[Action, p2p.PendingRecv] = {}  # RECVs posted, not yet waited on
+        self.arrived: dict[Action, torch.Tensor] = {}  # RECVs waited on, not yet consumed
+        self.deferred: dict[tuple[int, int], Callable[[], None]] = {}  # W work left by I
+        self.losses: list[torch.Tensor] = []
+        gloo = dist.get_backend(groups.pp) == "gloo"
+        self.sends = p2p.SendsInFlight(threaded=gloo)
+        self.recv_lookahead = GLOO_RECV_LOOKAHEAD if gloo else 0
+
+    def run(self, actions: list[Action]) -> Optional[float]:
+        compute = {FORWARD: self.forward, BACKWARD: self.backward,
+                   BACKWARD_INPUT: self.input_backward, BACKWARD_WEIGHT: self.weight_backward}
+        try:
+            for posts, action in posting_plan(actions, self.recv_lookahead):
+                if posts:
+                    self.communicate(posts)
+                if action is not None:
+                    self.sends.release_finished()
+                    self._wait_inputs(action)  # outside the timed span: a wait is not work
+                    start = time.time()
+                    with self._precision(action):
+                        compute[action.kind](action.stage, action.mb)
+                    self._record(action, start, time.time())
+        except BaseException:
+            self.sends.abandon()  # a peer may never receive them: do not wait
+            raise
+        self.sends.wait_all()
+        left = self.pending or self.arrived or self.outbox or self.deferred or self.roots
+        assert not left, "a checked schedule leaves nothing behind"
+        if not self.losses:
+            return None
+        return float(torch.stack(self.losses).sum())
+
+    def _precision(self, action: Action):
+        """Backwards run outside any autocast region the caller wrapped the step in, as
+        torch's autocast asks: each op's backward then uses the dtype its forward chose."""
+        if action.kind == FORWARD:
+            return contextlib.nullcontext()
+        return torch.autocast(self.groups.device.type, enabled=False)
+
+    # ----- communication ---------------------------------------------------------------------
+    def communicate(self, batch: list[Action]) -> None:
+        payloads = {a: self.outbox.pop(a) for a in batch if a.kind in (SEND_F, SEND_B)}
+        sends, recvs = p2p.post(
+            batch, payloads, pp_ranks=self.groups.ranks["pp"], group=self.groups.pp,
+            n_microbatches=self.m, recv_buffer=self._recv_buffer)
+        del payloads  # the sends hold the only references now
+        for action, tensor, work in sends:
+            self.sends.add(work, tensor)
+            self._record(action, time.time(), time.time())
+        for pending in recvs:
+            self.pending[pending.action] = pending
+
+    def _recv_buffer(self) -> torch.Tensor:
+        return torch.empty(self.act_shape, dtype=self.act_dtype, device=self.groups.device)
+
+    def _wait_inputs(self, action: Action) -> None:
+        """Wait for the message ``action`` consumes, if any, into ``self.arrived``."""
+        if self.pp == 1:
+            return
+        if action.kind == FORWARD and action.stage > 0:
+            recv = Action(action.stage, RECV_F, action.mb)
+        elif action.is_backward_input and action.stage < self.last_stage:
+            recv = Action(action.stage, RECV_B, action.mb)
+        else:
+            return
+        pending, start = self.pending.pop(recv), time.time()
+        self.arrived[recv] = p2p.wait_recv(pending, self.timeout, self.groups.pp_rank)
+        self._record(recv, start, time.time())  # the time this rank was blocked on it
+
+    def _record(self, action: Action, start: float, end: float) -> None:
+        if self.recorder is not None:
+            self.recorder.record(action, start, end)
+
+    # ----- compute ---------------------------------------------------------------------------
+    def forward(self, stage: int, mb: int) -> None:
+        tokens, labels = self.microbatches[mb]
+        if stage == 0:
+            stage_input = tokens
+        elif self.pp == 1:
+            stage_input = self.inputs[(stage, mb)]  # handed over by the previous chunk
+        else:
+            stage_input = self.arrived.pop(Action(stage, RECV_F, mb)).requires_grad_()
+            self.inputs[(stage, mb)] = stage_input
+        output = self.chunks[stage](stage_input)
+        if stage == self.last_stage:
+            loss = self.loss_fn(output, labels) / self.m
+            self.losses.append(loss.detach())
+            self.roots[(stage, mb)] = loss
+            return
+        self._check_activation(stage, output)
+        self.roots[(stage, mb)] = get_gradient_edge(output)
+        if self.pp == 1:
+            self.inputs[(stage + 1, mb)] = output.detach().requires_grad_()
+        else:
+            self.outbox[Action(stage, SEND_F, mb)] = output.detach()
+
+    def backward(self, stage: int, mb: int) -> None:
+        root, grad = self.roots.pop((stage, mb)), self._output_grad(stage, mb)
+        full_backward(root, grad)
+        if stage > 0:
+            self._hand_back(stage, mb, self.inputs.pop((stage, mb)).grad)
+
+    def input_backward(self, stage: int, mb: int) -> None:
+        root, grad = self.roots.pop((stage, mb)), self._output_grad(stage, mb)
+        if stage == 0:  # no input gradient to make: the whole backward waits for W
+            self.deferred[(stage, mb)] = lambda: full_backward(root, grad)
+            return
+        input_grad, weights = input_backward(root, grad, self.inputs.pop((stage, mb)))
+        self.deferred[(stage, mb)] = weights.run
+        self._hand_back(stage, mb, input_grad)
+
+    def weight_backward(self, stage: int, mb: int) -> None:
+        self.deferred.pop((stage, mb))()
+
+    def _output_grad(self, stage: int, mb: int) -> Optional[torch.Tensor]:
+        if stage == self.last_stage:
+            return None  # the root is the loss
+        if self.pp == 1:
+            return self.local_grads.pop((stage, mb))
+        return self.arrived.pop(Action(stage, RECV_B, mb))
+
+    def _hand_back(self, stage: int, mb: int, input_grad: torch.Tensor) -> None:
+        if self.pp == 1:
+            self.local_grads[(stage - 1, mb)] = input_grad
+        else:
+            self.outbox[Action(stage, SEND_B, mb)] = input_grad
+
+    def _check_activation(self, stage: int, output: torch.Tensor) -> None:
+        if tuple(output.shape) != self.act_shape or output.dtype != self.act_dtype:
+            raise ValueError(
+                f"stage {stage} outputs {list(output.shape)} {output.dtype} but the receive "
+                f"buffers are act_shape={list(self.act_shape)} act_dtype={self.act_dtype}; pass "
+                f"the shape stages exchange ([s, micro_batch, hidden], s/tp with sequence "
+                f"parallelism)")
