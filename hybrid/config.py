@@ -103,7 +103,8 @@ class DataConfig:
     dtype: str = "uint16"
     """Element type of the token file: uint16 | uint32."""
     samples: int = 4096
-    """Number of generated sequences for source=synthetic."""
+    """Number of generated sequences (source=synthetic only; a token file has as many samples
+    as its length gives)."""
 
 
 @dataclass(kw_only=True)
@@ -119,8 +120,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay for matrices (not norms, biases or position tables)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay (0.95 as in GPT-3 and Megatron's GPT recipes)."""
     eps: float = 1e-8
+    """AdamW's denominator epsilon."""
 
 
 @dataclass(kw_only=True)
@@ -135,6 +139,9 @@ class LauncherConfig:
     """OMP_NUM_THREADS per worker; None means cores / local workers (at least 1)."""
     max_restarts: int = 0
     """Restarts of the whole worker group after a failure."""
+    start_method: str = "forkserver"
+    """How local workers start: forkserver (torch is imported once and shared: fast start) |
+    spawn (each worker a fresh interpreter)."""
 
 
 @dataclass(kw_only=True)

@@ -53,6 +53,7 @@ def _check_names(cfg: Config) -> None:
     _choose("train.precision", cfg.train.precision, PRECISIONS)
     _choose("train.device", cfg.train.device, DEVICES)
     _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
+    _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
     if cfg.parallel.bucket_mb <= 0:
         raise LayoutError(f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be > 0 "
                           f"(torch DDP uses 25)")

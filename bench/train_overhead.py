@@ -1,0 +1,75 @@
+"""The cost of parallelism: CPU-seconds per training step of each layout / the 1-process run's.
+
+    .venv/bin/python bench/train_overhead.py [--model small] [--steps 8] [--skip 3]
+
+Every layout trains the same model on the same global batch through the real ``hybrid-train``
+(so workers, groups, schedule, gradient sync and metrics are all included). ``cpu_s`` in
+``metrics.jsonl`` is a step's CPU time summed over all ranks; the table shows its median over
+the steps after ``--skip`` warm-up steps, and the ratio to the 1-process run (1.0 = free
+parallelism; above 1 is the overhead paid in communication, bubbles and duplicated work such
+as TP-replicated norms). Wall time per step is printed too, but on a 2-core machine 8 ranks
+mostly wait for cores, so CPU time is the fair measure there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hybrid.metrics import read_metrics  # noqa: E402
+
+TRAIN = str(Path(sys.executable).parent / "hybrid-train")
+LAYOUTS = {
+    "1 process": ["parallel=single"],
+    "dp2": ["parallel=single", "parallel.dp=2"],
+    "tp2": ["parallel=single", "parallel.tp=2"],
+    "pp2 1f1b": ["parallel=single", "parallel.pp=2"],
+    "2x2x2 1f1b": [],
+    "pp4 interleaved vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
+                             "parallel.schedule=interleaved-1f1b"],
+    "pp2 zb-h1": ["parallel=single", "parallel.pp=2", "parallel.schedule=zb-h1"],
+    "2x2x2 zero1": ["parallel.zero=1"],
+}
+
+
+def run(name: str, overrides: list[str], args: argparse.Namespace) -> tuple[int, float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [TRAIN, f"model={args.model}", "model.layers=8", f"train.steps={args.steps}",
+               "train.global_batch=16", "train.micro_batch=2", "train.timeline_step=0",
+               "train.log_every=1000", f"hydra.run.dir={tmp}", *overrides]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
+        records = read_metrics(Path(tmp) / "metrics.jsonl")[args.skip:]
+        par = json.loads((Path(tmp) / "config.json").read_text())["parallel"]
+    return (par["dp"] * par["tp"] * par["pp"],
+            statistics.median(r["cpu_s"] for r in records),
+            statistics.median(r["step_time_s"] for r in records))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--skip", type=int, default=3)
+    args = parser.parse_args()
+    print(f"model={args.model} (8 layers), global batch 16, micro-batch 2, "
+          f"median over steps {args.skip + 1}..{args.steps}")
+    print(f"{'layout':<22} {'ranks':>5} {'CPU s/step':>11} {'wall s/step':>12} "
+          f"{'CPU ratio':>10}")
+    base = None
+    for name, overrides in LAYOUTS.items():
+        ranks, cpu, wall = run(name, overrides, args)
+        base = base or cpu
+        print(f"{name:<22} {ranks:>5} {cpu:>11.3f} {wall:>12.3f} {cpu / base:>10.2f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

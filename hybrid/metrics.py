@@ -1,0 +1,109 @@
+"""Per-step metrics: ``metrics.jsonl``, TensorBoard events, and a progress display on rank 0.
+
+Only rank 0 writes; the values it writes were already reduced over the job by the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                 "comm_bytes", "peak_mem_bytes")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+class MetricsWriter:
+    """Writes one JSON object per step and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool,
+                 log_every: int = 1, stream: Any = None) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.log_every = max(1, log_every)
+        self.stream = stream or sys.stdout
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        self._started = time.monotonic()
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._jsonl = self.path.open("w")
+        self._tb = _tensorboard_writer(run_dir / "tensorboard")
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        missing = [k for k in REQUIRED_KEYS if k not in record]
+        assert not missing, f"metrics record lacks {missing}"
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in _flatten(record).items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+        self._show(record)
+
+    def _show(self, r: dict) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{r['loss']:.4f}", tok_s=f"{r['tokens_per_s']:.0f}")
+            self._bar.update(1)
+            return
+        if r["step"] % self.log_every and r["step"] != self.total_steps:
+            return
+        elapsed = time.monotonic() - self._started
+        eta = elapsed / r["step"] * (self.total_steps - r["step"])
+        print(f"step {r['step']:>5}/{self.total_steps}  loss {r['loss']:.4f}  "
+              f"lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
+              f"tokens/s {r['tokens_per_s']:,.0f}  step {r['step_time_s'] * 1000:.0f} ms  "
+              f"eta {eta:.0f}s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def _tensorboard_writer(path: Path) -> Optional[Any]:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency, but metrics must not die without it
+        return None
+    return SummaryWriter(log_dir=str(path))
+
+
+def _flatten(record: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "/"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All records of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,203 @@
+"""The per-rank training loop: stages, schedule, data, gradient sync, metrics, timeline.
+
+Every rank runs ``train(cfg, groups, run_dir)``. Per optimizer step it loads its DP share of
+the global batch, runs its pipeline rank's action list (forward/backward of micro-batches),
+lets ``GradSync`` reduce, clip and step, and reports metrics reduced over the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.comm import CommCounter
+from hybrid.config import Config
+from hybrid.data import make_dataset, rank_microbatches
+from hybrid.dp import GradSync
+from hybrid.groups import ParallelGroups
+from hybrid.metrics import MetricsWriter, peak_memory_bytes
+from hybrid.model import build_blocks, lm_loss, validate_batch_across
+from hybrid.optim import lr_at
+from hybrid.pipeline.actions import Action
+from hybrid.pipeline.check import check_schedule
+from hybrid.pipeline.plan import partition_for_config
+from hybrid.pipeline.runtime import run_pipeline_step
+from hybrid.pipeline.schedules import add_communication, build_schedule
+from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
+from hybrid.validate import microbatches
+
+
+def build_chunks(cfg: Config, groups: ParallelGroups) -> dict[int, nn.Module]:
+    """This pipeline rank's model chunks: virtual stage id -> ``nn.Sequential`` of blocks."""
+    stages = partition_for_config(cfg)
+    pp, vpp = groups.layout.pp, groups.layout.vpp
+    chunks = {}
+    for chunk in range(vpp):
+        stage = chunk * pp + groups.pp_rank
+        blocks = build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=list(stages[stage]),
+                              sequence_parallel=cfg.parallel.sequence_parallel)
+        chunks[stage] = nn.Sequential(*blocks)
+    return chunks
+
+
+def lowered_schedule(cfg: Config, groups: ParallelGroups) -> list[list[Action]]:
+    """Every pipeline rank's action list with sends/receives, proved safe by the checker."""
+    pp, vpp, m = groups.layout.pp, groups.layout.vpp, microbatches(cfg)
+    lists = add_communication(build_schedule(cfg.parallel.schedule, pp, m, vpp=vpp), pp, vpp)
+    check_schedule(lists, pp, m, vpp)
+    return lists
+
+
+def activation_shape(cfg: Config, groups: ParallelGroups) -> tuple[int, int, int]:
+    """``[s, b, h]`` between stages; the sequence is split over TP with sequence parallelism."""
+    seq = cfg.model.seq_len
+    if cfg.parallel.sequence_parallel:
+        seq //= groups.layout.tp
+    return (seq, cfg.train.micro_batch, cfg.model.hidden)
+
+
+@dataclass
+class StepReport:
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    comm: dict
+    cpu_s: float
+    """CPU seconds of the step summed over all ranks (the cost of parallelism on CPUs)."""
+
+
+class Trainer:
+    """Everything one rank holds for a run; ``run()`` trains ``cfg.train.steps`` steps."""
+
+    def __init__(self, cfg: Config, groups: ParallelGroups, run_dir: Path):
+        self.cfg, self.groups, self.run_dir = cfg, groups, run_dir
+        self.device = groups.device
+        self.chunks = {s: c.to(self.device) for s, c in build_chunks(cfg, groups).items()}
+        self.schedule = lowered_schedule(cfg, groups)
+        self.actions = self.schedule[groups.pp_rank]
+        self.m = microbatches(cfg)
+        self.dataset = make_dataset(cfg.data, cfg.model, cfg.seed)
+        self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg)
+        self.counter = CommCounter(groups)
+        self.act_shape = activation_shape(cfg, groups)
+
+    def _autocast(self):
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t, layout = self.cfg.train, self.groups.layout
+        pairs = rank_microbatches(self.dataset, step - 1, global_batch=t.global_batch,
+                                  micro_batch=t.micro_batch, dp=layout.dp,
+                                  dp_rank=self.groups.dp_rank, seed=self.cfg.seed)
+        # Every model-parallel rank loaded the same micro-batches: check them together, so a
+        # bad batch stops all of them instead of leaving peers waiting in a collective.
+        sp_shards = self.groups.layout.tp if self.cfg.parallel.sequence_parallel else 1
+        validate_batch_across(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]),
+                              self.cfg.model, self.groups.mp, sequence_shards=sp_shards)
+        return [(x.to(self.device), y.to(self.device)) for x, y in pairs]
+
+    def step(self, step: int, recorder=None) -> StepReport:
+        data = self._microbatches(step)
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        self.counter.reset()
+        self.sync.start_step(self.m)
+        with self.counter.track():
+            with self._autocast():
+                loss = run_pipeline_step(
+                    self.actions, self.chunks, data, groups=self.groups,
+                    pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
+                    loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
+                    act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder)
+            grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        comm = self.counter.snapshot()
+        return StepReport(loss=self._global_loss(loss), grad_norm=float(grad_norm), lr=lr,
+                          step_time_s=self._reduce(elapsed, dist.ReduceOp.MAX), comm=comm,
+                          cpu_s=self._reduce(cpu, dist.ReduceOp.SUM))
+
+    def _global_loss(self, loss: Optional[float]) -> float:
+        """The step's loss on the whole global batch: from the last stage, mean over DP."""
+        value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(value, group=self.groups.pp)  # only the last stage holds a loss
+        dist.all_reduce(value, group=self.groups.dp)
+        return value.item() / self.groups.layout.dp
+
+    def _reduce(self, seconds: float, op: dist.ReduceOp) -> float:
+        """Over the whole job: MAX for wall time (the slowest rank), SUM for CPU time."""
+        value = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, op=op)
+        return value.item()
+
+    def _peak_memory(self) -> int:
+        value = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        is_rank0 = dist.get_rank() == 0
+        metrics = MetricsWriter(self.run_dir, cfg.train.steps, enabled=is_rank0,
+                                log_every=cfg.train.log_every)
+        tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        losses, norms = [], []
+        try:
+            for step in range(1, cfg.train.steps + 1):
+                recorder = self._recorder_for(step)
+                report = self.step(step, recorder)
+                losses.append(report.loss)
+                norms.append(report.grad_norm)
+                metrics.write({
+                    "step": step, "loss": report.loss, "lr": report.lr,
+                    "grad_norm": report.grad_norm,
+                    "tokens_per_s": tokens_per_step / report.step_time_s,
+                    "step_time_s": report.step_time_s,
+                    "cpu_s": report.cpu_s,
+                    "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in
+                                   ("dp", "tp", "pp")},
+                    "comm_calls": {axis: report.comm[axis]["calls"] for axis in
+                                   ("dp", "tp", "pp")},
+                    "peak_mem_bytes": self._peak_memory(),
+                })
+                if recorder is not None:
+                    self._write_timeline(recorder, step)
+        finally:
+            metrics.close()
+            self.sync.close()
+        return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir)}
+
+    def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
+        if step != self.cfg.train.timeline_step:
+            return None
+        return ActionRecorder(rank=self.groups.pp_rank)
+
+    def _write_timeline(self, recorder: ActionRecorder, step: int) -> None:
+        """Rank 0's pipeline writes ``timeline.json``/``.png`` and the measured bubble."""
+        pp_ranks = self.groups.ranks["pp"]
+        events = gather_events(recorder.events, group=self.groups.pp, dst=pp_ranks[0])
+        if dist.get_rank() != 0:
+            return
+        layout = self.groups.layout
+        report = write_timeline(events, self.schedule, self.run_dir / "timeline", pp=layout.pp,
+                                m=self.m, vpp=layout.vpp,
+                                title=f"{self.cfg.parallel.schedule} step {step}")
+        (self.run_dir / "timeline_bubble.json").write_text(json.dumps(report, indent=1))
+        print(f"timeline of step {step}: {report['png']} (bubble measured "
+              f"{report['measured']:.1%}, simulated {report['simulated']:.1%})", flush=True)
+
+
+def train(cfg: Config, groups: ParallelGroups, run_dir: Path) -> dict:
+    return Trainer(cfg, groups, run_dir).run()

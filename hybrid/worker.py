@@ -1,0 +1,48 @@
+"""The entry point of every rank: set up torch.distributed from the launcher's environment,
+build the groups and train. ``launch/`` starts this; ``hybrid/`` never imports ``launch/``.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybrid.config import Config, from_dict
+from hybrid.groups import ParallelGroups, backend_for
+from hybrid.validate import validate_config
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""A rank stuck in a collective this long fails instead of hanging the job forever."""
+
+
+def pick_device(cfg: Config) -> torch.device:
+    wanted = cfg.train.device
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("train.device=cuda but CUDA is not available; use train.device=cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def worker_main(cfg_dict: dict, run_dir: str) -> dict:
+    """Train on this rank; returns a summary (losses are known on every rank)."""
+    from hybrid.train import train
+
+    cfg = from_dict(cfg_dict)
+    layout = validate_config(cfg)
+    device = pick_device(cfg)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), timeout=COLLECTIVE_TIMEOUT)
+    try:
+        groups = ParallelGroups.create(layout, device)
+        return train(cfg, groups, Path(run_dir))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""Render the config reference (docs/config.md) from the schema's field docstrings.
+
+    python -m launch.config_reference > docs/config.md
+
+A test regenerates it and compares, so the page cannot drift from ``hybrid/config.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+
+from hybrid import config as schema
+
+SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
+            ("train", schema.TrainConfig), ("data", schema.DataConfig),
+            ("optim", schema.OptimConfig), ("launcher", schema.LauncherConfig)]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal right under it in the class body."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            text = " ".join(str(after.value.value).split())
+            docs[node.target.id] = text.replace("|", "\\|")  # a bare | would end the cell
+    return docs
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "null" if f.default is None else repr(f.default).lower() \
+            if isinstance(f.default, bool) else str(f.default)
+    return "(required)"
+
+
+def render() -> str:
+    lines = ["# Config reference", "",
+             "Generated from `hybrid/config.py` by `python -m launch.config_reference`; every key "
+             "is typed, so a misspelt key or a wrong type fails when Hydra composes the config.",
+             "Override any key on the command line: `hybrid-train parallel.tp=2 train.steps=50`.",
+             ""]
+    top = field_docs(schema.Config)
+    lines += ["## top level", "", "| key | default | meaning |", "| --- | --- | --- |",
+              f"| `seed` | {schema.Config().seed} | {top['seed']} |", ""]
+    for name, cls in SECTIONS:
+        docs = field_docs(cls)
+        lines += [f"## {name}", "", f"Group files: `conf/{name}/*.yaml`.", "",
+                  "| key | default | meaning |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"| `{name}.{f.name}` | {_default(f)} | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

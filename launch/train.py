@@ -1,0 +1,89 @@
+"""``hybrid-train``: compose the config, check everything, then start the ranks.
+
+Nothing starts until the whole config is validated: a bad config exits with status 2 and one
+line on stderr. Then ``dp * tp * pp`` local workers run ``hybrid.worker.worker_main`` under
+torch's elastic agent; if any fails, all stop and the command exits 1 naming the rank.
+
+    hybrid-train                                  # the main job (DP 2 x TP 2 x PP 2)
+    hybrid-train model=tiny parallel=single       # the 1-process reference
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from hybrid.config import Config, to_dict
+from hybrid.data import DataError, validate_data
+from hybrid.layout import LayoutError
+from hybrid.validate import validate_config
+from launch.app import CONF_DIR, exit_user_error, register_schemas, to_dataclass
+
+WORKER_FAILED_EXIT = 1
+INTERRUPTED_EXIT = 130
+WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
+"""Imported once by the fork server, before any worker exists (no torch compute has run)."""
+
+
+def save_resolved_config(cfg: Config, run_dir: Path) -> Path:
+    """The resolved config as JSON; ``hybrid.config.from_dict`` reloads it identically."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.json"
+    path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")
+    return path
+
+
+def launch(cfg: Config, run_dir: Path) -> list:
+    from hybrid.worker import worker_main
+    from launch.local import run_local
+
+    if cfg.launcher.name != "local" or cfg.launcher.nnodes != 1:
+        raise LayoutError(f"launcher.name={cfg.launcher.name} with launcher.nnodes="
+                          f"{cfg.launcher.nnodes} is not available from hybrid-train yet; "
+                          f"use launcher=local on one node")
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
+    return run_local(worker_main, (to_dict(cfg), str(run_dir)), nproc=world,
+                     omp_threads=cfg.launcher.omp_threads,
+                     max_restarts=cfg.launcher.max_restarts, run_dir=run_dir,
+                     start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def _train(dict_cfg: DictConfig) -> None:
+    from launch.local import LaunchInterrupted, WorkerFailure
+
+    cfg = to_dataclass(dict_cfg, Config)
+    try:
+        validate_config(cfg)
+        validate_data(cfg.data, cfg.model, cfg.train)
+    except (LayoutError, DataError) as err:
+        exit_user_error(err)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    save_resolved_config(cfg, run_dir)
+    try:
+        results = launch(cfg, run_dir)
+    except LayoutError as err:
+        exit_user_error(err)
+    except WorkerFailure as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(WORKER_FAILED_EXIT)
+    except (KeyboardInterrupt, LaunchInterrupted) as err:
+        print(f"interrupted: {err}", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
+    losses = results[0]["losses"]
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"run directory: {run_dir}")
+
+
+def main() -> None:
+    register_schemas()
+    _train()
+
+
+if __name__ == "__main__":
+    main()

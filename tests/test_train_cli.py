@@ -1,0 +1,101 @@
+"""hybrid-train's promises about failure: bad configs never start a worker, a crashed worker
+ends the whole run with a non-zero exit and leaves no process behind."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TRAIN = str(Path(sys.executable).parent / "hybrid-train")
+
+BAD = [
+    (["parallel.tp=3"], "parallel.tp=3 does not divide model.heads=4"),
+    (["parallel.pp=8"], "exceeds model.layers=4"),
+    (["parallel.dp=0"], "parallel.dp=0 must be an integer >= 1"),
+    (["train.global_batch=10"], "train.global_batch=10 is not divisible by parallel.dp=2"),
+    (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.schedule=interleaved-1f1b"),
+    (["parallel.schedule=interleaved-1f1b"], "needs parallel.vpp >= 2"),
+    (["parallel.schedule=interleaved-1f1b", "parallel.vpp=2", "model.layers=8",
+      "train.global_batch=12"], "to be a multiple of parallel.pp=2"),
+    (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown"),
+    (["parallel.order=tp-pp-xx"], "parallel.order='tp-pp-xx' is not a permutation"),
+    (["parallel.zero=3"], "parallel.zero=3 is unknown"),
+    (["model.vocab_pad_multiple=1", "model.vocab=255"], "does not divide the padded vocabulary"),
+    (["launcher.nproc_per_node=4"], "but the launcher starts 4 processes"),
+    (["data=tokens", "data.path=/nonexistent/tokens.bin"], "/nonexistent/tokens.bin"),
+    (["train.precision=fp8"], "train.precision='fp8' is unknown"),
+]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("overrides, needle", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_exits_2_with_one_line_and_starts_no_worker(overrides, needle, tmp_path):
+    done = subprocess.run([TRAIN, "model=tiny", f"hydra.run.dir={tmp_path}", *overrides],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], done.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in done.stderr
+    assert not (tmp_path / "workers").exists()  # the launcher never ran
+    assert not (tmp_path / "config.json").exists()
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (task / "children").read_text().split() if task.exists() else []
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)  # polling a condition with a deadline, not synchronising on time
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_killed_worker_ends_the_run_with_its_rank_and_no_leftovers(tmp_path):
+    proc = subprocess.Popen([TRAIN, "model=tiny", "train.steps=1000", f"hydra.run.dir={tmp_path}",
+                             "train.timeline_step=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (tmp_path / "metrics.jsonl").exists()
+                  and (tmp_path / "metrics.jsonl").read_text(), 90, "the first step")
+        family = _descendants(proc.pid)
+        # Workers are the launcher's grandchildren (children of its fork server).
+        workers = [pid for pid in family if _parent_of(pid) != proc.pid]
+        assert len(workers) >= 8, workers
+        os.kill(workers[len(workers) // 2], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr[-2000:]
+    assert re.search(r"^error: rank \d failed: killed by signal SIGKILL", stderr, re.M), stderr
+    _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "all workers to be gone")
