@@ -108,7 +108,9 @@ def _zero_bubble_h1_rank(rank: int, pp: int, m: int) -> list[Action]:
     The critical path runs through F and I only, so each rank does its I as early as 1F1B
     does its B and delays W: rank ``r`` keeps ``r`` weight-gradients pending, which fills the
     cool-down bubble of the earlier ranks. Warm-up forwards plus pending W stay at ``pp - 1``,
-    so activation memory stays that of 1F1B; the bubble shrinks to ``(pp-1)*(F+I-W)``.
+    so every rank holds the activations of at most ``pp`` micro-batches: the first rank's
+    peak, as in 1F1B, now on every rank (1F1B's later ranks hold fewer). The bubble shrinks
+    to ``(pp-1)*(F+I-W)``.
     """
     warmup = min(pp - rank - 1, m)
     delay = rank

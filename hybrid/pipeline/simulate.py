@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybrid.pipeline.actions import FORWARD, Action
+from hybrid.pipeline.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action
 from hybrid.pipeline.check import check_schedule
 from hybrid.pipeline.replay import replay
 
@@ -85,10 +85,9 @@ def simulate(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
 
 
 def peak_inflight(actions: list[Action]) -> int:
-    """Most (stage, micro-batch) pairs of one rank whose F has run and whose B/I has not.
-
-    This bounds the stored activations. The tensors that a pending W still holds (ZB-H1) are
-    not counted: a W needs only the layer inputs and output grads, not the whole activation.
+    """Most (stage, micro-batch) pairs of one rank whose F has run and whose backward has not
+    finished: B, or W when the backward is split (the runtime keeps the graph, and with it
+    the saved activations, from I until W). This bounds the stored activations.
     """
     inflight: set[tuple[int, int]] = set()
     peak = 0
@@ -96,6 +95,6 @@ def peak_inflight(actions: list[Action]) -> int:
         if action.kind == FORWARD:
             inflight.add((action.stage, action.mb))
             peak = max(peak, len(inflight))
-        elif action.is_backward_input:
+        elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
             inflight.discard((action.stage, action.mb))
     return peak
