@@ -7,7 +7,7 @@ bad config never starts a process.
 
 from __future__ import annotations
 
-from hybrid.config import Config
+from hybrid.config import Config, ModelConfig
 from hybrid.layout import Layout, LayoutError, valid_sizes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -27,11 +27,38 @@ def _positive(field: str, value: object) -> None:
         raise LayoutError(f"{field}={value!r} must be an integer >= 1")
 
 
-def _tp_divides(tp: int, field: str, value: int) -> None:
+def valid_tp_sizes(m: ModelConfig) -> list[int]:
+    """TP sizes that split the heads, the MLP and the padded vocabulary evenly."""
+    return [d for d in valid_sizes(m.heads) if m.ffn % d == 0 and m.padded_vocab % d == 0]
+
+
+def _non_negative(field: str, value: float) -> None:
+    if value < 0:
+        raise LayoutError(f"{field}={value} must be >= 0")
+
+
+def _tp_divides(m: ModelConfig, tp: int, field: str, value: int) -> None:
     if value % tp:
-        fits = [d for d in valid_sizes(value) if d <= 64]
+        fits = ", ".join(map(str, valid_tp_sizes(m)))
         raise LayoutError(f"parallel.tp={tp} does not divide {field}={value}; "
-                          f"choose tp in {{{', '.join(map(str, fits))}}}")
+                          f"choose tp in {{{fits}}}")
+
+
+def check_model_shape(m: ModelConfig, tp: int = 1) -> None:
+    """The model's own shape rules, and that ``tp`` splits what tensor parallelism splits."""
+    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad_multiple"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.hidden % m.heads:
+        raise LayoutError(f"model.heads={m.heads} does not divide model.hidden={m.hidden}; "
+                          f"choose heads in {{{', '.join(map(str, valid_sizes(m.hidden)))}}}")
+    _positive("model.ffn_hidden", m.ffn)
+    _tp_divides(m, tp, "model.heads", m.heads)
+    _tp_divides(m, tp, "model.ffn_hidden", m.ffn)
+    if m.padded_vocab % tp:
+        raise LayoutError(
+            f"parallel.tp={tp} does not divide the padded vocabulary {m.padded_vocab} "
+            f"(model.vocab={m.vocab} padded to a multiple of model.vocab_pad_multiple="
+            f"{m.vocab_pad_multiple}); set model.vocab_pad_multiple to a multiple of {tp}")
 
 
 def validate_config(cfg: Config) -> Layout:
@@ -54,6 +81,16 @@ def _check_names(cfg: Config) -> None:
     _choose("train.device", cfg.train.device, DEVICES)
     _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
     _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
+    _choose("optim.name", cfg.optim.name, ("adamw",))
+    for field in ("lr", "min_lr", "weight_decay", "eps"):
+        _non_negative(f"optim.{field}", getattr(cfg.optim, field))
+    _non_negative("optim.warmup_steps", cfg.optim.warmup_steps)
+    for field in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg.optim, field) < 1:
+            raise LayoutError(f"optim.{field}={getattr(cfg.optim, field)} must be in [0, 1)")
+    _non_negative("train.grad_clip", cfg.train.grad_clip)
+    _non_negative("train.timeline_step", cfg.train.timeline_step)
+    _positive("train.log_every", cfg.train.log_every)
     if cfg.parallel.bucket_mb <= 0:
         raise LayoutError(f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be > 0 "
                           f"(torch DDP uses 25)")
@@ -61,20 +98,7 @@ def _check_names(cfg: Config) -> None:
 
 def _check_model(cfg: Config, layout: Layout) -> None:
     m = cfg.model
-    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad_multiple"):
-        _positive(f"model.{name}", getattr(m, name))
-    if m.hidden % m.heads:
-        raise LayoutError(f"model.heads={m.heads} does not divide model.hidden={m.hidden}; "
-                          f"choose heads in {{{', '.join(map(str, valid_sizes(m.hidden)))}}}")
-    _positive("model.ffn_hidden", m.ffn)
-    _tp_divides(layout.tp, "model.heads", m.heads)
-    _tp_divides(layout.tp, "model.hidden", m.hidden)
-    _tp_divides(layout.tp, "model.ffn_hidden", m.ffn)
-    if m.padded_vocab % layout.tp:
-        raise LayoutError(
-            f"parallel.tp={layout.tp} does not divide the padded vocabulary {m.padded_vocab} "
-            f"(model.vocab={m.vocab} padded to a multiple of model.vocab_pad_multiple="
-            f"{m.vocab_pad_multiple}); set model.vocab_pad_multiple to a multiple of {layout.tp}")
+    check_model_shape(m, layout.tp)
     if cfg.parallel.sequence_parallel and m.seq_len % layout.tp:
         raise LayoutError(f"parallel.sequence_parallel=true needs model.seq_len={m.seq_len} "
                           f"divisible by parallel.tp={layout.tp}; change seq_len or tp")

@@ -6,12 +6,15 @@ dataclasses of ``hybrid.config`` right at the edge.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hybrid.config import Config, PlanConfig
 
@@ -34,7 +37,30 @@ def to_dataclass(cfg: DictConfig, cls: type[T]) -> T:
     return obj
 
 
-def exit_user_error(err: Exception) -> NoReturn:
+def run_hydra_app(app: Callable[[], None]) -> None:
+    """Run a ``@hydra.main`` app so that composition errors (a misspelt key, a wrong type, an
+    unknown preset) follow the user-error contract too: one line, exit status 2. Errors raised
+    inside the app itself keep their traceback: they are bugs, not user errors."""
+    register_schemas()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra re-raise instead of printing and exiting
+    try:
+        app()
+    except (HydraException, OmegaConfBaseException) as err:
+        exit_user_error(_first_lines(err))
+
+
+def _first_lines(err: BaseException) -> str:
+    """``Could not override 'parallel.tpp'. Key 'tpp' not in 'ParallelConfig'``."""
+    parts = []
+    while err is not None and len(parts) < 2:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if first and first not in parts:
+            parts.append(first)
+        err = err.__cause__
+    return " ".join(parts)
+
+
+def exit_user_error(err: Exception | str) -> NoReturn:
     """One line on stderr, no traceback, exit status 2: the contract for every user error."""
     message = " ".join(str(err).split("\n"))
     print(f"error: {message}", file=sys.stderr)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from hybrid.config import PlanConfig
 from hybrid.layout import LayoutError
 from hybrid.plan import build_plan, format_plan
-from launch.app import CONF_DIR, exit_user_error, register_schemas, to_dataclass
+from launch.app import CONF_DIR, exit_user_error, run_hydra_app, to_dataclass
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan", version_base="1.3")
@@ -34,8 +34,7 @@ def _plan(dict_cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_schemas()
-    _plan()
+    run_hydra_app(_plan)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ torch's elastic agent; if any fails, all stop and the command exits 1 naming the
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from hybrid.config import Config, to_dict
 from hybrid.data import DataError, validate_data
 from hybrid.layout import LayoutError
 from hybrid.validate import validate_config
-from launch.app import CONF_DIR, exit_user_error, register_schemas, to_dataclass
+from launch.app import CONF_DIR, exit_user_error, run_hydra_app, to_dataclass
 
 WORKER_FAILED_EXIT = 1
 INTERRUPTED_EXIT = 130
+MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
 
@@ -38,15 +40,28 @@ def save_resolved_config(cfg: Config, run_dir: Path) -> Path:
     return path
 
 
+def check_launchable(cfg: Config) -> None:
+    """What this machine and this launcher can run (hybrid-plan may plan more than that)."""
+    if cfg.launcher.name != "local" or cfg.launcher.nnodes != 1:
+        raise LayoutError(f"launcher.name={cfg.launcher.name} with launcher.nnodes="
+                          f"{cfg.launcher.nnodes} cannot be started by hybrid-train yet; use "
+                          f"launcher=local on one node (hybrid-plan can still plan it)")
+    if cfg.train.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise LayoutError("train.device=cuda but CUDA is not available here; use "
+                              "train.device=cpu or train.device=auto")
+
+
 def launch(cfg: Config, run_dir: Path) -> list:
     from hybrid.worker import worker_main
     from launch.local import run_local
 
-    if cfg.launcher.name != "local" or cfg.launcher.nnodes != 1:
-        raise LayoutError(f"launcher.name={cfg.launcher.name} with launcher.nnodes="
-                          f"{cfg.launcher.nnodes} is not available from hybrid-train yet; "
-                          f"use launcher=local on one node")
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
+    # Read when the fork server's interpreter starts, before it imports megatron-core, which
+    # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
+    os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
     return run_local(worker_main, (to_dict(cfg), str(run_dir)), nproc=world,
                      omp_threads=cfg.launcher.omp_threads,
                      max_restarts=cfg.launcher.max_restarts, run_dir=run_dir,
@@ -60,6 +75,7 @@ def _train(dict_cfg: DictConfig) -> None:
     cfg = to_dataclass(dict_cfg, Config)
     try:
         validate_config(cfg)
+        check_launchable(cfg)
         validate_data(cfg.data, cfg.model, cfg.train)
     except (LayoutError, DataError) as err:
         exit_user_error(err)
@@ -67,8 +83,6 @@ def _train(dict_cfg: DictConfig) -> None:
     save_resolved_config(cfg, run_dir)
     try:
         results = launch(cfg, run_dir)
-    except LayoutError as err:
-        exit_user_error(err)
     except WorkerFailure as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(WORKER_FAILED_EXIT)
@@ -81,8 +95,7 @@ def _train(dict_cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_schemas()
-    _train()
+    run_hydra_app(_train)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,13 @@ def test_invalid_config_exits_2_with_one_line_and_no_traceback(overrides, needle
     assert time.monotonic() - start < 30  # "within a few seconds" on an idle machine
 
 
-def test_misspelt_key_and_wrong_type_fail_at_composition():
-    typo = plan("parallel.tpp=2")
-    assert typo.returncode != 0 and "tpp" in typo.stderr
-    wrong = plan("parallel.tp=two")
-    assert wrong.returncode != 0 and "parallel.tp" in wrong.stderr
+@pytest.mark.parametrize("override, needle", [
+    ("parallel.tpp=2", "Key 'tpp' not in 'ParallelConfig'"),
+    ("parallel.tp=two", "Value 'two' of type 'str' could not be converted to Integer"),
+    ("model=huge", "Could not find 'model/huge'"),
+])
+def test_misspelt_key_wrong_type_or_unknown_preset_fail_at_composition(override, needle):
+    out = plan(override)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr

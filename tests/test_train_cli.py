@@ -29,6 +29,10 @@ BAD = [
     (["launcher.nproc_per_node=4"], "but the launcher starts 4 processes"),
     (["data=tokens", "data.path=/nonexistent/tokens.bin"], "/nonexistent/tokens.bin"),
     (["train.precision=fp8"], "train.precision='fp8' is unknown"),
+    (["optim.name=sgd"], "optim.name='sgd' is unknown; choose one of adamw"),
+    (["optim.lr=-0.1"], "optim.lr=-0.1 must be >= 0"),
+    (["launcher.nnodes=2"], "cannot be started by hybrid-train yet"),
+    (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
 ]
 
 pytestmark = pytest.mark.timeout(120)

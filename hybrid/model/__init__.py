@@ -13,7 +13,7 @@ _EXPORTS = {
     "hybrid.model.blocks": ["EmbeddingBlock", "TransformerLayer", "HeadBlock"],
     "hybrid.model.cross_entropy": ["vocab_parallel_cross_entropy"],
     "hybrid.model.inputs": ["ModelInputError", "validate_batch", "validate_batch_across"],
-    "hybrid.model.shapes": ["ModelConfigError", "param_count", "layer_param_count",
+    "hybrid.model.shapes": ["param_count", "layer_param_count",
                             "check_model_config", "check_model_fits", "valid_tp_sizes"],
     "hybrid.model.shards": ["gather_tp_param"],
     "hybrid.model.sequence_parallel": [

@@ -14,11 +14,10 @@ from __future__ import annotations
 from hybrid.config import ModelConfig
 from hybrid.cost import layer_params
 from hybrid.cost import param_count as total_params
-from hybrid.layout import LayoutError, valid_sizes
+from hybrid.validate import check_model_shape, valid_tp_sizes
 
-
-class ModelConfigError(ValueError):
-    """A model shape that cannot be built (e.g. hidden not divisible by heads)."""
+__all__ = ["param_count", "layer_param_count", "check_model_config", "check_model_fits",
+           "valid_tp_sizes"]
 
 
 def layer_param_count(cfg: ModelConfig) -> int:
@@ -32,28 +31,10 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def check_model_config(cfg: ModelConfig) -> None:
-    """Shape rules that hold on any layout."""
-    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad_multiple", "ffn"):
-        if getattr(cfg, name) < 1:
-            raise ModelConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.hidden % cfg.heads:
-        raise ModelConfigError(f"model.hidden={cfg.hidden} is not divisible by "
-                               f"model.heads={cfg.heads}; choose heads in "
-                               f"{valid_sizes(cfg.hidden)[:12]}")
-
-
-def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
-    """TP sizes that split heads, the MLP and the padded vocabulary evenly."""
-    return [d for d in valid_sizes(cfg.heads)
-            if cfg.ffn % d == 0 and cfg.padded_vocab % d == 0]
+    """Shape rules that hold on any layout (``hybrid.validate`` owns the rules)."""
+    check_model_shape(cfg, 1)
 
 
 def check_model_fits(cfg: ModelConfig, tp: int) -> None:
-    """``check_model_config``, then ``LayoutError`` unless ``tp`` divides what it splits."""
-    check_model_config(cfg)
-    splits = {"model.heads": cfg.heads, "model.ffn": cfg.ffn,
-              "the padded vocabulary": cfg.padded_vocab}
-    for what, size in splits.items():
-        if size % tp:
-            raise LayoutError(f"parallel.tp={tp} does not divide {what}={size}; "
-                              f"choose tp in {valid_tp_sizes(cfg)}")
+    """``LayoutError`` unless the model is well formed and ``tp`` divides what it splits."""
+    check_model_shape(cfg, tp)
