@@ -87,17 +87,25 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def estimate_memory(m: ModelConfig, blocks: list[int], *, tp: int, dp: int, zero: int,
+def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int, zero: int,
                     micro_batch: int, inflight: int, sp: bool, precision: str,
                     embedding_copy: bool = False) -> MemoryEstimate:
-    """Bytes on one rank holding ``blocks``: fp32 weights and gradients, AdamW's two fp32
-    moments (sharded over DP with ZeRO-1; bf16 adds no master copy since weights stay fp32),
-    and the activations of ``inflight`` micro-batches kept for backward."""
+    """Bytes on one rank holding the blocks of ``chunks`` (one block list per virtual chunk):
+    fp32 weights and gradients, AdamW's two fp32 moments (sharded over DP with ZeRO-1; bf16
+    adds no master copy since weights stay fp32), and the activations of ``inflight``
+    (chunk, micro-batch) pairs kept for backward, each holding one chunk's layers (the largest
+    chunk, to stay on the safe side). With ``m.recompute`` a layer keeps only its input, plus
+    one layer's full activations while it is recomputed."""
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
-    params = sum(per_block[i].per_rank(tp) for i in blocks)
-    layers = sum(1 for i in blocks if 1 <= i <= m.layers)
+    params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)
     optimizer = 2 * 4 * params // (dp if zero >= 1 else 1)
-    act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision) * layers * inflight
+    layers = max((sum(1 for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
+    full_layer = activation_bytes_per_layer(m, micro_batch, tp, sp, precision)
+    if m.recompute:
+        layer_input = m.seq_len * micro_batch * m.hidden * BYTES[precision] / (tp if sp else 1)
+        act = layer_input * layers * inflight + (full_layer if layers else 0)
+    else:
+        act = full_layer * layers * inflight
     return MemoryEstimate(params=params, param_bytes=4 * params, grad_bytes=4 * params,
                           optimizer_bytes=optimizer, activation_bytes=int(act))
 

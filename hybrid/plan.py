@@ -14,14 +14,13 @@ from hybrid.validate import microbatches, ranks_per_node, validate_config
 GROUP_KEYS = ("tp", "dp", "pp", "tp-pp", "embedding")
 
 
-def stage_blocks(cfg: Config) -> list[list[int]]:
-    """Block ids held by each pipeline rank (all its virtual chunks together)."""
+def stage_blocks(cfg: Config) -> list[list[list[int]]]:
+    """Per pipeline rank, the block ids of each of its virtual chunks."""
     from hybrid.pipeline.plan import partition_for_config
 
     stages = partition_for_config(cfg)
     pp = cfg.parallel.pp
-    return [[b for s, rng in enumerate(stages) if s % pp == rank for b in rng]
-            for rank in range(pp)]
+    return [[list(rng) for s, rng in enumerate(stages) if s % pp == rank] for rank in range(pp)]
 
 
 def build_plan(cfg: Config) -> dict:
@@ -56,9 +55,10 @@ def _pipeline_section(cfg: Config, layout: Layout) -> dict:
     blocks = stage_blocks(cfg)
     summary = schedule_summary(cfg)
     memory = []
-    for pp_rank, held in enumerate(blocks):
+    for pp_rank, chunks in enumerate(blocks):
+        held = [b for chunk in chunks for b in chunk]
         est = estimate_memory(
-            cfg.model, held, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
+            cfg.model, chunks, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
             micro_batch=cfg.train.micro_batch, inflight=summary["peak_inflight"][pp_rank],
             sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
             embedding_copy=cfg.model.tie_embeddings and 0 not in held)
