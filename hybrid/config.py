@@ -1,5 +1,9 @@
 """The typed schema of ``conf/``: plain keyword-only dataclasses.
 
+Defaults here equal what ``conf/`` ships (model ``tiny``, the main job's train and optim
+settings), except the layout, which ``conf/base.yaml`` sets to DP 2 x TP 2 x PP 2 and the
+model preset, which it sets to ``small``: ``docs/config.md`` shows the composed values.
+
 Hydra composes the YAML files into these (they are registered in its ConfigStore by
 ``launch/``), so a misspelt key or a wrong type fails at composition time. Everything inside
 ``hybrid/`` receives these dataclasses, never an OmegaConf ``DictConfig``.
@@ -40,9 +44,9 @@ class ParallelConfig:
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for display."""
-    layers: int = 2
+    layers: int = 4
     """Number of transformer layers."""
-    hidden: int = 64
+    hidden: int = 32
     """Hidden size h."""
     heads: int = 4
     """Attention heads; must divide hidden."""
@@ -53,7 +57,7 @@ class ModelConfig:
     vocab_pad_multiple: int = 64
     """The vocabulary is padded up to a multiple of this (independent of TP, so every layout
     trains the same model); tp must divide the padded size."""
-    seq_len: int = 64
+    seq_len: int = 32
     """Maximum sequence length (rows of the learned position table); also the training length."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer (GPT-2 style)."""
@@ -76,7 +80,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 20
+    steps: int = 120
     """Optimizer steps to run."""
     global_batch: int = 16
     """Sequences per optimizer step, summed over all DP replicas and micro-batches."""
@@ -88,9 +92,9 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables clipping."""
     device: str = "auto"
     """auto (CUDA if available, else CPU) | cpu | cuda."""
-    log_every: int = 1
+    log_every: int = 10
     """Print a log line every this many steps."""
-    timeline_step: int = 2
+    timeline_step: int = 3
     """Record the pipeline timeline of this step (1-based); 0 disables it."""
 
 
@@ -111,11 +115,11 @@ class DataConfig:
 class OptimConfig:
     name: str = "adamw"
     """Only AdamW for now."""
-    lr: float = 1e-3
+    lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 1e-4
+    min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 2
+    warmup_steps: int = 10
     """Linear warm-up steps."""
     weight_decay: float = 0.1
     """Decoupled weight decay for matrices (not norms, biases or position tables)."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hybrid.layout import Layout, LayoutError
 
-GROUP_AXES = ("dp", "tp", "pp", "tp-pp", "tp-dp", "embedding")
+GROUP_AXES = ("dp", "tp", "pp", "tp-pp", "embedding")
 
 
 def default_device() -> torch.device:

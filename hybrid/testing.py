@@ -77,6 +77,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> 
             return _collect(procs, results, world_size, timeout)
         finally:
             _kill(procs)
+            results.close()
+            results.join_thread()
 
 
 def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list[Any]:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.config import Config, from_dict
-from hybrid.groups import ParallelGroups, backend_for
+from hybrid.groups import ParallelGroups, backend_for, default_device
 from hybrid.validate import validate_config
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -20,12 +20,13 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 
 def pick_device(cfg: Config) -> torch.device:
-    wanted = cfg.train.device
-    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("train.device=cuda but CUDA is not available; use train.device=cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    """``train.device``: auto takes this process's GPU when CUDA is available, else the CPU."""
+    if cfg.train.device == "cpu":
+        return torch.device("cpu")
+    device = default_device()
+    if cfg.train.device == "cuda" and device.type != "cuda":
+        raise ValueError("train.device=cuda but CUDA is not available; use train.device=cpu")
+    return device
 
 
 def worker_main(cfg_dict: dict, run_dir: str) -> dict:

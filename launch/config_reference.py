@@ -31,11 +31,22 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return "null" if f.default is None else repr(f.default).lower() \
-            if isinstance(f.default, bool) else str(f.default)
-    return "(required)"
+def composed_defaults() -> dict:
+    """``conf/config.yaml`` composed with no overrides: what ``hybrid-train`` runs."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from launch.app import CONF_DIR, register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_container(compose(config_name="config"), resolve=True)
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def render() -> str:
@@ -43,16 +54,18 @@ def render() -> str:
              "Generated from `hybrid/config.py` by `python -m launch.config_reference`; every key "
              "is typed, so a misspelt key or a wrong type fails when Hydra composes the config.",
              "Override any key on the command line: `hybrid-train parallel.tp=2 train.steps=50`.",
+             "Defaults are those of the main job (`conf/config.yaml` composed with no overrides).",
              ""]
-    top = field_docs(schema.Config)
+    top, defaults = field_docs(schema.Config), composed_defaults()
     lines += ["## top level", "", "| key | default | meaning |", "| --- | --- | --- |",
-              f"| `seed` | {schema.Config().seed} | {top['seed']} |", ""]
+              f"| `seed` | {defaults['seed']} | {top['seed']} |", ""]
     for name, cls in SECTIONS:
         docs = field_docs(cls)
         lines += [f"## {name}", "", f"Group files: `conf/{name}/*.yaml`.", "",
                   "| key | default | meaning |", "| --- | --- | --- |"]
         for f in dataclasses.fields(cls):
-            lines.append(f"| `{name}.{f.name}` | {_default(f)} | {docs.get(f.name, '')} |")
+            value = _show(defaults[name][f.name])
+            lines.append(f"| `{name}.{f.name}` | {value} | {docs.get(f.name, '')} |")
         lines.append("")
     return "\n".join(lines)
 

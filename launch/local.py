@@ -2,7 +2,7 @@
 
 ``run_local(fn, args, nproc=4, run_dir=...)`` is ``torchrun --standalone --nproc-per-node=4``
 done in-process: a c10d rendezvous on ``localhost:0`` (a free port, never a fixed one), workers
-started with ``spawn``, each given the usual torchrun variables (``RANK``, ``WORLD_SIZE``,
+started with ``spawn`` or ``forkserver``, each given the usual torchrun variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) so it can call
 ``torch.distributed.init_process_group(backend)`` itself. It returns the per-rank results.
 
@@ -93,11 +93,12 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     then pays one torch import instead of eight). Raises ``WorkerFailure`` when a worker fails,
     ``KeyboardInterrupt`` on Ctrl-C, ``LaunchInterrupted`` on other termination signals.
 
-    ``start_method="forkserver"`` starts workers faster when the main module imports torch
-    (they fork from a server that imported it once), but they then inherit that server's
-    state from when it started, not the launcher's current one; ``spawn`` is the safe default.
+    Forked workers inherit the fork server's state from when it started (its environment
+    and preloaded modules), not the launcher's current one: ``spawn`` is this function's
+    default for arbitrary callers; ``hybrid-train`` uses the fork server
+    (``launcher.start_method``), whose environment it sets before the first launch.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -113,7 +114,10 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         start_method=start_method, monitor_interval=0.1, shutdown_timeout=shutdown_timeout_s,
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(os.fspath(run_dir), "workers")))
+        # Rank 0 speaks on the console; the others into their log files only, so that eight
+        # workers' start-up chatter does not bury the progress lines.
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(os.fspath(run_dir), "workers"),
+                                    redirects={r: Std.ALL for r in range(1, nproc)}))
     threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
     if start_method == "forkserver" and preload:
         import multiprocessing

@@ -43,6 +43,14 @@ def losses_of(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
+def assert_same_losses(losses: list[float], reference: list[float]) -> None:
+    """DESIGN's fp32 tolerance: relative 1e-5 at step 1, 1e-4 after (rounding differs by
+    layout: sums are split over ranks and re-associated)."""
+    assert len(losses) == len(reference) == STEPS
+    assert losses[0] == pytest.approx(reference[0], rel=1e-5)
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, list[float]]:
     """1-process losses, untied and tied."""
@@ -60,7 +68,7 @@ def reference(tmp_path_factory) -> dict[str, list[float]]:
 def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     done = run_train(tmp_path, *LAYOUTS[name])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert losses_of(tmp_path) == pytest.approx(reference["untied"], rel=1e-4)
+    assert_same_losses(losses_of(tmp_path), reference["untied"])
     assert "run directory: " + str(tmp_path) in done.stdout
 
 
@@ -68,7 +76,7 @@ def test_tied_embeddings_with_sequence_parallel_on_2x2x2(reference, tmp_path):
     """Tied embedding grads are summed over the first and last stage (embedding group)."""
     done = run_train(tmp_path, *TIED, "parallel.sequence_parallel=true")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert losses_of(tmp_path) == pytest.approx(reference["tied"], rel=1e-4)
+    assert_same_losses(losses_of(tmp_path), reference["tied"])
     assert reference["tied"] != pytest.approx(reference["untied"], rel=1e-4)
 
 
