@@ -7,8 +7,10 @@ Every layout trains the same model on the same global batch through the real ``h
 ``metrics.jsonl`` is a step's CPU time summed over all ranks; the table shows its median over
 the steps after ``--skip`` warm-up steps, and the ratio to the 1-process run (1.0 = free
 parallelism; above 1 is the overhead paid in communication, bubbles and duplicated work such
-as TP-replicated norms). Wall time per step is printed too, but on a 2-core machine 8 ranks
-mostly wait for cores, so CPU time is the fair measure there.
+as TP-replicated norms). Every rank runs one intra-op thread (``launcher.omp_threads=1``),
+the 1-process run included, so the ratio compares the same kind of work. Wall time per step is
+printed too, but on a 2-core machine 8 ranks mostly wait for cores, so CPU time is the fair
+measure there.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def run(name: str, overrides: list[str], args: argparse.Namespace) -> tuple[int,
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [TRAIN, f"model={args.model}", "model.layers=8", f"train.steps={args.steps}",
                "train.global_batch=16", "train.micro_batch=2", "train.timeline_step=0",
-               "train.log_every=1000", f"hydra.run.dir={tmp}", *overrides]
+               "train.log_every=1000", "launcher.omp_threads=1", f"hydra.run.dir={tmp}",
+               *overrides]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
