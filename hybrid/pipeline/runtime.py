@@ -143,10 +143,10 @@ class _Step:
                 if action is not None:
                     self.sends.release_finished()
                     self._wait_inputs(action)  # outside the timed span: a wait is not work
-                    start = time.time()
+                    start = self._now()
                     with self._precision(action):
                         compute[action.kind](action.stage, action.mb)
-                    self._record(action, start, time.time())
+                    self._record(action, start, self._now())
         except BaseException:
             self.sends.abandon()  # a peer may never receive them: do not wait
             raise
@@ -156,6 +156,13 @@ class _Step:
         if not self.losses:
             return None
         return float(torch.stack(self.losses).sum())
+
+    def _now(self) -> float:
+        """Wall-clock time; when recording on CUDA, after the queued kernels have finished
+        (only then does a span measure the work, not its launch)."""
+        if self.recorder is not None and self.groups.device.type == "cuda":
+            torch.cuda.synchronize(self.groups.device)
+        return time.time()
 
     def _precision(self, action: Action):
         """Backwards run outside any autocast region the caller wrapped the step in, as
