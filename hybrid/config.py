@@ -12,6 +12,7 @@ Hydra composes the YAML files into these (they are registered in its ConfigStore
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -173,17 +174,11 @@ def to_dict(cfg: Any) -> dict:
 
 def from_dict(data: dict, cls: type = Config) -> Any:
     """Rebuild a (nested) config dataclass from ``to_dict`` output; unknown keys are errors."""
+    types = typing.get_type_hints(cls)
     kwargs = {}
-    names = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
-        if key not in names:
+        if key not in types:
             raise ValueError(f"unknown config key {cls.__name__}.{key}")
-        sub = _dataclass_type(cls, key)
-        kwargs[key] = from_dict(value, sub) if sub is not None else value
+        nested = types[key]
+        kwargs[key] = from_dict(value, nested) if dataclasses.is_dataclass(nested) else value
     return cls(**kwargs)
-
-
-def _dataclass_type(cls: type, name: str) -> Optional[type]:
-    hints = {"parallel": ParallelConfig, "model": ModelConfig, "train": TrainConfig,
-             "data": DataConfig, "optim": OptimConfig, "launcher": LauncherConfig}
-    return hints.get(name) if issubclass(cls, Config) else None

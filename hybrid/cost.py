@@ -46,18 +46,12 @@ def block_params(m: ModelConfig, *, head_owns_embedding_copy: bool = False) -> l
 
 
 def param_count(m: ModelConfig) -> int:
-    """Exact parameter count of the 1-process model (padded vocabulary)."""
-    return sum(b.total for b in block_params(m))
+    """Exact parameter count of the 1-process model (padded vocabulary V).
 
-
-def standard_formula(m: ModelConfig) -> float:
-    """12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)) with V the padded vocabulary (Narayanan et al.).
-
-    It counts one V×h matrix and no final norm: ``param_count`` equals it plus 2h for a tied
-    model, plus V·h more for an untied one.
+    Against the standard formula 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), which counts one V×h
+    matrix and no final norm: formula + 2h when tied, + V·h more when untied.
     """
-    l, h = m.layers, m.hidden
-    return 12 * l * h * h * (1 + 13 / (12 * h) + (m.padded_vocab + m.seq_len) / (12 * l * h))
+    return sum(b.total for b in block_params(m))
 
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool,

@@ -59,7 +59,7 @@ def _pipeline_section(cfg: Config, layout: Layout) -> dict:
         held = [b for chunk in chunks for b in chunk]
         est = estimate_memory(
             cfg.model, chunks, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
-            micro_batch=cfg.train.micro_batch, inflight=summary["peak_inflight"][pp_rank],
+            micro_batch=cfg.train.micro_batch, inflight=summary["schedule"]["peak_inflight"][pp_rank],
             sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
             embedding_copy=cfg.model.tie_embeddings and 0 not in held)
         memory.append({"pp_rank": pp_rank, "params": est.params, "param_bytes": est.param_bytes,

@@ -24,7 +24,7 @@ from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
-from hybrid.model import build_blocks, lm_loss, validate_batch_across
+from hybrid.model import build_blocks, lm_loss
 from hybrid.optim import lr_at
 from hybrid.pipeline.actions import Action
 from hybrid.pipeline.check import check_schedule
@@ -73,6 +73,8 @@ class StepReport:
     comm: dict
     cpu_s: float
     """CPU seconds of the step summed over all ranks (the cost of parallelism on CPUs)."""
+    peak_mem_bytes: int
+    """The largest peak memory of any rank so far."""
 
 
 class Trainer:
@@ -100,11 +102,9 @@ class Trainer:
         pairs = rank_microbatches(self.dataset, step - 1, global_batch=t.global_batch,
                                   micro_batch=t.micro_batch, dp=layout.dp,
                                   dp_rank=self.groups.dp_rank, seed=self.cfg.seed)
-        # Every model-parallel rank loaded the same micro-batches: check them together, so a
-        # bad batch stops all of them instead of leaving peers waiting in a collective.
-        sp_shards = self.groups.layout.tp if self.cfg.parallel.sequence_parallel else 1
-        validate_batch_across(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]),
-                              self.cfg.model, self.groups.mp, sequence_shards=sp_shards)
+        # No per-step id check here: validate_data scanned the token file before launch and
+        # the dataset checks each window as it reads it (every model-parallel rank reads the
+        # same windows, so a bad one stops them all alike).
         return [(x.to(self.device), y.to(self.device)) for x, y in pairs]
 
     def step(self, step: int, recorder=None) -> StepReport:
@@ -123,9 +123,12 @@ class Trainer:
             grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         comm = self.counter.snapshot()
+        slowest, peak = self._all_reduce([elapsed, peak_memory_bytes(self.device)],
+                                         dist.ReduceOp.MAX)
+        (cpu_total,) = self._all_reduce([cpu], dist.ReduceOp.SUM)
         return StepReport(loss=self._global_loss(loss), grad_norm=float(grad_norm), lr=lr,
-                          step_time_s=self._reduce(elapsed, dist.ReduceOp.MAX), comm=comm,
-                          cpu_s=self._reduce(cpu, dist.ReduceOp.SUM))
+                          step_time_s=slowest, comm=comm, cpu_s=cpu_total,
+                          peak_mem_bytes=int(peak))
 
     def _global_loss(self, loss: Optional[float]) -> float:
         """The step's loss on the whole global batch: from the last stage, mean over DP."""
@@ -135,17 +138,11 @@ class Trainer:
         dist.all_reduce(value, group=self.groups.dp)
         return value.item() / self.groups.layout.dp
 
-    def _reduce(self, seconds: float, op: dist.ReduceOp) -> float:
-        """Over the whole job: MAX for wall time (the slowest rank), SUM for CPU time."""
-        value = torch.tensor([seconds], dtype=torch.float64, device=self.device)
-        dist.all_reduce(value, op=op)
-        return value.item()
-
-    def _peak_memory(self) -> int:
-        value = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64,
-                             device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        """Over the whole job: MAX for wall time and memory (the worst rank), SUM for CPU."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=op)
+        return tensor.tolist()
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -170,7 +167,7 @@ class Trainer:
                                    ("dp", "tp", "pp")},
                     "comm_calls": {axis: report.comm[axis]["calls"] for axis in
                                    ("dp", "tp", "pp")},
-                    "peak_mem_bytes": self._peak_memory(),
+                    "peak_mem_bytes": report.peak_mem_bytes,
                 })
                 if recorder is not None:
                     self._write_timeline(recorder, step)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from hybrid.config import Config, ModelConfig
 from hybrid.layout import Layout, LayoutError, valid_sizes
+from hybrid.pipeline.schedules import SCHEDULE_NAMES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PARTITIONS = ("uniform", "balanced")
@@ -74,7 +74,7 @@ def validate_config(cfg: Config) -> Layout:
 
 
 def _check_names(cfg: Config) -> None:
-    _choose("parallel.schedule", cfg.parallel.schedule, SCHEDULES)
+    _choose("parallel.schedule", cfg.parallel.schedule, SCHEDULE_NAMES)
     _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
     _choose("parallel.zero", cfg.parallel.zero, (0, 1))
     _choose("train.precision", cfg.train.precision, PRECISIONS)

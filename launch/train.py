@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from hybrid.config import Config, to_dict
 from hybrid.data import DataError, validate_data
-from hybrid.layout import LayoutError
+from hybrid.layout import Layout, LayoutError
 from hybrid.validate import validate_config
 from launch.app import CONF_DIR, exit_user_error, run_hydra_app, to_dataclass
 
@@ -54,15 +54,14 @@ def check_launchable(cfg: Config) -> None:
                               "train.device=cpu or train.device=auto")
 
 
-def launch(cfg: Config, run_dir: Path) -> list:
+def launch(cfg: Config, layout: Layout, run_dir: Path) -> list:
     from hybrid.worker import worker_main
     from launch.local import run_local
 
-    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
     # Read when the fork server's interpreter starts, before it imports megatron-core, which
     # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
     os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
-    return run_local(worker_main, (to_dict(cfg), str(run_dir)), nproc=world,
+    return run_local(worker_main, (to_dict(cfg), str(run_dir)), nproc=layout.world_size,
                      omp_threads=cfg.launcher.omp_threads,
                      max_restarts=cfg.launcher.max_restarts, run_dir=run_dir,
                      start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
@@ -74,7 +73,7 @@ def _train(dict_cfg: DictConfig) -> None:
 
     cfg = to_dataclass(dict_cfg, Config)
     try:
-        validate_config(cfg)
+        layout = validate_config(cfg)
         check_launchable(cfg)
         validate_data(cfg.data, cfg.model, cfg.train)
     except (LayoutError, DataError) as err:
@@ -82,7 +81,7 @@ def _train(dict_cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     save_resolved_config(cfg, run_dir)
     try:
-        results = launch(cfg, run_dir)
+        results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(WORKER_FAILED_EXIT)

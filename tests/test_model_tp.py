@@ -17,10 +17,11 @@ from hybrid.config import ModelConfig
 from hybrid.groups import ParallelGroups
 from hybrid.layout import Layout, LayoutError
 from hybrid.model import (
-    GPT, ModelInputError, allreduce_sequence_parallel_grads, build_blocks, check_model_fits,
+    GPT, ModelInputError, allreduce_sequence_parallel_grads, build_blocks,
     gather_tp_param, num_blocks, validate_batch,
 )
 from hybrid.testing import spawn
+from hybrid.validate import check_model_shape
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -257,4 +258,4 @@ def test_validate_batch_checks_sequence_shards_and_labels():
 
 def test_tp_that_does_not_divide_the_model_is_a_layout_error():
     with pytest.raises(LayoutError, match=r"parallel.tp=3 does not divide model.heads=4"):
-        check_model_fits(ModelConfig(**TINY), 3)
+        check_model_shape(ModelConfig(**TINY), 3)

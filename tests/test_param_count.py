@@ -11,8 +11,9 @@ import yaml
 from hybrid.config import ModelConfig
 from hybrid.groups import ParallelGroups
 from hybrid.layout import Layout
-from hybrid.model.shapes import check_model_fits, param_count, valid_tp_sizes
+from hybrid.cost import param_count
 from hybrid.testing import spawn
+from hybrid.validate import check_model_shape, valid_tp_sizes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +67,7 @@ def test_every_preset_is_a_complete_model_config_that_splits_over_tp():
         assert set(yaml.safe_load(text)) == {f.name for f in fields(ModelConfig)}, name
         cfg = load_preset(name)
         assert cfg.name == name
-        check_model_fits(cfg, 1)
+        check_model_shape(cfg, 1)
         assert {1, 2, 4} <= set(valid_tp_sizes(cfg)), name
         if param_count(cfg) > 1e9:
             assert 8 in valid_tp_sizes(cfg), name  # one 8-GPU node per TP group

@@ -1,8 +1,8 @@
 """GPT blocks on megatron-core tensor-parallel layers, with layout-independent initialisation.
 
 Only ``hybrid.model.megatron_adapter`` imports megatron-core. Names are loaded on first use
-(PEP 562) so that ``hybrid.model.shapes`` — parameter counts and shape checks, pure Python —
-can be imported by planners and launchers without importing torch or megatron-core.
+(PEP 562): importing the package costs nothing until a name is used. Parameter counts and
+shape rules are pure Python and live outside it (``hybrid.cost``, ``hybrid.validate``).
 """
 
 import importlib
@@ -13,8 +13,6 @@ _EXPORTS = {
     "hybrid.model.blocks": ["EmbeddingBlock", "TransformerLayer", "HeadBlock"],
     "hybrid.model.cross_entropy": ["vocab_parallel_cross_entropy"],
     "hybrid.model.inputs": ["ModelInputError", "validate_batch", "validate_batch_across"],
-    "hybrid.model.shapes": ["param_count", "layer_param_count",
-                            "check_model_config", "check_model_fits", "valid_tp_sizes"],
     "hybrid.model.shards": ["gather_tp_param"],
     "hybrid.model.sequence_parallel": [
         "allreduce_sequence_parallel_grads", "sequence_parallel_params",

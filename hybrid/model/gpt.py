@@ -20,7 +20,7 @@ from hybrid.layout import LayoutError
 from hybrid.model.blocks import EmbeddingBlock, HeadBlock, TransformerLayer
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.inputs import validate_batch_across
-from hybrid.model.shapes import check_model_fits
+from hybrid.validate import check_model_shape
 
 _SEED_STRIDE = 1_000_003  # a prime larger than any block count: streams never collide
 
@@ -59,7 +59,7 @@ def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
     shares its Parameter; a head built without it gets its own copy marked
     ``shared_embedding`` (see ``HeadBlock``). ``sequence_parallel`` is ignored at tp=1.
     """
-    check_model_fits(cfg, groups.layout.tp)
+    check_model_shape(cfg, groups.layout.tp)
     tp_group, last = groups.tp, num_blocks(cfg) - 1
     sequence_parallel = sequence_parallel and groups.layout.tp > 1
     blocks: list[nn.Module] = []

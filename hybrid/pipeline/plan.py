@@ -40,5 +40,4 @@ def schedule_summary(cfg: Config) -> dict:
                      "bubble_fraction": result.bubble_fraction,
                      "bubble_fraction_per_rank": list(result.bubble_per_rank),
                      "peak_inflight": list(result.peak_inflight)},
-        "peak_inflight": list(result.peak_inflight),
     }
