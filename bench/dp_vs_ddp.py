@@ -37,7 +37,7 @@ from hybrid.dp import GradSync  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
 from hybrid.layout import Layout  # noqa: E402
 from hybrid.model import GPT  # noqa: E402
-from hybrid.optim import build_adamw, lr_at, set_lr, wants_weight_decay  # noqa: E402
+from hybrid.optim import build_adamw, lr_at, set_lr, spec_of  # noqa: E402
 from hybrid.testing import spawn  # noqa: E402
 
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2)
@@ -94,7 +94,7 @@ def _worker(rank, world, args):
     torch_model = GPT(cfg, groups, seed=SEED)
     ddp = DistributedDataParallel(torch_model, process_group=groups.dp, bucket_cap_mb=BUCKET_MB,
                                   gradient_as_bucket_view=True)
-    optimizer = build_adamw([(p, wants_weight_decay(n, p))
+    optimizer = build_adamw([(p, spec_of(p, n).weight_decay)
                              for n, p in torch_model.named_parameters()], OPTIM)
     runners = {"hybrid": lambda micro, lr: hybrid_step(hybrid_model, sync, micro, lr),
                "ddp": lambda micro, lr: ddp_step(ddp, optimizer, micro, lr)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.config import ModelConfig
+from hybrid.params import EMBEDDING_WEIGHT, block_param_specs
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -28,21 +29,26 @@ class BlockParams:
         return self.sharded // tp + self.replicated
 
 
-def layer_params(m: ModelConfig) -> BlockParams:
-    h, f = m.hidden, m.ffn
-    sharded = (3 * h * h + 3 * h) + (h * h) + (h * f + f) + (f * h)  # qkv, proj W, fc1, fc2 W
-    replicated = h + h + 4 * h  # proj bias, fc2 bias, two layer norms
+def _split(specs) -> BlockParams:
+    sharded = sum(spec.numel for spec in specs if spec.tp_dim is not None)
+    replicated = sum(spec.numel for spec in specs if spec.tp_dim is None)
     return BlockParams(sharded, replicated)
 
 
+def layer_params(m: ModelConfig) -> BlockParams:
+    """One transformer layer's parameters, from the parameter specs."""
+    return _split(block_param_specs(m, 1).values())
+
+
 def block_params(m: ModelConfig, *, head_owns_embedding_copy: bool = False) -> list[BlockParams]:
-    """Per-block parameters of the 1-process model (tied: the head owns no output matrix,
-    unless ``head_owns_embedding_copy``, as on a last pipeline stage without the embedding)."""
-    vocab_h = m.padded_vocab * m.hidden
-    embedding = BlockParams(sharded=vocab_h, replicated=m.seq_len * m.hidden)
-    owns_output = not m.tie_embeddings or head_owns_embedding_copy
-    head = BlockParams(sharded=vocab_h if owns_output else 0, replicated=2 * m.hidden)
-    return [embedding] + [layer_params(m)] * m.layers + [head]
+    """Per-block parameters of the 1-process model, from the parameter specs (tied: the head
+    owns no output matrix, unless ``head_owns_embedding_copy``, as on a last pipeline stage
+    without the embedding)."""
+    head_specs = block_param_specs(m, m.layers + 1).values()
+    if m.tie_embeddings and not head_owns_embedding_copy:
+        head_specs = [spec for spec in head_specs if spec.name != EMBEDDING_WEIGHT]
+    return ([_split(block_param_specs(m, 0).values())] + [layer_params(m)] * m.layers
+            + [_split(head_specs)])
 
 
 def param_count(m: ModelConfig) -> int:

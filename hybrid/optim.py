@@ -1,15 +1,11 @@
 """AdamW with weight-decay groups, and the learning-rate schedule (a pure function).
 
-Weight decay (decoupled, AdamW) applies to the matrices of the model only: linear weights and
-the word-embedding table (which is also the output layer when tied). It does not apply to
-
-- biases and layer-norm gains/offsets (every 1-D parameter): they set scales and offsets, and
-  pulling them toward 0 fights what they encode;
-- the learned position table (a parameter whose name contains ``position``): each row is seen
-  only at its own position, so decay would shrink rarely-updated rows toward zero.
-
-A parameter can also opt out explicitly with ``param.no_weight_decay = True``. This follows
-GPT-2 / nanoGPT practice.
+Which parameters are decayed is part of each parameter's ``ParamSpec`` (``hybrid.params``):
+the matrices of the model (linear weights and the word-embedding table, which is also the
+output layer when tied), not biases, layer norms or the learned position table (each row is
+seen only at its own position, so decay would shrink rarely-updated rows). A parameter of a
+plain module that hybrid did not build gets ``replicated_spec``: decayed when it is a matrix.
+This follows GPT-2 / nanoGPT practice.
 """
 
 from __future__ import annotations
@@ -20,13 +16,7 @@ from typing import Iterable, Sequence
 import torch
 
 from hybrid.config import OptimConfig
-
-
-def wants_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Whether the parameter called ``name`` belongs to the decayed group (see module doc)."""
-    if getattr(param, "no_weight_decay", False) or param.ndim < 2:
-        return False
-    return "position" not in name.lower()
+from hybrid.params import ParamSpec, replicated_spec
 
 
 def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig
@@ -93,11 +83,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     return {"per_element": per_element, "scalars": scalars}
 
 
-def named_unique_parameters(modules: Iterable[torch.nn.Module]
-                            ) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(name, param)`` of the trainable parameters of ``modules``, each Parameter once (a tied
-    weight held by two modules is one Parameter), in registration order. Names get a
-    ``"{i}."`` prefix per module when there are several (pipeline model chunks)."""
+def spec_of(param: torch.Tensor, name: str = "") -> ParamSpec:
+    """``param.spec`` when hybrid built it; a plain module's parameter is replicated."""
+    spec = getattr(param, "spec", None)
+    return spec if spec is not None else replicated_spec(name, tuple(param.shape))
+
+
+def unique_parameters(modules: Iterable[torch.nn.Module]
+                      ) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
+    """``(spec, param)`` of the trainable parameters of ``modules``, each Parameter once (a tied
+    weight held by two modules is one Parameter), in registration order. A parameter without a
+    spec is named by its place: ``"{i}."`` + its name in module ``i`` when there are several."""
     modules = list(modules)
     seen: set[int] = set()
     found = []
@@ -106,5 +102,5 @@ def named_unique_parameters(modules: Iterable[torch.nn.Module]
         for name, param in module.named_parameters(remove_duplicate=False):
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
-                found.append((prefix + name, param))
+                found.append((spec_of(param, prefix + name), param))
     return found

@@ -17,6 +17,7 @@ from hybrid.config import OptimConfig
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
 from hybrid.layout import Layout
+from hybrid.params import ParamSpec
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,9 +28,9 @@ STAGE_PARAMS = {
     "w": ((4, 6), 0, {}),
     "v": ((6, 4), 1, {}),
     "b": ((4,), None, {}),
-    "ln": ((6,), None, {"sequence_parallel": True}),
+    "ln": ((6,), None, {"sequence_partial": True}),
 }
-EMBEDDING = ((8, 6), 0, {"shared_embedding": True})
+EMBEDDING = ((8, 6), 0, {"tied": True})
 
 
 def coefficient(name: str, stage: int, shape) -> torch.Tensor:
@@ -58,10 +59,7 @@ class Probe(nn.Module):
         self.groups, self.specs = groups, stage_specs(groups)
         for name, (shape, dim, attrs) in self.specs.items():
             param = nn.Parameter(local_part(torch.zeros(shape), dim, groups))
-            if dim is not None:
-                param.tensor_model_parallel, param.partition_dim = True, dim
-            for key, value in attrs.items():
-                setattr(param, key, value)
+            param.spec = ParamSpec(name=name, shape=shape, tp_dim=dim, **attrs)
             self.register_parameter(name, param)
 
     def loss(self) -> torch.Tensor:
@@ -71,7 +69,7 @@ class Probe(nn.Module):
         for name, (shape, dim, attrs) in self.specs.items():
             coeff = local_part(coefficient(name.rstrip("0123456789"), self.groups.pp_rank,
                                            shape), dim, self.groups)
-            if attrs.get("sequence_parallel"):
+            if attrs.get("sequence_partial"):
                 coeff = coeff * (self.groups.tp_rank + 1)
             total = total + (getattr(self, name) * coeff).sum()
         return total * (self.groups.dp_rank + 1)
@@ -83,7 +81,7 @@ def one_process_norm(layout: Layout) -> float:
     squares = 0.0
     for stage in range(layout.pp):
         for name, (shape, _, attrs) in STAGE_PARAMS.items():
-            factor = tp_sum if attrs.get("sequence_parallel") else 1
+            factor = tp_sum if attrs.get("sequence_partial") else 1
             squares += (coefficient(name, stage, shape) * factor).square().sum().item()
     embedding = coefficient("emb", 0, EMBEDDING[0])
     if layout.pp > 1:

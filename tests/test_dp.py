@@ -13,7 +13,7 @@ from hybrid.config import OptimConfig
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
 from hybrid.layout import Layout
-from hybrid.optim import build_adamw, lr_at, set_lr, wants_weight_decay
+from hybrid.optim import build_adamw, lr_at, set_lr, spec_of
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -70,7 +70,7 @@ def _train_against_reference(rank, world, zero, bf16, microbatches, steps):
     groups = ParallelGroups.create(Layout(dp=world))
     model = Toy()
     ref = copy.deepcopy(model)
-    ref_opt = build_adamw([(p, wants_weight_decay(n, p)) for n, p in ref.named_parameters()],
+    ref_opt = build_adamw([(p, spec_of(p, n).weight_decay) for n, p in ref.named_parameters()],
                           OPTIM)
     sync = GradSync(model, groups, OPTIM, bucket_mb=TINY_BUCKETS_MB, zero=zero)
     out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "in_backward": []}
@@ -175,7 +175,7 @@ def _gpt_against_reference(rank, world, tp, sp, zero, steps, microbatches):
     groups = ParallelGroups.create(Layout(dp=world // tp, tp=tp))
     model = GPT(cfg, groups, seed=7, sequence_parallel=sp)
     ref = GPT(cfg, ParallelGroups.create(Layout()), seed=7)
-    ref_opt = build_adamw([(p, wants_weight_decay(n, p)) for n, p in ref.named_parameters()],
+    ref_opt = build_adamw([(p, spec_of(p, n).weight_decay) for n, p in ref.named_parameters()],
                           OPTIM)
     sync = GradSync(model, groups, OPTIM, bucket_mb=0.01, zero=zero)
     dp, out = world // tp, {"loss": [], "ref_loss": [], "norm": [], "ref_norm": []}
@@ -203,7 +203,7 @@ def _gpt_against_reference(rank, world, tp, sp, zero, steps, microbatches):
     out["param_mismatch"] = [
         name for (name, p), r in zip(model.named_parameters(), ref.parameters())
         if not torch.allclose(gather_tp_param(p.detach(), p, groups), r, rtol=1e-4, atol=5e-5)]
-    replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", 0)]
+    replicated = [p for p in model.parameters() if p.spec.tp_dim is None]
     copies = [[torch.empty_like(p) for _ in range(tp)] for p in replicated]
     for p, shards in zip(replicated, copies):
         dist.all_gather(shards, p.detach().contiguous(), group=groups.tp)

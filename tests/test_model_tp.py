@@ -105,8 +105,8 @@ def _block_independence(groups) -> dict:
             copy = head.word_embeddings_weight
             out["tied_copy_equal"] = torch.equal(copy, embedding_weight)
             out["tied_copy_is_own"] = copy is not embedding_weight
-            out["tied_marked"] = bool(getattr(copy, "shared_embedding", False)
-                                      and getattr(embedding_weight, "shared_embedding", False))
+            out["tied_marked"] = (copy.spec == embedding_weight.spec and copy.spec.tied
+                                  and copy.spec.name == "embedding.word_embeddings.weight")
             out["tied_shared_in_full"] = full[-1].word_embeddings_weight is embedding_weight
     return out
 
@@ -116,7 +116,7 @@ def _replicas_identical(model: GPT) -> list[str]:
     tp = model.groups.tp
     differ = []
     for name, p in model.named_parameters():
-        if getattr(p, "tensor_model_parallel", False):
+        if p.spec.tp_dim is not None:
             continue
         copies = [torch.empty_like(p) for _ in range(tp.size())]
         dist.all_gather(copies, p.detach(), group=tp)

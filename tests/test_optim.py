@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid.config import OptimConfig
+from hybrid.config import ModelConfig, OptimConfig
 from hybrid.dp import plan_buckets
+from hybrid.params import model_param_specs
 from hybrid.optim import (
-    build_adamw, lr_at, named_unique_parameters, optimizer_state_bytes, wants_weight_decay,
+    build_adamw, lr_at, optimizer_state_bytes, spec_of, unique_parameters,
 )
 
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4)
@@ -42,21 +43,28 @@ class Tiny(nn.Module):
         self.proj = nn.Linear(8, 8)
 
 
-def test_weight_decay_for_matrices_only():
-    decays = {name: wants_weight_decay(name, p) for name, p in Tiny().named_parameters()}
-    assert decays == {"position_embeddings": False, "word.weight": True, "norm.weight": False,
+def test_plain_modules_decay_their_matrices_only():
+    decays = {name: spec_of(p, name).weight_decay for name, p in Tiny().named_parameters()}
+    assert decays == {"position_embeddings": True, "word.weight": True, "norm.weight": False,
                       "norm.bias": False, "proj.weight": True, "proj.bias": False}
-    opted_out = nn.Parameter(torch.zeros(3, 3))
-    opted_out.no_weight_decay = True
-    assert not wants_weight_decay("w", opted_out)
+
+
+def test_gpt_specs_decay_matrices_but_not_the_position_table_norms_or_biases():
+    specs = model_param_specs(ModelConfig(layers=2))
+    decayed = sorted(name for name, spec in specs.items() if spec.weight_decay)
+    assert decayed == ["blocks.1.attention.proj.weight", "blocks.1.attention.qkv.weight",
+                       "blocks.1.mlp.fc1.weight", "blocks.1.mlp.fc2.weight",
+                       "blocks.2.attention.proj.weight", "blocks.2.attention.qkv.weight",
+                       "blocks.2.mlp.fc1.weight", "blocks.2.mlp.fc2.weight",
+                       "embedding.word_embeddings.weight", "head.output_layer.weight"]
 
 
 def test_adamw_groups_and_exact_state_bytes():
     model = Tiny()
-    named = named_unique_parameters([model])
-    optimizer = build_adamw([(p, wants_weight_decay(n, p)) for n, p in named], OPTIM)
+    named = unique_parameters([model])
+    optimizer = build_adamw([(p, spec.weight_decay) for spec, p in named], OPTIM)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [OPTIM.weight_decay, 0.0]
-    assert len(optimizer.param_groups[0]["params"]) == 2
+    assert len(optimizer.param_groups[0]["params"]) == 3
     sum(p.sum() for p in model.parameters()).backward()
     optimizer.step()
     numel = sum(p.numel() for p in model.parameters())
@@ -69,7 +77,7 @@ def test_adamw_groups_and_exact_state_bytes():
 def test_tied_parameters_are_listed_once_and_chunks_are_prefixed():
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     second.weight = first.weight
-    names = [n for n, _ in named_unique_parameters([first, second])]
+    names = [spec.name for spec, _ in unique_parameters([first, second])]
     assert names == ["0.weight", "0.bias", "1.bias"]
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from hybrid.config import OptimConfig
 from hybrid.dp import Bucket, GradSync, Shard
+from hybrid.dp.state import OptimizerStateError
 from hybrid.groups import ParallelGroups
 from hybrid.layout import Layout
 from hybrid.optim import optimizer_state_bytes
@@ -93,3 +94,50 @@ def test_zero1_optimizer_state_per_rank_is_one_dth_of_unsharded(world):
     for name in ("Even", "Odd"):
         plain = results[0][(name, 0)][1]
         assert all(out[(name, 1)][1] == pytest.approx(plain, rel=1e-6) for out in results)
+
+
+def _state_by_name(rank, world):
+    """Two steps under each (zero, bucket) setting must give the same state by name; the
+    zero=0 state loaded into a fresh ZeRO-1 optimizer with other buckets reads back bitwise.
+    Compared here (tensors do not travel back through the result queue)."""
+    groups = ParallelGroups.create(Layout(dp=world))
+    states = {}
+    for zero, bucket_mb in [(0, 25.0), (1, 0.001), (1, 0.0005)]:
+        model = Even()
+        sync = GradSync(model, groups, OPTIM, bucket_mb=bucket_mb, zero=zero)
+        for step in range(2):
+            sync.start_step(1)
+            model(torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(step + rank))
+                  ).backward()
+            sync.finish_step(lr=1e-2, max_norm=1.0)
+        states[(zero, bucket_mb)] = {n: {k: t.clone() for k, t in s.items()}
+                                     for n, s in sync.state_dict().items()}
+    plain = states[(0, 25.0)]
+    report = {"names": sorted(plain), "steps": sorted({float(s["step"]) for s in plain.values()}),
+              "differ": [], "reload_differs": []}
+    for setting, state in states.items():
+        for name in plain:
+            for key in ("exp_avg", "exp_avg_sq"):
+                if sorted(state) != sorted(plain) or not torch.allclose(
+                        state[name][key], plain[name][key], rtol=1e-5, atol=1e-9):
+                    report["differ"].append((setting, name, key))
+    fresh = GradSync(Even(), groups, OPTIM, bucket_mb=0.0007, zero=1)
+    fresh.load_state_dict(plain)
+    reloaded = fresh.state_dict()
+    report["reload_differs"] = [(name, key) for name in plain for key in ("exp_avg", "exp_avg_sq",
+                                                                          "step")
+                                if not torch.equal(reloaded[name][key], plain[name][key])]
+    try:  # a state without one parameter must not load (nothing left at its initial value)
+        fresh.load_state_dict({n: s for n, s in plain.items() if n != "norm.bias"})
+    except OptimizerStateError as err:
+        report["missing"] = str(err)
+    return report
+
+
+def test_optimizer_state_is_addressed_by_name_whatever_zero_and_buckets():
+    for report in spawn(_state_by_name, 2):
+        assert report["names"] == ["inp.bias", "inp.weight", "norm.bias", "norm.weight",
+                                   "out.bias", "out.weight", "position"]
+        assert report["steps"] == [2.0]
+        assert report["differ"] == [] and report["reload_differs"] == []
+        assert report["missing"] == "no complete optimizer state for norm.bias"

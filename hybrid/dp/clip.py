@@ -3,12 +3,11 @@
 The norm must equal the 1-process model's, so every gradient element of the 1-process model is
 counted exactly once across the job:
 
-- a TP-sharded parameter (``tensor_model_parallel=True``) holds a different slice on every TP
+- a TP-sharded parameter (its spec has a ``tp_dim``) holds a different slice on every TP
   rank: each TP rank counts its shard;
 - a TP-replicated parameter (norms, row-parallel biases, the position table) has the same
   gradient on every TP rank: only TP rank 0 counts it;
-- with pipeline stages, a tied embedding has a copy on the last stage (``shared_embedding=True``
-  on a rank that is not the first stage) whose gradient, after the embedding-group sum, equals
+- with pipeline stages, a tied embedding (``spec.tied``) has a copy on the last stage whose gradient, after the embedding-group sum, equals
   the first stage's: only the first stage counts it;
 - under ZeRO-1 each DP rank holds the reduced gradient of its own shard only, so shards add up
   over DP as well; without ZeRO every DP rank holds the same full gradient and counts it.
@@ -26,13 +25,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from hybrid.optim import spec_of
+
 
 def counts_in_norm(param: torch.Tensor, groups) -> bool:
     """Whether this rank adds ``param``'s gradient to the global norm (see module doc)."""
-    if getattr(param, "shared_embedding", False) and groups.layout.pp > 1:
-        if not groups.is_first_stage:
-            return False
-    if getattr(param, "tensor_model_parallel", False):
+    spec = spec_of(param)
+    if spec.tied and groups.layout.pp > 1 and not groups.is_first_stage:
+        return False
+    if spec.tp_dim is not None:
         return True
     return groups.tp_rank == 0
 

@@ -35,8 +35,10 @@ from torch import nn
 from hybrid.config import OptimConfig
 from hybrid.dp.buckets import Bucket, Piece, plan_buckets
 from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm, scale_grads_
+from hybrid.dp.state import load_optimizer_state, optimizer_state
 from hybrid.dp.zero import Shard, all_gather_params
-from hybrid.optim import build_adamw, named_unique_parameters, set_lr, wants_weight_decay
+from hybrid.params import ParamSpec
+from hybrid.optim import build_adamw, set_lr, spec_of, unique_parameters
 
 MIB = 1024 * 1024
 
@@ -49,9 +51,10 @@ def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
     """The group whose partial gradients must be summed before the DP mean, if any:
     ``"tp"`` for sequence-parallel parameters (each TP rank saw its slice of the sequence),
     ``"embedding"`` for a tied embedding split over the first and last pipeline stage."""
-    if getattr(param, "sequence_parallel", False) and groups.layout.tp > 1:
+    spec = spec_of(param)
+    if spec.sequence_partial and groups.layout.tp > 1:
         return "tp"
-    if getattr(param, "shared_embedding", False) and groups.layout.pp > 1:
+    if spec.tied and groups.layout.pp > 1:
         return "embedding"
     return None
 
@@ -72,15 +75,18 @@ class GradSync:
             raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
                                           f"25 is torch DDP's default")
         modules = [model] if isinstance(model, nn.Module) else list(model)
-        named = named_unique_parameters(modules)
+        named = unique_parameters(modules)
         _check_fp32(named)
         self.groups, self.zero = groups, zero
         self.dp_size, self.dp_rank = groups.dp.size(), groups.dp_rank
-        self.names = {id(p): name for name, p in named}
+        self.specs = {id(p): spec for spec, p in named}
+        """Every parameter's spec, by ``id``: a plain module's gets one named by its place."""
         self.buckets = self._build_buckets([p for _, p in named], bucket_mb)
         self.shards = [Shard.of(b, self.dp_rank, self.dp_size) for b in self.buckets] if zero \
             else []
-        pieces_by_bucket = self._pieces_by_bucket()
+        self.pieces_by_bucket = self._pieces_by_bucket()
+        """What the optimizer steps, per bucket: parameters, or their slices in this shard."""
+        pieces_by_bucket = self.pieces_by_bucket
         self.pieces = [piece for pieces in pieces_by_bucket for piece in pieces]
         self.optimizer = build_adamw([(p.tensor, p.decays) for p in self.pieces], optim)
         self._norm_grads = self._grads_counted_in_norm(pieces_by_bucket)
@@ -122,7 +128,7 @@ class GradSync:
         return buckets
 
     def _decays(self, param: torch.Tensor) -> bool:
-        return wants_weight_decay(self.names[id(param)], param)
+        return self.specs[id(param)].weight_decay
 
     def _pieces_by_bucket(self) -> list[list[Piece]]:
         in_norm = partial(counts_in_norm, groups=self.groups)
@@ -171,7 +177,7 @@ class GradSync:
                                "GradSync.start_step(num_microbatches) before the first backward")
         count = bucket.accumulations[slot] + 1
         if count > expected:
-            raise RuntimeError(f"parameter {self.names[id(param)]} accumulated {count} gradients "
+            raise RuntimeError(f"parameter {self.specs[id(param)].name} accumulated {count} gradients "
                                f"in a step declared with {expected} micro-batches; pass the "
                                f"true count to start_step()")
         bucket.accumulations[slot] = count
@@ -244,6 +250,15 @@ class GradSync:
         self.zero_grad()
         return norm
 
+    def state_dict(self) -> dict:
+        """AdamW's state per global parameter name (see ``hybrid.dp.state``); collective over
+        DP under ZeRO-1."""
+        return optimizer_state(self)
+
+    def load_state_dict(self, states: dict) -> None:
+        """Set AdamW's state from ``state_dict()`` output of any ZeRO stage or bucket size."""
+        load_optimizer_state(self, states)
+
     def close(self) -> None:
         """Remove the gradient hooks (the model can then be used without this object)."""
         for handle in self._hooks:
@@ -251,10 +266,10 @@ class GradSync:
         self._hooks.clear()
 
 
-def _check_fp32(named: list[tuple[str, nn.Parameter]]) -> None:
-    for name, param in named:
+def _check_fp32(named: list[tuple[ParamSpec, nn.Parameter]]) -> None:
+    for spec, param in named:
         if param.dtype != torch.float32:
             raise DataParallelConfigError(
-                f"parameter {name} is {param.dtype}; hybrid keeps fp32 master weights and "
+                f"parameter {spec.name} is {param.dtype}; hybrid keeps fp32 master weights and "
                 f"reduces gradients in fp32: keep parameters fp32 and use train.precision=bf16 "
                 f"(autocast) for bf16 compute")

@@ -42,12 +42,10 @@ def output_init(cfg: ModelConfig, generator: torch.Generator) -> Callable[[torch
     return normal_init(cfg.init_std / math.sqrt(2.0 * cfg.layers), generator)
 
 
-def layer_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.LayerNorm:
-    norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
-    for param in norm.parameters():
-        # On sequence shards a norm sees only this rank's tokens: its gradient is partial.
-        param.sequence_parallel = sequence_parallel
-    return norm
+def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
+    # Under sequence parallelism a norm sees only this rank's tokens, so its gradient is a
+    # partial sum over TP: its ParamSpec (hybrid.params) says so.
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
 def word_embedding(cfg: ModelConfig, tp_group: dist.ProcessGroup,
@@ -66,8 +64,6 @@ class EmbeddingBlock(nn.Module):
         self.word_embeddings = word_embedding(cfg, tp_group, generator)  # draws first
         self.position_embeddings = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden))
         normal_init(cfg.init_std, generator)(self.position_embeddings.data)
-        if cfg.tie_embeddings:
-            self.word_embeddings.weight.shared_embedding = True
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
@@ -138,10 +134,10 @@ class TransformerLayer(nn.Module):
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
         self.recompute = cfg.recompute
-        self.input_norm = layer_norm(cfg, sequence_parallel)
+        self.input_norm = layer_norm(cfg)
         self.attention = SelfAttention(cfg, tp_group, generator=generator,
                                        sequence_parallel=sequence_parallel)
-        self.mlp_norm = layer_norm(cfg, sequence_parallel)
+        self.mlp_norm = layer_norm(cfg)
         self.mlp = MLP(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -161,8 +157,8 @@ class HeadBlock(nn.Module):
 
     With tied embeddings the output layer uses ``word_embeddings_weight``: the embedding
     block's own Parameter when this rank built it, else a copy drawn from the embedding block's
-    RNG stream (``embedding_generator``), marked ``shared_embedding`` so the gradient sync can
-    all-reduce it with the embedding over ``groups.embedding``.
+    RNG stream (``embedding_generator``); its spec is the embedding's (``tied``), so the
+    gradient sync sums it with the embedding over ``groups.embedding``.
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
@@ -172,14 +168,13 @@ class HeadBlock(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied = cfg.tie_embeddings
-        self.final_norm = layer_norm(cfg, sequence_parallel)
+        self.final_norm = layer_norm(cfg)
         if self.tied:
             if embedding is not None:
                 self.word_embeddings_weight = embedding.word_embeddings.weight
             else:
                 assert embedding_generator is not None, "tied head needs the embedding's RNG"
                 own = word_embedding(cfg, tp_group, embedding_generator).weight
-                own.shared_embedding = True
                 self.word_embeddings_weight = own
         self.output_layer = ColumnParallelLinear(
             cfg.hidden, cfg.padded_vocab, tp_group=tp_group,

@@ -20,6 +20,7 @@ from hybrid.layout import LayoutError
 from hybrid.model.blocks import EmbeddingBlock, HeadBlock, TransformerLayer
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.inputs import validate_batch_across
+from hybrid.params import block_param_specs
 from hybrid.validate import check_model_shape
 
 _SEED_STRIDE = 1_000_003  # a prime larger than any block count: streams never collide
@@ -56,8 +57,9 @@ def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
     """Build the requested blocks (all if None), in order, on ``groups.device``.
 
     Sharded over ``groups.tp``. With tied embeddings, a head built together with the embedding
-    shares its Parameter; a head built without it gets its own copy marked
-    ``shared_embedding`` (see ``HeadBlock``). ``sequence_parallel`` is ignored at tp=1.
+    shares its Parameter; a head built without it gets its own copy (see ``HeadBlock``).
+    ``sequence_parallel`` is ignored at tp=1. Every parameter gets its ``ParamSpec`` as
+    ``param.spec`` (``hybrid.params``): its one identity, whatever the layout.
     """
     check_model_shape(cfg, groups.layout.tp)
     tp_group, last = groups.tp, num_blocks(cfg) - 1
@@ -75,8 +77,25 @@ def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
         else:
             block = TransformerLayer(cfg, tp_group, **common)
         block.block_id = block_id
+        attach_specs(block, block_param_specs(cfg, block_id, sequence_parallel=sequence_parallel),
+                     groups.layout.tp)
         blocks.append(block.to(groups.device))
     return blocks
+
+
+def attach_specs(block: nn.Module, specs: dict, tp: int) -> None:
+    """Give every parameter of ``block`` its spec, checking that the block built exactly the
+    parameters, with exactly the shard shapes, that the spec table describes."""
+    named = dict(block.named_parameters(remove_duplicate=False))
+    if set(named) != set(specs):
+        raise AssertionError(f"block {block.block_id} has parameters {sorted(named)}, its "
+                             f"specs describe {sorted(specs)}")
+    for local_name, param in named.items():
+        spec = specs[local_name]
+        if tuple(param.shape) != spec.local_shape(tp):
+            raise AssertionError(f"{spec.name}: built {tuple(param.shape)}, the spec says "
+                                 f"{spec.local_shape(tp)} at tp={tp}")
+        param.spec = spec
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:

@@ -103,8 +103,8 @@ class RowParallelLinear(_mcore_tp.RowParallelLinear):
 
     The partial products are all-reduced (megatron's own path) or, with
     ``output_sequence_parallel=True``, reduce-scattered along the sequence (ours); the bias is
-    added after the reduction, so with sequence parallelism it sees only this rank's tokens and
-    is marked ``sequence_parallel`` for the gradient all-reduce.
+    added after the reduction, so with sequence parallelism it sees only this rank's tokens
+    (its ``ParamSpec`` marks its gradient as partial over TP).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
@@ -112,8 +112,6 @@ class RowParallelLinear(_mcore_tp.RowParallelLinear):
         super().__init__(input_size, output_size, config=_layer_config(), init_method=init_method,
                          bias=bias, input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
         self.output_sequence_parallel = output_sequence_parallel
-        if self.bias is not None:
-            self.bias.sequence_parallel = output_sequence_parallel
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.output_sequence_parallel:

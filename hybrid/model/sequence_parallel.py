@@ -8,7 +8,7 @@ reduce-scattered. megatron-core has the same three mappings but allocates on
 ``torch.cuda.current_device()``, so these are device-neutral equivalents.
 
 Parameters that act on sequence shards (norms, row-parallel biases) see only this rank's tokens,
-so their gradients are partial sums: they carry ``param.sequence_parallel = True`` and
+so their gradients are partial sums: their ``ParamSpec`` says ``sequence_partial`` and
 ``allreduce_sequence_parallel_grads`` completes them once per step.
 """
 
@@ -104,11 +104,13 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGrou
 
 
 def sequence_parallel_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """The distinct parameters marked ``sequence_parallel`` in ``modules``, in a stable order."""
+    """The distinct parameters whose spec says ``sequence_partial`` (their gradient is a partial
+    sum over TP), in a stable order."""
     seen, found = set(), []
     for module in modules:
         for param in module.parameters():
-            if getattr(param, "sequence_parallel", False) and id(param) not in seen:
+            spec = getattr(param, "spec", None)
+            if spec is not None and spec.sequence_partial and id(param) not in seen:
                 seen.add(id(param))
                 found.append(param)
     return found
