@@ -150,6 +150,23 @@ class LauncherConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save after every N-th optimizer step (0 = never)."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints, delete older ones (0 = keep all)."""
+    dir: Optional[str] = None
+    """Where checkpoints go, one directory per checkpoint (``step_00000005``); None means
+    ``<run dir>/checkpoints``."""
+    resume_from: Optional[str] = None
+    """A checkpoint directory, a run directory (its newest complete checkpoint), or ``auto``
+    (the newest complete one in ``checkpoint.dir``; none there means start fresh)."""
+    async_save: bool = False
+    """Write checkpoints in the background (DCP's async save): training goes on while a
+    host-memory copy of the state is written."""
+
+
+@dataclass(kw_only=True)
 class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -157,6 +174,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
     """Seeds weights, data order and generated data: the same seed gives the same run on any
     layout."""

@@ -26,12 +26,18 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Writes one JSON object per step and mirrors scalars to TensorBoard."""
+    """Writes one JSON object per step and mirrors scalars to TensorBoard.
+
+    A resumed run (``first_step > 1``) appends to ``metrics.jsonl``: after an elastic restart
+    the file holds the steps of the failed attempt too, and the last record of a step is the
+    one that counts.
+    """
 
     def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool,
-                 log_every: int = 1, stream: Any = None) -> None:
+                 log_every: int = 1, stream: Any = None, first_step: int = 1) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
+        self.first_step = first_step
         self.log_every = max(1, log_every)
         self.stream = stream or sys.stdout
         self._jsonl = None
@@ -42,12 +48,13 @@ class MetricsWriter:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._jsonl = self.path.open("w")
+        self._jsonl = self.path.open("a" if first_step > 1 else "w")
         self._tb = _tensorboard_writer(run_dir / "tensorboard")
         if self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=first_step - 1, file=self.stream,
+                             unit="step", dynamic_ncols=True)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -70,7 +77,8 @@ class MetricsWriter:
         if r["step"] % self.log_every and r["step"] != self.total_steps:
             return
         elapsed = time.monotonic() - self._started
-        eta = elapsed / r["step"] * (self.total_steps - r["step"])
+        done = r["step"] - self.first_step + 1
+        eta = elapsed / done * (self.total_steps - r["step"])
         print(f"step {r['step']:>5}/{self.total_steps}  loss {r['loss']:.4f}  "
               f"lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
               f"tokens/s {r['tokens_per_s']:,.0f}  step {r['step_time_s'] * 1000:.0f} ms  "

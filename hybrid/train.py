@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid import faults
+from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
 from hybrid.config import Config
 from hybrid.data import make_dataset, rank_microbatches
@@ -91,6 +93,9 @@ class Trainer:
         self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg)
         self.counter = CommCounter(groups)
         self.act_shape = activation_shape(cfg, groups)
+        self.checkpointer = Checkpointer(cfg, groups, self.chunks, self.sync, run_dir)
+        self.start_step = self.checkpointer.resume()
+        """The step the run resumes after (0: a fresh run)."""
 
     def _autocast(self):
         if self.cfg.train.precision == "bf16":
@@ -148,13 +153,14 @@ class Trainer:
         cfg = self.cfg
         is_rank0 = dist.get_rank() == 0
         metrics = MetricsWriter(self.run_dir, cfg.train.steps, enabled=is_rank0,
-                                log_every=cfg.train.log_every)
+                                log_every=cfg.train.log_every, first_step=self.start_step + 1)
         tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         losses, norms = [], []
         try:
-            for step in range(1, cfg.train.steps + 1):
+            for step in range(self.start_step + 1, cfg.train.steps + 1):
                 recorder = self._recorder_for(step)
                 report = self.step(step, recorder)
+                faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
                 metrics.write({
@@ -171,10 +177,14 @@ class Trainer:
                 })
                 if recorder is not None:
                     self._write_timeline(recorder, step)
+                self.checkpointer.after_step(step)
+            self.checkpointer.close()
         finally:
             metrics.close()
             self.sync.close()
-        return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir)}
+        return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir),
+                "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from,
+                "save_stall_s": self.checkpointer.stall_s}
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:

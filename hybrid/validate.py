@@ -89,6 +89,8 @@ def _check_names(cfg: Config) -> None:
         if not 0 <= getattr(cfg.optim, field) < 1:
             raise LayoutError(f"optim.{field}={getattr(cfg.optim, field)} must be in [0, 1)")
     _non_negative("train.grad_clip", cfg.train.grad_clip)
+    _non_negative("checkpoint.every", cfg.checkpoint.every)
+    _non_negative("checkpoint.keep", cfg.checkpoint.keep)
     _non_negative("train.timeline_step", cfg.train.timeline_step)
     _positive("train.log_every", cfg.train.log_every)
     if cfg.parallel.bucket_mb <= 0:

@@ -29,6 +29,25 @@ def pick_device(cfg: Config) -> torch.device:
     return device
 
 
+def init_distributed(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from the launcher's variables, on a store prefixed by the restart
+    count.
+
+    Under torch's elastic agent every attempt of a restarted worker group gets the same
+    ``MASTER_PORT``: the agent's own store, which still holds the previous attempt's keys
+    (every process group's peer addresses). Without a prefix of its own the new group would
+    read them and connect to dead workers' ports ("Connection refused").
+    """
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"hybrid/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
 def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     """Train on this rank; returns a summary (losses are known on every rank)."""
     from hybrid.train import train
@@ -41,7 +60,7 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
         torch.set_num_threads(int(threads))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), timeout=COLLECTIVE_TIMEOUT)
+    init_distributed(backend_for(device), COLLECTIVE_TIMEOUT)
     try:
         groups = ParallelGroups.create(layout, device)
         return train(cfg, groups, Path(run_dir))

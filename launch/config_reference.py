@@ -10,12 +10,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+from pathlib import Path
 
 from hybrid import config as schema
+from launch.app import CONF_DIR
 
 SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
             ("train", schema.TrainConfig), ("data", schema.DataConfig),
-            ("optim", schema.OptimConfig), ("launcher", schema.LauncherConfig)]
+            ("optim", schema.OptimConfig), ("launcher", schema.LauncherConfig),
+            ("checkpoint", schema.CheckpointConfig)]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -36,7 +39,7 @@ def composed_defaults() -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from launch.app import CONF_DIR, register_schemas
+    from launch.app import register_schemas
 
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -61,8 +64,10 @@ def render() -> str:
               f"| `seed` | {defaults['seed']} | {top['seed']} |", ""]
     for name, cls in SECTIONS:
         docs = field_docs(cls)
-        lines += [f"## {name}", "", f"Group files: `conf/{name}/*.yaml`.", "",
-                  "| key | default | meaning |", "| --- | --- | --- |"]
+        lines += [f"## {name}", ""]
+        if (Path(CONF_DIR) / name).is_dir():  # a section without presets has no group files
+            lines += [f"Group files: `conf/{name}/*.yaml`.", ""]
+        lines += ["| key | default | meaning |", "| --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             value = _show(defaults[name][f.name])
             lines.append(f"| `{name}.{f.name}` | {value} | {docs.get(f.name, '')} |")

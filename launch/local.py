@@ -18,6 +18,7 @@ workers import the main module, and without the guard each would launch again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -25,6 +26,9 @@ import uuid
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 TRACEBACK_TAIL_LINES = 15
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+AGENT_LOG = "train.log"
+"""The agent's messages go here, in the run directory (Hydra's log of the launcher too)."""
 AGENT_FRAME_MARK = "torch/distributed/elastic/"
 SHUTDOWN_TIMEOUT_S = 10
 """Seconds workers get to exit after SIGTERM/SIGINT before the agent sends SIGKILL (torch's
@@ -124,7 +128,8 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     # Workers inherit the launcher's environment when they start, before they import torch.
-    with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers():
+    with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers(), \
+            _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG)):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
             results = elastic_launch(config, _call_entrypoint)(entrypoint, *args)
@@ -177,6 +182,26 @@ def _tail(traceback: str) -> str:
         if not in_agent_frame:
             kept.append(line)
     return "\n".join(kept[-TRACEBACK_TAIL_LINES:])
+
+
+@contextlib.contextmanager
+def _agent_log_to(path: str) -> Iterator[None]:
+    """Send torch elastic's own log records (worker failures with their tracebacks, restarts)
+    to ``path`` instead of the console, where the caller prints one line per failure."""
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    propagate = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, saved in zip(loggers, propagate):
+            logger.removeHandler(handler)
+            logger.propagate = saved
+        handler.close()
 
 
 @contextlib.contextmanager

@@ -19,6 +19,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from hybrid.checkpoint.store import (
+    CheckpointError, check_files, check_model_matches, read_manifest, resolve_resume,
+)
 from hybrid.config import Config, to_dict
 from hybrid.data import DataError, validate_data
 from hybrid.layout import Layout, LayoutError
@@ -28,6 +31,8 @@ from launch.app import CONF_DIR, exit_user_error, run_hydra_app, to_dataclass
 WORKER_FAILED_EXIT = 1
 INTERRUPTED_EXIT = 130
 MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
+WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError")
+"""Exceptions a worker raises for bad input: reported as one line, without a traceback."""
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
 
@@ -52,6 +57,34 @@ def check_launchable(cfg: Config) -> None:
         if not torch.cuda.is_available():
             raise LayoutError("train.device=cuda but CUDA is not available here; use "
                               "train.device=cpu or train.device=auto")
+
+
+def resolve_checkpointing(cfg: Config, run_dir: Path) -> None:
+    """Fix ``checkpoint.dir`` (default ``<run dir>/checkpoints``) and ``resume_from`` (the
+    checkpoint directory it names, or None) for the workers, after checking that checkpoint:
+    complete, files whole, the same model shape, steps left to train."""
+    ckpt = cfg.checkpoint
+    ckpt.dir = str(Path(ckpt.dir or run_dir / "checkpoints").expanduser().resolve())
+    path = resolve_resume(ckpt.resume_from, Path(ckpt.dir))
+    if path is not None:
+        manifest = read_manifest(path)
+        check_files(path, manifest)
+        check_model_matches(manifest, cfg.model, path)
+        if manifest["step"] >= cfg.train.steps:
+            raise CheckpointError(f"checkpoint {path} is at step {manifest['step']}, "
+                                  f"train.steps={cfg.train.steps} leaves nothing to train; "
+                                  f"raise train.steps (it counts from the run's start)")
+    ckpt.resume_from = None if path is None else str(path)
+
+
+def report_worker_failure(err) -> None:
+    """A user error raised in a worker (a damaged checkpoint, a bad data window) is one line;
+    anything else is a bug and keeps its traceback."""
+    kind = err.error.split(":", 1)[0]
+    if kind in WORKER_USER_ERRORS:
+        print(f"error: rank {err.rank}: {err.error.split(':', 1)[1].strip()}", file=sys.stderr)
+    else:
+        print(f"error: {err}", file=sys.stderr)
 
 
 def launch(cfg: Config, layout: Layout, run_dir: Path) -> list:
@@ -79,16 +112,22 @@ def _train(dict_cfg: DictConfig) -> None:
     except (LayoutError, DataError) as err:
         exit_user_error(err)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        resolve_checkpointing(cfg, run_dir)
+    except CheckpointError as err:
+        exit_user_error(err)
     save_resolved_config(cfg, run_dir)
     try:
         results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_worker_failure(err)
         sys.exit(WORKER_FAILED_EXIT)
     except (KeyboardInterrupt, LaunchInterrupted) as err:
         print(f"interrupted: {err}", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT)
-    losses = results[0]["losses"]
+    losses, resumed = results[0]["losses"], results[0]["resumed_from"]
+    if resumed is not None:
+        print(f"resumed from {resumed} (step {results[0]['start_step']})")
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     print(f"run directory: {run_dir}")
 

@@ -13,7 +13,7 @@ _EXPORTS = {
     "hybrid.model.blocks": ["EmbeddingBlock", "TransformerLayer", "HeadBlock"],
     "hybrid.model.cross_entropy": ["vocab_parallel_cross_entropy"],
     "hybrid.model.inputs": ["ModelInputError", "validate_batch", "validate_batch_across"],
-    "hybrid.model.shards": ["gather_tp_param"],
+    "hybrid.model.shards": ["gather_tp_param", "load_global_weights"],
     "hybrid.model.sequence_parallel": [
         "allreduce_sequence_parallel_grads", "sequence_parallel_params",
         "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.distributed as dist
 
@@ -21,3 +23,29 @@ def gather_tp_param(tensor: torch.Tensor, param: torch.Tensor, groups) -> torch.
     shards = [torch.empty_like(tensor) for _ in range(groups.tp.size())]
     dist.all_gather(shards, tensor.contiguous(), group=groups.tp)
     return torch.cat(shards, dim=spec.tp_dim)
+
+
+def load_global_weights(params: Iterable[torch.nn.Parameter], weights: dict[str, torch.Tensor],
+                        groups) -> None:
+    """Copy full tensors keyed by global name (``hybrid-ckpt export``'s file) into
+    ``params``, each taking its own TP shard. Every parameter must find its tensor, of its
+    global shape, and every tensor must be used: nothing is silently left or dropped."""
+    tp, tp_rank = groups.layout.tp, groups.tp_rank
+    used = set()
+    for param in params:
+        spec = spec_of(param)
+        full = weights.get(spec.name)
+        if full is None or tuple(full.shape) != spec.shape:
+            got = None if full is None else tuple(full.shape)
+            raise ValueError(f"{spec.name}: the weights hold {got}, the model needs "
+                             f"{spec.shape}; export the checkpoint of this model")
+        if spec.tp_dim is not None:
+            size = spec.local_shape(tp)[spec.tp_dim]
+            full = full.narrow(spec.tp_dim, tp_rank * size, size)
+        with torch.no_grad():
+            param.copy_(full)
+        used.add(spec.name)
+    unused = sorted(set(weights) - used)
+    if unused:
+        raise ValueError(f"{len(unused)} tensors have no parameter here (first: {unused[0]}); "
+                         f"build the model the checkpoint was saved from")

@@ -1,0 +1,9 @@
+"""Checkpoints that any layout loads: DCP files keyed by global parameter names.
+
+``store`` (pure: naming, manifest, resolution, checks made before launch), ``dcp_io`` (the DCP
+state dict and the safe reader), ``checkpointer`` (what the training loop calls).
+"""
+
+from hybrid.checkpoint.store import CheckpointError, resolve_resume
+
+__all__ = ["CheckpointError", "resolve_resume"]

@@ -1,0 +1,228 @@
+"""``Checkpointer``: what the training loop calls to save, resume and finish checkpoints.
+
+Saving (every rank, collective): the state is written by DCP into ``step_XXXXXXXX.tmp``;
+then every rank reports the size and CRC-32 of the files it wrote, rank 0 writes the manifest
+(last) and renames the directory to ``step_XXXXXXXX``, then removes interrupted saves and
+checkpoints beyond ``checkpoint.keep``. A kill at any moment leaves either the complete
+checkpoint or a ``.tmp`` directory that nothing reads.
+
+With ``checkpoint.async_save`` the state is copied to host memory and written by a background
+thread over a process group of its own; every step the ranks agree (one small all-reduce)
+whether all of them have finished writing, and then finish the checkpoint as above. At most
+one save is in flight: the next one, and the end of training, wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from hybrid import faults
+from hybrid.checkpoint.dcp_io import (
+    HostCopyStager, SafeReader, as_global, file_checksums, read_metadata, tp_mesh, verify_files,
+)
+from hybrid.checkpoint.store import (
+    FORMAT_VERSION, CheckpointError, checkpoint_name, model_shape, partial_name, prune,
+    read_manifest, resolve_resume, write_manifest,
+)
+from hybrid.config import to_dict
+from hybrid.dp.state import MOMENTS
+from hybrid.optim import unique_parameters
+
+
+def checkpoint_dir(cfg, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+class Checkpointer:
+    """Saves and loads one rank's share of the job's state (model, AdamW, step, RNG)."""
+
+    def __init__(self, cfg, groups, chunks: dict, sync, run_dir: Path):
+        self.cfg, self.groups, self.sync = cfg, groups, sync
+        self.directory = checkpoint_dir(cfg, run_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = tp_mesh(groups)
+        self.params = unique_parameters(chunks.values())
+        self.specs = {spec.name: spec for spec, _ in self.params}
+        # DCP's async save runs collectives from its own thread: never on the training groups.
+        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        self.pending: Optional[tuple] = None
+        self.resumed_from: Optional[str] = None
+        """The checkpoint this rank loaded, if any."""
+        self.stall_s = 0.0
+        """Seconds the training loop spent inside ``save`` (the stall a save causes)."""
+
+    # ----- what is saved ---------------------------------------------------------------------
+    def _state(self, step: int) -> dict:
+        state = {f"model.{spec.name}": as_global(param.detach(), spec, self.mesh)
+                 for spec, param in self.params}
+        for name, moments in self.sync.state_dict().items():
+            for key in MOMENTS:
+                state[f"optim.{name}.{key}"] = as_global(moments[key], self.specs[name], self.mesh)
+            state[f"optim.{name}.step"] = moments["step"]
+        state["train.step"] = torch.tensor(step, dtype=torch.int64)
+        state["rng.cpu"] = torch.get_rng_state()
+        return state
+
+    # ----- saving ----------------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        """Finish a background save that every rank has written; save if this step is due."""
+        if self.pending is not None and self._all_written(block=False):
+            self._finish_pending()
+        every = self.cfg.checkpoint.every
+        if every > 0 and step % every == 0:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        started = time.perf_counter()
+        if self.pending is not None:
+            self._all_written(block=True)
+            self._finish_pending()
+        partial = self.directory / partial_name(step)
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # a save interrupted at this step
+            partial.mkdir(parents=True)
+        dist.barrier()
+        writer = FileSystemWriter(partial)
+        if self.async_group is None:
+            dcp.save(self._state(step), storage_writer=writer)
+            self._finish(step, partial)
+        else:
+            future = dcp.async_save(self._state(step), storage_writer=writer,
+                                    process_group=self.async_group,
+                                    async_stager=HostCopyStager())
+            self.pending = (future, step, partial)
+        self.stall_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for a background save and finish it (call once training is done)."""
+        if self.pending is not None:
+            self._all_written(block=True)
+            self._finish_pending()
+
+    def _all_written(self, *, block: bool) -> bool:
+        future = self.pending[0]
+        if block:
+            future.result()
+        done = torch.tensor([1 if future.done() else 0], dtype=torch.int64)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def _finish_pending(self) -> None:
+        future, step, partial = self.pending
+        self.pending = None
+        future.result()  # raises here if the background write failed
+        self._finish(step, partial)
+
+    def _finish(self, step: int, partial: Path) -> None:
+        """Every rank's files are written: record them, then make the checkpoint visible."""
+        faults.maybe_die("die_in_save", step=step, rank=self.rank)
+        files = [None] * self.world
+        dist.all_gather_object(files, file_checksums(partial, self.rank))
+        if self.rank == 0:
+            write_manifest(partial, self._manifest(step, partial, files))
+            _replace_dir(partial, self.directory / checkpoint_name(step))
+            prune(self.directory, self.cfg.checkpoint.keep)
+        dist.barrier()
+
+    def _manifest(self, step: int, partial: Path, files: list[dict]) -> dict:
+        metadata = read_metadata(partial)
+        tensors = {}
+        for key, item in sorted(metadata.state_dict_metadata.items()):
+            dtype = item.properties.dtype
+            shape = list(item.size)
+            tensors[key] = {"shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                            "bytes": int(torch.Size(shape).numel()) * dtype.itemsize}
+        cfg, layout = self.cfg, self.groups.layout
+        return {"format": FORMAT_VERSION, "step": step,
+                "consumed_samples": step * cfg.train.global_batch,
+                "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+                           "vpp": layout.vpp, "zero": cfg.parallel.zero,
+                           "schedule": cfg.parallel.schedule, "world": self.world},
+                "model": model_shape(cfg.model), "config": to_dict(cfg), "tensors": tensors,
+                "files": {name: info for per_rank in files for name, info in per_rank.items()}}
+
+    # ----- loading ---------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the checkpoint this run resumes from, if any; returns its step (0: fresh).
+
+        A worker group restarted by the elastic agent resumes from the newest complete
+        checkpoint in ``checkpoint.dir``, whatever ``resume_from`` said."""
+        path = None
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            path = resolve_resume("auto", self.directory)
+        if path is None:
+            path = resolve_resume(self.cfg.checkpoint.resume_from, self.directory)
+        if path is None:
+            return 0
+        self.resumed_from = str(path)
+        return self.load(path)
+
+    def load(self, path: Path) -> int:
+        """Load checkpoint ``path`` (saved on any layout) into this rank's model and AdamW."""
+        manifest = read_manifest(path)
+        verify_files(path, manifest, self.rank, self.world)
+        targets, moments = self._targets()
+        dcp.load(targets, storage_reader=SafeReader(path))
+        self._check_every_key_loaded(path, targets)
+        self.sync.load_state_dict(moments)
+        torch.set_rng_state(targets["rng.cpu"])
+        return int(targets["train.step"])
+
+    def _targets(self) -> tuple[dict, dict]:
+        """Tensors for DCP to load into: the parameters themselves, fresh moment buffers."""
+        tp = self.groups.layout.tp
+        targets = {f"model.{spec.name}": as_global(param.detach(), spec, self.mesh)
+                   for spec, param in self.params}
+        moments: dict[str, dict] = {}
+        for spec, param in self.params:
+            entry = moments[spec.name] = {"step": torch.zeros((), dtype=torch.float32)}
+            targets[f"optim.{spec.name}.step"] = entry["step"]
+            for key in MOMENTS:
+                entry[key] = torch.zeros(spec.local_shape(tp), dtype=torch.float32,
+                                         device=param.device)
+                targets[f"optim.{spec.name}.{key}"] = as_global(entry[key], spec, self.mesh)
+        targets["train.step"] = torch.zeros((), dtype=torch.int64)
+        targets["rng.cpu"] = torch.get_rng_state()
+        return targets, moments
+
+    def _check_every_key_loaded(self, path: Path, targets: dict) -> None:
+        """A key of the checkpoint that no rank asked for would be silently dropped."""
+        asked = [None] * self.world
+        dist.all_gather_object(asked, sorted(targets))
+        saved = set(read_metadata(path).state_dict_metadata)
+        unused = sorted(saved - set().union(*map(set, asked)))
+        if unused:
+            raise CheckpointError(f"checkpoint {path} holds {len(unused)} tensors this model "
+                                  f"has no place for (first: {unused[0]}); check the model "
+                                  f"config against hybrid-ckpt show {path}")
+
+
+def _replace_dir(partial: Path, final: Path) -> None:
+    """Rename ``partial`` to ``final``; an older ``final`` (a run resumed from an earlier
+    step saves the same step again) is moved aside first and removed after."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(final.name + ".old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,161 @@
+"""Reading and writing checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+The DCP state dict is flat and keyed by global names (``hybrid.params``), so any layout loads
+any checkpoint; DCP reshards by itself:
+
+- ``model.<name>``: a TP-split parameter is a ``DTensor`` sharded on its ``tp_dim`` over the
+  TP group's mesh (its local tensor *is* the parameter, so a load writes into the model in
+  place); a replicated one is a plain tensor. DP replicas and the tied copy on the last stage
+  save the same key and DCP keeps one copy.
+- ``optim.<name>.{exp_avg,exp_avg_sq}`` the same way, ``optim.<name>.step`` plain (see
+  ``hybrid.dp.state``: the same tensors whatever the ZeRO stage and buckets).
+- ``train.step`` and ``rng.cpu`` (the CPU generator's state; training draws no random numbers
+  today, restoring it keeps any later consumer on its stream).
+
+DCP's ``.metadata`` is a pickle: ``SafeReader`` unpickles only DCP's own metadata classes, and
+tensors are read with ``weights_only=True`` by DCP itself, so loading runs no foreign code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from hybrid.checkpoint.store import CheckpointError
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.", "collections")
+_ALLOWED_TORCH = {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32",
+                  "int16", "int8", "uint8", "bool", "strided", "contiguous_format",
+                  "preserve_format", "channels_last", "device", "layout", "memory_format",
+                  "dtype"}
+_ALLOWED_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "int", "float", "str",
+                     "bytes", "bool", "getattr", "slice", "complex", "object"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module.startswith(_ALLOWED_MODULES)
+                   or (module == "torch" and name in _ALLOWED_TORCH)
+                   or (module == "builtins" and name in _ALLOWED_BUILTINS)
+                   or (module == "torch.serialization" and name == "_get_layout")
+                   or (module == "pathlib" and name in ("PosixPath", "PurePosixPath")))
+        if not allowed:
+            raise CheckpointError(f"checkpoint metadata asks to load {module}.{name}, which a "
+                                  f"DCP checkpoint never contains; refusing to unpickle it")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with a metadata unpickler limited to DCP's own classes.
+
+    ``read_metadata`` is ``FileSystemReader.read_metadata`` (torch 2.13) with the unpickler
+    replaced; ``tests/test_checkpoint_io.py`` pins that it reads real checkpoints.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: Path):
+    """DCP's metadata of a checkpoint directory (no process group needed)."""
+    with open(Path(path) / ".metadata", "rb") as handle:
+        return _MetadataUnpickler(io.BytesIO(handle.read())).load()
+
+
+def tp_mesh(groups) -> DeviceMesh:
+    return DeviceMesh.from_group(groups.tp, device_type=groups.device.type)
+
+
+def as_global(tensor: torch.Tensor, spec, mesh: DeviceMesh) -> torch.Tensor:
+    """``tensor`` (this rank's TP shard of ``spec``) as DCP should see it: a DTensor placed on
+    the TP mesh when split, the plain tensor when replicated."""
+    if spec.tp_dim is None or mesh.size() == 1:
+        return tensor
+    return DTensor.from_local(tensor, mesh, [Shard(spec.tp_dim)], run_check=False,
+                              shape=torch.Size(spec.shape),
+                              stride=_contiguous_stride(spec.shape))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+class HostCopyStager:
+    """Stages a state dict for DCP's ``async_save``: every tensor copied into a fresh host
+    tensor of its own (DCP's default stager deep-copies a DTensor's whole storage, which
+    fails for a DTensor over a view into a larger buffer, as ZeRO-1's flat parameters are).
+    The copy is the host memory an async save holds until its write ends."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict) -> dict:
+        return {key: _host_copy(value) for key, value in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _host_copy(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return value.detach().to("cpu", copy=True)
+
+
+def file_checksums(directory: Path, rank: int) -> dict[str, dict]:
+    """Size and CRC-32 of the DCP data files this rank wrote (``__{rank}_*.distcp``)."""
+    out = {}
+    for file in sorted(Path(directory).glob(f"__{rank}_*.distcp")):
+        out[file.name] = {"bytes": file.stat().st_size, "crc32": crc32_of(file)}
+    return out
+
+
+def crc32_of(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def verify_files(path: Path, manifest: dict, rank: int, world: int) -> None:
+    """Each rank checks every ``world``-th data file's CRC-32 against the manifest; if any
+    differs, every rank raises ``CheckpointError`` naming the first bad file."""
+    names = sorted(manifest["files"])
+    bad = [name for name in names[rank::world]
+           if crc32_of(Path(path) / name) != manifest["files"][name]["crc32"]]
+    flags = torch.tensor([names.index(bad[0]) if bad else len(names)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    first = int(flags.item())
+    if first < len(names):
+        raise CheckpointError(f"checkpoint file {Path(path) / names[first]} does not match "
+                              f"the checksum written with it: it is corrupted; resume from an "
+                              f"older checkpoint")

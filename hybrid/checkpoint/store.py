@@ -1,0 +1,170 @@
+"""Checkpoint directories on disk: naming, completeness, the manifest, resolution (pure).
+
+A checkpoint is one directory ``step_00000005`` holding the files of
+``torch.distributed.checkpoint`` (``*.distcp`` data, ``.metadata``) and hybrid's manifest
+``hybrid.json`` (step, layout, config, model shape, tensors, and every data file's size and
+CRC-32). It is written under a temporary name (``step_00000005.tmp``) and renamed only once
+the manifest, written last, is in place: a directory with a ``step_*`` name and a manifest is
+complete; anything else is an interrupted save, ignored and removed by the next save.
+
+Everything here is plain file and JSON work, so ``hybrid-train`` can check a checkpoint before
+any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+MANIFEST = "hybrid.json"
+DCP_METADATA = ".metadata"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^step_(\d{8})$")
+MODEL_SHAPE_FIELDS = ("layers", "hidden", "heads", "ffn", "vocab", "padded_vocab", "seq_len",
+                      "tie_embeddings")
+"""What must match for a checkpoint to load into a model (``ffn`` and ``padded_vocab`` are the
+resolved sizes)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used as asked: one line with the path and the fix."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def partial_name(step: int) -> str:
+    return checkpoint_name(step) + ".tmp"
+
+
+def model_shape(model_cfg) -> dict:
+    """The fields of ``MODEL_SHAPE_FIELDS`` of a ``ModelConfig``."""
+    return {name: getattr(model_cfg, name) for name in MODEL_SHAPE_FIELDS}
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint ``path``; ``CheckpointError`` if absent or unreadable."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete hybrid "
+                              f"checkpoint") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}/{MANIFEST} cannot be read ({err}); the checkpoint is "
+                              f"damaged: resume from an older one") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has manifest format {manifest.get('format')!r}, this "
+                              f"hybrid reads {FORMAT_VERSION}")
+    return manifest
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Write the manifest through a temporary file, so it is either whole or absent."""
+    tmp = Path(path) / (MANIFEST + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, Path(path) / MANIFEST)
+
+
+def is_complete(path: Path) -> bool:
+    path = Path(path)
+    return bool(_NAME.match(path.name)) and (path / MANIFEST).is_file() \
+        and (path / DCP_METADATA).is_file()
+
+
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints in ``directory``, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _NAME.match(entry.name)
+        if match and is_complete(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def newest_complete(directory: Path) -> Optional[Path]:
+    found = complete_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(value: Optional[str], checkpoint_dir: Path, *,
+                   field: str = "checkpoint.resume_from") -> Optional[Path]:
+    """The checkpoint ``checkpoint.resume_from=value`` names, or None to start fresh.
+
+    ``value``: None; ``auto`` (the newest complete checkpoint in ``checkpoint_dir``, None when
+    there is none); a checkpoint directory; or a run directory / checkpoint directory, whose
+    newest complete checkpoint is taken.
+    """
+    if value is None:
+        return None
+    if value == "auto":
+        return newest_complete(checkpoint_dir)
+    path = Path(value).expanduser().resolve()
+    field = f"{field}={value}"
+    if not path.exists():
+        raise CheckpointError(f"{field} does not exist; give a step_* checkpoint directory or "
+                              f"a run directory")
+    if _NAME.match(path.name):
+        if not is_complete(path):
+            raise CheckpointError(f"{field} is not a complete checkpoint (an interrupted save "
+                                  f"has no {MANIFEST}); resume from an older step_* directory")
+        return path
+    for candidate in (path / "checkpoints", path):
+        newest = newest_complete(candidate)
+        if newest is not None:
+            return newest
+    raise CheckpointError(f"{field} holds no complete checkpoint (no step_* directory with "
+                          f"{MANIFEST}); give a checkpoint directory or a run directory that "
+                          f"saved one")
+
+
+def check_files(path: Path, manifest: dict) -> None:
+    """Every data file the manifest lists exists with its recorded size (truncation)."""
+    for name, info in sorted(manifest["files"].items()):
+        file = Path(path) / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} lacks its file {name}; it is damaged: "
+                                  f"resume from an older one")
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint file {file} has {size} bytes, the save wrote "
+                                  f"{info['bytes']}: it is truncated or damaged; resume from "
+                                  f"an older checkpoint")
+
+
+def check_model_matches(manifest: dict, model_cfg, path: Path) -> None:
+    """The checkpoint's model shape equals the config's, field by field."""
+    saved, wanted = manifest["model"], model_shape(model_cfg)
+    for name in MODEL_SHAPE_FIELDS:
+        if saved.get(name) != wanted[name]:
+            key = {"ffn": "ffn_hidden", "padded_vocab": "vocab_pad_multiple"}.get(name, name)
+            raise CheckpointError(
+                f"model.{key}: the checkpoint {path.name} has {name}={saved.get(name)}, the "
+                f"config {name}={wanted[name]}; set model.{key} to match the checkpoint "
+                f"(hybrid-ckpt show {path} prints its shape)")
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Remove interrupted saves and all but the newest ``keep`` complete checkpoints (``keep``
+    0: keep all). Returns what was removed."""
+    directory = Path(directory)
+    removed = []
+    for entry in directory.glob("step_*.tmp"):
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    complete = complete_checkpoints(directory)
+    if keep > 0:
+        for _, path in complete[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

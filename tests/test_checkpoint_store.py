@@ -1,0 +1,93 @@
+"""Checkpoint directories without processes: naming, completeness, resolution, pruning, the
+manifest's checks, and the metadata unpickler that admits only DCP's classes."""
+
+import json
+import pickle
+
+import pytest
+
+from hybrid.checkpoint.store import (
+    MANIFEST, CheckpointError, check_files, check_model_matches, complete_checkpoints,
+    model_shape, prune, resolve_resume, write_manifest,
+)
+from hybrid.config import ModelConfig
+
+
+def make_checkpoint(directory, step, *, complete=True, files=None):
+    path = directory / (f"step_{step:08d}" + ("" if complete else ".tmp"))
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    files = files or {"__0_0.distcp": b"abc"}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    if complete:
+        write_manifest(path, {"format": 1, "step": step, "model": model_shape(ModelConfig()),
+                              "files": {n: {"bytes": len(d), "crc32": 0}
+                                        for n, d in files.items()}})
+    return path
+
+
+def test_only_complete_checkpoints_count_and_auto_takes_the_newest(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    make_checkpoint(ckpts, 2)
+    make_checkpoint(ckpts, 10)
+    make_checkpoint(ckpts, 12, complete=False)  # an interrupted save
+    (ckpts / "step_00000011").mkdir()  # DCP files but no manifest: not complete either
+    assert [s for s, _ in complete_checkpoints(ckpts)] == [2, 10]
+    assert resolve_resume("auto", ckpts).name == "step_00000010"
+    assert resolve_resume(str(tmp_path / "run"), ckpts).name == "step_00000010"  # a run dir
+    assert resolve_resume(str(ckpts / "step_00000002"), ckpts).name == "step_00000002"
+    assert resolve_resume("auto", tmp_path / "empty") is None  # auto: start fresh
+    assert resolve_resume(None, ckpts) is None
+
+
+@pytest.mark.parametrize("target, needle", [
+    ("missing", "does not exist"),
+    ("checkpoints/step_00000011", "is not a complete checkpoint"),
+    ("checkpoints/step_00000012.tmp", "holds no complete checkpoint"),
+])
+def test_resume_from_a_bad_path_names_it(tmp_path, target, needle):
+    make_checkpoint(tmp_path / "checkpoints", 12, complete=False)
+    (tmp_path / "checkpoints" / "step_00000011").mkdir()
+    with pytest.raises(CheckpointError, match=needle):
+        resolve_resume(str(tmp_path / target), tmp_path / "checkpoints")
+
+
+def test_prune_removes_interrupted_saves_and_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        make_checkpoint(tmp_path, step)
+    make_checkpoint(tmp_path, 5, complete=False)
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+    prune(tmp_path, keep=0)  # 0 keeps all
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_truncated_files_and_other_models_are_refused_with_both_values(tmp_path):
+    path = make_checkpoint(tmp_path, 3, files={"__0_0.distcp": b"abcdef"})
+    manifest = json.loads((path / MANIFEST).read_text())
+    check_files(path, manifest)
+    (path / "__0_0.distcp").write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match="has 3 bytes, the save wrote 6"):
+        check_files(path, manifest)
+    check_model_matches(manifest, ModelConfig(), path)
+    with pytest.raises(CheckpointError, match="model.ffn_hidden: the checkpoint step_00000003 "
+                                              "has ffn=128, the config ffn=96"):
+        check_model_matches(manifest, ModelConfig(ffn_hidden=96), path)
+    with pytest.raises(CheckpointError, match="tie_embeddings=False, the config "
+                                              "tie_embeddings=True"):
+        check_model_matches(manifest, ModelConfig(tie_embeddings=True), path)
+
+
+class Boom:
+    def __reduce__(self):
+        import os
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_unpickler_refuses_anything_but_dcp_classes(tmp_path):
+    from hybrid.checkpoint.dcp_io import read_metadata
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(CheckpointError, match="asks to load posix.system"):
+        read_metadata(tmp_path)
