@@ -97,6 +97,11 @@ class TrainConfig:
     """Print a log line every this many steps."""
     timeline_step: int = 3
     """Record the pipeline timeline of this step (1-based); 0 disables it."""
+    skip_memory_check: bool = False
+    """Launch even when the memory estimate per rank exceeds what the ranks can use."""
+    overwrite: bool = False
+    """Allow a run directory that already holds a run (its metrics and TensorBoard events are
+    replaced); without it such a directory is refused unless the run resumes there."""
 
 
 @dataclass(kw_only=True)
@@ -184,6 +189,8 @@ class Config:
 class PlanConfig(Config):
     format: str = "text"
     """Output of ``hybrid-plan``: text | json."""
+    full: bool = False
+    """Print every rank and group even above 64 ranks (text output; json is always full)."""
 
 
 def to_dict(cfg: Any) -> dict:

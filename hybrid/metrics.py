@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from hybrid.files import write_error
+
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                  "comm_bytes", "peak_mem_bytes")
 
@@ -61,8 +63,11 @@ class MetricsWriter:
             return
         missing = [k for k in REQUIRED_KEYS if k not in record]
         assert not missing, f"metrics record lacks {missing}"
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        except OSError as err:
+            raise write_error(self.path, err) from None
         if self._tb is not None:
             for key, value in _flatten(record).items():
                 if key != "step" and isinstance(value, (int, float)):

@@ -34,7 +34,9 @@ def build_plan(cfg: Config) -> dict:
         "world_size": layout.world_size,
         "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
                    "order": layout.order, "nodes": -(-layout.world_size // per_node),
-                   "ranks_per_node": per_node},
+                   "ranks_per_node": per_node,
+                   "nodes_given": cfg.launcher.nnodes > 1
+                   or cfg.launcher.nproc_per_node is not None},
         "model": {"name": cfg.model.name, "layers": cfg.model.layers,
                   "hidden": cfg.model.hidden, "heads": cfg.model.heads,
                   "vocab": cfg.model.vocab, "padded_vocab": cfg.model.padded_vocab,
@@ -69,7 +71,42 @@ def _pipeline_section(cfg: Config, layout: Layout) -> dict:
     return {"stages": summary["stages"], "schedule": summary["schedule"], "memory": memory}
 
 
-def format_plan(plan: dict) -> str:
+SUMMARY_ABOVE_RANKS = 64
+"""Above this many ranks the text plan shows the ends of the rank table and a few groups."""
+SHOWN_ROWS, SHOWN_GROUPS = 8, 4
+
+
+def _rank_rows(ranks: list[dict], full: bool) -> list[str]:
+    def row(r: dict) -> str:
+        return f"{r['rank']:>4}  {r['node']:>4}  {r['dp']:>2}  {r['tp']:>2}  {r['pp']:>2}"
+
+    if full or len(ranks) <= SUMMARY_ABOVE_RANKS:
+        return [row(r) for r in ranks]
+    hidden = len(ranks) - 2 * SHOWN_ROWS
+    return ([row(r) for r in ranks[:SHOWN_ROWS]]
+            + [f"   ... {hidden} more ranks (full=true prints them all) ..."]
+            + [row(r) for r in ranks[-SHOWN_ROWS:]])
+
+
+def _group_line(groups: list[list[int]], full: bool, world: int) -> str:
+    if full or world <= SUMMARY_ABOVE_RANKS or len(groups) <= SHOWN_GROUPS:
+        return " ".join(map(str, groups))
+    return (" ".join(map(str, groups[:SHOWN_GROUPS]))
+            + f" ... ({len(groups)} groups of {len(groups[0])})")
+
+
+def _node_lines(plan: dict) -> list[str]:
+    if plan["warnings"]:
+        return [f"warning: {w}" for w in plan["warnings"]]
+    lay = plan["layout"]
+    if lay["nodes"] == 1 and not lay["nodes_given"] and plan["world_size"] > 1:
+        return [f"all {plan['world_size']} ranks are planned on one node (launcher.nnodes=1): "
+                f"set launcher.nnodes and launcher.nproc_per_node to see which groups cross "
+                f"nodes"]
+    return ["no group crosses a node"]
+
+
+def format_plan(plan: dict, full: bool = False) -> str:
     lay, model, batch = plan["layout"], plan["model"], plan["batch"]
     lines = [
         f"model {model['name']}: {model['layers']} layers, hidden {model['hidden']}, "
@@ -82,14 +119,14 @@ def format_plan(plan: dict) -> str:
         f"micro-batches x {batch['micro_batch']}",
         "", "rank  node  dp  tp  pp",
     ]
-    lines += [f"{r['rank']:>4}  {r['node']:>4}  {r['dp']:>2}  {r['tp']:>2}  {r['pp']:>2}"
-              for r in plan["ranks"]]
+    lines += _rank_rows(plan["ranks"], full)
     lines += ["", "groups (ranks in each):"]
     names = {"tp-pp": "tp-pp (model parallel)", "embedding": "embedding (first+last stage)"}
     for axis, groups in plan["groups"].items():
-        lines.append(f"  {names.get(axis, axis):<30} " + " ".join(map(str, groups)))
+        lines.append(f"  {names.get(axis, axis):<30} "
+                     + _group_line(groups, full, plan["world_size"]))
     lines.append("")
-    lines += [f"warning: {w}" for w in plan["warnings"]] or ["no group crosses a node"]
+    lines += _node_lines(plan)
     lines += ["", "pipeline stages:"] + [f"  {s}" for s in plan["stages"]["lines"]]
     sched = plan["schedule"]
     lines += ["", f"schedule {sched['name']}: simulated bubble {sched['bubble_fraction']:.1%}, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 from hybrid import faults
 from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
+from hybrid.files import write_text
 from hybrid.config import Config
 from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
@@ -64,6 +66,19 @@ def activation_shape(cfg: Config, groups: ParallelGroups) -> tuple[int, int, int
     if cfg.parallel.sequence_parallel:
         seq //= groups.layout.tp
     return (seq, cfg.train.micro_batch, cfg.model.hidden)
+
+
+class NonFiniteError(ArithmeticError):
+    """The loss or the gradient norm of a step is NaN or infinite; the update was not applied."""
+
+
+def stop_if_not_finite(step: int, loss: float, grad_norm: float, lr: float) -> None:
+    """Raise on a non-finite loss or gradient norm (every rank has both, reduced)."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}; the update was "
+                         f"not applied and training stopped. Lower optim.lr (this step's lr "
+                         f"{lr:.3g}) or resume from an earlier checkpoint")
 
 
 @dataclass
@@ -125,13 +140,20 @@ class Trainer:
                     pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
                     loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
                     act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder)
-            grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip)
+            global_loss = []
+
+            def check(norm: float) -> None:  # before the update is applied
+                global_loss.append(self._global_loss(loss))
+                stop_if_not_finite(step, global_loss[0], norm, lr)
+
+            grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip,
+                                              check=check)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         comm = self.counter.snapshot()
         slowest, peak = self._all_reduce([elapsed, peak_memory_bytes(self.device)],
                                          dist.ReduceOp.MAX)
         (cpu_total,) = self._all_reduce([cpu], dist.ReduceOp.SUM)
-        return StepReport(loss=self._global_loss(loss), grad_norm=float(grad_norm), lr=lr,
+        return StepReport(loss=global_loss[0], grad_norm=float(grad_norm), lr=lr,
                           step_time_s=slowest, comm=comm, cpu_s=cpu_total,
                           peak_mem_bytes=int(peak))
 
@@ -201,7 +223,7 @@ class Trainer:
         report = write_timeline(events, self.schedule, self.run_dir / "timeline", pp=layout.pp,
                                 m=self.m, vpp=layout.vpp,
                                 title=f"{self.cfg.parallel.schedule} step {step}")
-        (self.run_dir / "timeline_bubble.json").write_text(json.dumps(report, indent=1))
+        write_text(self.run_dir / "timeline_bubble.json", json.dumps(report, indent=1))
         print(f"timeline of step {step}: {report['png']} (bubble measured "
               f"{report['measured']:.1%}, simulated {report['simulated']:.1%})", flush=True)
 

@@ -7,6 +7,8 @@ bad config never starts a process.
 
 from __future__ import annotations
 
+import math
+
 from hybrid.config import Config, ModelConfig
 from hybrid.layout import Layout, LayoutError, valid_sizes
 from hybrid.pipeline.schedules import SCHEDULE_NAMES
@@ -33,8 +35,13 @@ def valid_tp_sizes(m: ModelConfig) -> list[int]:
 
 
 def _non_negative(field: str, value: float) -> None:
-    if value < 0:
-        raise LayoutError(f"{field}={value} must be >= 0")
+    if not math.isfinite(value) or value < 0:
+        raise LayoutError(f"{field}={value} must be a finite number >= 0")
+
+
+def _above_zero(field: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise LayoutError(f"{field}={value} must be a finite number > 0")
 
 
 def _tp_divides(m: ModelConfig, tp: int, field: str, value: int) -> None:
@@ -66,6 +73,7 @@ def validate_config(cfg: Config) -> Layout:
     par = cfg.parallel
     layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
     _check_names(cfg)
+    _check_numbers(cfg)
     _check_model(cfg, layout)
     _check_schedule(cfg, layout)
     _check_batch(cfg, layout)
@@ -82,20 +90,44 @@ def _check_names(cfg: Config) -> None:
     _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
     _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
     _choose("optim.name", cfg.optim.name, ("adamw",))
-    for field in ("lr", "min_lr", "weight_decay", "eps"):
-        _non_negative(f"optim.{field}", getattr(cfg.optim, field))
-    _non_negative("optim.warmup_steps", cfg.optim.warmup_steps)
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Every number finite and in range (a NaN passes ``< 0`` checks, so test finiteness)."""
+    optim = cfg.optim
+    for field in ("lr", "min_lr", "weight_decay"):
+        _non_negative(f"optim.{field}", getattr(optim, field))
+    _above_zero("optim.eps", optim.eps)
+    if optim.min_lr > optim.lr:
+        raise LayoutError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}; the "
+                          f"cosine decays from lr down to min_lr: lower min_lr")
+    _non_negative("optim.warmup_steps", optim.warmup_steps)
     for field in ("beta1", "beta2"):
-        if not 0 <= getattr(cfg.optim, field) < 1:
-            raise LayoutError(f"optim.{field}={getattr(cfg.optim, field)} must be in [0, 1)")
+        if not 0 <= getattr(optim, field) < 1:
+            raise LayoutError(f"optim.{field}={getattr(optim, field)} must be in [0, 1)")
+    _above_zero("model.init_std", cfg.model.init_std)
+    _above_zero("model.norm_eps", cfg.model.norm_eps)
     _non_negative("train.grad_clip", cfg.train.grad_clip)
     _non_negative("checkpoint.every", cfg.checkpoint.every)
     _non_negative("checkpoint.keep", cfg.checkpoint.keep)
     _non_negative("train.timeline_step", cfg.train.timeline_step)
     _positive("train.log_every", cfg.train.log_every)
-    if cfg.parallel.bucket_mb <= 0:
-        raise LayoutError(f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be > 0 "
-                          f"(torch DDP uses 25)")
+    _above_zero("parallel.bucket_mb", cfg.parallel.bucket_mb)
+    if cfg.launcher.omp_threads is not None:
+        _positive("launcher.omp_threads", cfg.launcher.omp_threads)
+    _non_negative("launcher.max_restarts", cfg.launcher.max_restarts)
+    if cfg.data.source == "synthetic":
+        _positive("data.samples", cfg.data.samples)
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are probably not meant: one line each, printed before launch."""
+    warnings = []
+    if cfg.optim.warmup_steps > cfg.train.steps:
+        warnings.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than "
+                        f"train.steps={cfg.train.steps}: the learning rate never reaches "
+                        f"optim.lr={cfg.optim.lr}")
+    return warnings
 
 
 def _check_model(cfg: Config, layout: Layout) -> None:

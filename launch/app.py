@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, TypeVar
+from typing import Callable, NoReturn, Optional, TypeVar
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybrid.config import Config, PlanConfig
+from hybrid.files import RunDirError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USER_ERROR_EXIT = 2
@@ -47,6 +48,10 @@ def run_hydra_app(app: Callable[[], None]) -> None:
         app()
     except (HydraException, OmegaConfBaseException) as err:
         exit_user_error(_first_lines(err))
+    except OSError as err:  # Hydra making the run directory, or a file of the run
+        exit_user_error(err if isinstance(err, RunDirError)
+                        else f"cannot write the run directory: {err}; choose another with "
+                             f"hydra.run.dir=...")
 
 
 def _first_lines(err: BaseException) -> str:
@@ -58,6 +63,22 @@ def _first_lines(err: BaseException) -> str:
             parts.append(first)
         err = err.__cause__
     return " ".join(parts)
+
+
+def available_memory(cfg: Config) -> tuple[Optional[int], str]:
+    """What one rank's device (CUDA) or one node's ranks together (CPU) can use, in bytes;
+    None when it cannot be known here."""
+    if cfg.train.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory, "cuda"
+    try:
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle)
+        return int(fields["MemAvailable"].split()[0]) * 1024, "cpu"
+    except (OSError, KeyError, ValueError):
+        return None, "cpu"
 
 
 def exit_user_error(err: Exception | str) -> NoReturn:

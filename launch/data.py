@@ -37,10 +37,19 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("output", help="token file to write (e.g. tokens.bin)")
     parser.add_argument("--dtype", default="uint16", choices=sorted(TOKEN_DTYPES),
                         help="element type of the token file (default: uint16)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing output file")
     return parser.parse_args(argv)
 
 
-def _check_paths(input_path: str, output_path: str) -> None:
+def _check_paths(input_path: str, output_path: str, force: bool = False) -> None:
+    if os.path.exists(output_path) and os.path.exists(input_path) \
+            and os.path.samefile(input_path, output_path):
+        raise InputError(f"output {output_path} is the input file; write the tokens to "
+                         f"another path (e.g. {input_path}.bin)")
+    if os.path.exists(output_path) and not force:
+        raise InputError(f"output {output_path} exists; choose another path or pass --force "
+                         f"to replace it")
     if not os.path.isfile(input_path):
         raise InputError(f"input file {input_path} does not exist; pass the path of a text file")
     if os.path.getsize(input_path) == 0:
@@ -51,13 +60,14 @@ def _check_paths(input_path: str, output_path: str) -> None:
                          f"another output path")
 
 
-def tokenize_file(input_path: str, output_path: str, dtype: str = "uint16") -> int:
+def tokenize_file(input_path: str, output_path: str, dtype: str = "uint16",
+                  force: bool = False) -> int:
     """Write the bytes of ``input_path`` as ``dtype`` token ids to ``output_path``; count them.
 
     Streams in chunks (bounded memory) into a temporary file in the output's folder and
     renames it over ``output_path`` only once complete.
     """
-    _check_paths(input_path, output_path)
+    _check_paths(input_path, output_path, force)
     out_dir = os.path.dirname(os.path.abspath(output_path))
     fd, tmp_path = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(output_path)}.",
                                     suffix=".tmp")
@@ -69,6 +79,7 @@ def tokenize_file(input_path: str, output_path: str, dtype: str = "uint16") -> i
                 written += len(chunk)
             dst.flush()
             os.fsync(dst.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a plain file honours umask
         os.replace(tmp_path, output_path)
     except BaseException:  # including Ctrl-C: never leave the temporary file behind
         if os.path.exists(tmp_path):
@@ -77,10 +88,16 @@ def tokenize_file(input_path: str, output_path: str, dtype: str = "uint16") -> i
     return written
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = _parse(argv)
     try:
-        count = tokenize_file(args.input, args.output, args.dtype)
+        count = tokenize_file(args.input, args.output, args.dtype, args.force)
     except (InputError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)

@@ -129,7 +129,8 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     # Workers inherit the launcher's environment when they start, before they import torch.
     with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers(), \
-            _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG)):
+            _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG)), \
+            _own_error_files():
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
             results = elastic_launch(config, _call_entrypoint)(entrypoint, *args)
@@ -184,12 +185,20 @@ def _tail(traceback: str) -> str:
     return "\n".join(kept[-TRACEBACK_TAIL_LINES:])
 
 
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that cannot be written (a full disk) must not spray tracebacks on the
+    console; the failure it would have described still ends the run with its own line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def _agent_log_to(path: str) -> Iterator[None]:
     """Send torch elastic's own log records (worker failures with their tracebacks, restarts)
     to ``path`` instead of the console, where the caller prints one line per failure."""
     loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
-    handler = logging.FileHandler(path)
+    handler = _QuietFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     propagate = [logger.propagate for logger in loggers]
     for logger in loggers:
@@ -202,6 +211,27 @@ def _agent_log_to(path: str) -> Iterator[None]:
             logger.removeHandler(handler)
             logger.propagate = saved
         handler.close()
+
+
+@contextlib.contextmanager
+def _own_error_files() -> Iterator[None]:
+    """torch.multiprocessing passes each worker's traceback back through a file it names in
+    the temporary directory (``pytorch-errorfile-*.pickle``) and leaves it behind when the
+    worker fails. Name them in a directory of this launch, removed afterwards (the system's
+    temporary directory, not the run's, which may be the full disk that failed the run).
+    multiprocessing's own temporary directory (the fork server's socket) is fixed first."""
+    import multiprocessing.util
+    import shutil
+    import tempfile
+
+    multiprocessing.util.get_temp_dir()
+    directory = tempfile.mkdtemp(prefix="hybrid-launch-")
+    saved, tempfile.tempdir = tempfile.tempdir, directory
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ from omegaconf import DictConfig
 
 from hybrid.config import PlanConfig
 from hybrid.layout import LayoutError
+from hybrid.memory import memory_verdict
 from hybrid.plan import build_plan, format_plan
-from launch.app import CONF_DIR, exit_user_error, run_hydra_app, to_dataclass
+from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan", version_base="1.3")
@@ -27,10 +28,15 @@ def _plan(dict_cfg: DictConfig) -> None:
         plan = build_plan(cfg)
     except (LayoutError, ValueError) as err:
         exit_user_error(err)
+    limit, device = available_memory(cfg)
+    if limit is not None:
+        plan["memory_check"] = memory_verdict(cfg, limit, device)
     if cfg.format == "json":
         print(json.dumps(plan, indent=1))
     else:
-        print(format_plan(plan))
+        print(format_plan(plan, full=cfg.full))
+        if "memory_check" in plan:
+            print(f"\nmemory check: {plan['memory_check']['line']}")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,14 +25,16 @@ from hybrid.checkpoint.store import (
 )
 from hybrid.config import Config, to_dict
 from hybrid.data import DataError, validate_data
+from hybrid.files import RunDirError, write_error, write_text
 from hybrid.layout import Layout, LayoutError
-from hybrid.validate import validate_config
-from launch.app import CONF_DIR, exit_user_error, run_hydra_app, to_dataclass
+from hybrid.memory import check_memory
+from hybrid.validate import config_warnings, validate_config
+from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
 WORKER_FAILED_EXIT = 1
-INTERRUPTED_EXIT = 130
 MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
-WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError")
+WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError", "NonFiniteError",
+                      "RunDirError")
 """Exceptions a worker raises for bad input: reported as one line, without a traceback."""
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
@@ -41,8 +44,34 @@ def save_resolved_config(cfg: Config, run_dir: Path) -> Path:
     """The resolved config as JSON; ``hybrid.config.from_dict`` reloads it identically."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.json"
-    path.write_text(json.dumps(to_dict(cfg), indent=1) + "\n")
+    write_text(path, json.dumps(to_dict(cfg), indent=1) + "\n")
     return path
+
+
+RUN_FILES = ("config.json", "metrics.jsonl")
+"""A directory holding one of these holds a run."""
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    """Refuse to mix two runs in one directory, and a directory that cannot be written."""
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if held and not cfg.train.overwrite and cfg.checkpoint.resume_from is None:
+        raise RunDirError(f"{run_dir} already holds a run ({held[0]}); resume it with "
+                          f"checkpoint.resume_from={run_dir}, write elsewhere with "
+                          f"hydra.run.dir=..., or replace it with train.overwrite=true")
+    probe = run_dir / ".hybrid-write-test"
+    write_text(probe, "")
+    probe.unlink()
+    if held and cfg.train.overwrite:
+        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)  # never mix two runs' events
+
+
+def check_fits(cfg: Config) -> None:
+    if cfg.train.skip_memory_check:
+        return
+    limit, device = available_memory(cfg)
+    if limit is not None:
+        check_memory(cfg, limit, device)
 
 
 def check_launchable(cfg: Config) -> None:
@@ -100,31 +129,34 @@ def launch(cfg: Config, layout: Layout, run_dir: Path) -> list:
                      start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def _train(dict_cfg: DictConfig) -> None:
+def prepare(cfg: Config, run_dir: Path) -> Layout:
+    """Every check that can be made before a worker starts; writes ``config.json``."""
+    layout = validate_config(cfg)
+    check_launchable(cfg)
+    check_fits(cfg)
+    validate_data(cfg.data, cfg.model, cfg.train)
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
+    resolve_checkpointing(cfg, run_dir)
+    check_run_dir(cfg, run_dir)
+    save_resolved_config(cfg, run_dir)
+    return layout
+
+
+def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
+    """Launch the workers; a failure ends in one line and the exit status that says why."""
     from launch.local import LaunchInterrupted, WorkerFailure
 
-    cfg = to_dataclass(dict_cfg, Config)
-    try:
-        layout = validate_config(cfg)
-        check_launchable(cfg)
-        validate_data(cfg.data, cfg.model, cfg.train)
-    except (LayoutError, DataError) as err:
-        exit_user_error(err)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        resolve_checkpointing(cfg, run_dir)
-    except CheckpointError as err:
-        exit_user_error(err)
-    save_resolved_config(cfg, run_dir)
     try:
         results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
         report_worker_failure(err)
         sys.exit(WORKER_FAILED_EXIT)
-    except (KeyboardInterrupt, LaunchInterrupted) as err:
+    except LaunchInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT)
+        sys.exit(128 + err.signal_number)  # the shell's convention: 143 for SIGTERM
+    except OSError as err:  # the launcher's own files (worker logs) on a full disk
+        exit_user_error(write_error(run_dir, err))
     losses, resumed = results[0]["losses"], results[0]["resumed_from"]
     if resumed is not None:
         print(f"resumed from {resumed} (step {results[0]['start_step']})")
@@ -132,7 +164,19 @@ def _train(dict_cfg: DictConfig) -> None:
     print(f"run directory: {run_dir}")
 
 
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def _train(dict_cfg: DictConfig) -> None:
+    cfg = to_dataclass(dict_cfg, Config)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        layout = prepare(cfg, run_dir)
+    except (LayoutError, DataError, CheckpointError, RunDirError) as err:
+        exit_user_error(err)
+    run(cfg, layout, run_dir)
+
+
 def main() -> None:
+    """Ctrl-C is reported by the console script (``launch.console``), even during imports."""
     run_hydra_app(_train)
 
 

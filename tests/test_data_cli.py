@@ -76,7 +76,7 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fail_fsync)
     with pytest.raises(KeyboardInterrupt):
-        launch.data.tokenize_file(str(source), str(output))
+        launch.data.tokenize_file(str(source), str(output), force=True)
     assert output.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "tokens.bin"]
 

@@ -14,20 +14,22 @@ one save is in flight: the next one, and the end of training, wait for it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid import faults
 from hybrid.checkpoint.dcp_io import (
-    HostCopyStager, SafeReader, as_global, file_checksums, read_metadata, tp_mesh, verify_files,
+    HostCopyStager, SafeReader, as_global, os_error_in, file_checksums, read_metadata, tp_mesh, verify_files,
 )
 from hybrid.checkpoint.store import (
     FORMAT_VERSION, CheckpointError, checkpoint_name, model_shape, partial_name, prune,
@@ -35,6 +37,7 @@ from hybrid.checkpoint.store import (
 )
 from hybrid.config import to_dict
 from hybrid.dp.state import MOMENTS
+from hybrid.files import RunDirError
 from hybrid.optim import unique_parameters
 
 
@@ -93,7 +96,8 @@ class Checkpointer:
         dist.barrier()
         writer = FileSystemWriter(partial)
         if self.async_group is None:
-            dcp.save(self._state(step), storage_writer=writer)
+            with _write_errors_named(partial):
+                dcp.save(self._state(step), storage_writer=writer)
             self._finish(step, partial)
         else:
             future = dcp.async_save(self._state(step), storage_writer=writer,
@@ -119,7 +123,8 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         future, step, partial = self.pending
         self.pending = None
-        future.result()  # raises here if the background write failed
+        with _write_errors_named(partial):
+            future.result()  # raises here if the background write failed
         self._finish(step, partial)
 
     def _finish(self, step: int, partial: Path) -> None:
@@ -171,7 +176,14 @@ class Checkpointer:
         manifest = read_manifest(path)
         verify_files(path, manifest, self.rank, self.world)
         targets, moments = self._targets()
-        dcp.load(targets, storage_reader=SafeReader(path))
+        try:
+            dcp.load(targets, storage_reader=SafeReader(path))
+        except CheckpointException as err:
+            cause = os_error_in(err)
+            if cause is None:
+                raise
+            raise CheckpointError(f"checkpoint {path} cannot be read ({cause}); resume from "
+                                  f"an older one") from None
         self._check_every_key_loaded(path, targets)
         self.sync.load_state_dict(moments)
         torch.set_rng_state(targets["rng.cpu"])
@@ -204,6 +216,23 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} holds {len(unused)} tensors this model "
                                   f"has no place for (first: {unused[0]}); check the model "
                                   f"config against hybrid-ckpt show {path}")
+
+
+@contextlib.contextmanager
+def _write_errors_named(path: Path) -> Iterator[None]:
+    """A save DCP could not write ends in one line naming the checkpoint and the free space.
+
+    A full disk shows up as an ``OSError`` or, inside ``torch.save``'s zip writer, as a
+    ``RuntimeError`` ("unexpected pos"); DCP wraps either in a ``CheckpointException``, which
+    is a ``BaseException`` and would escape the worker's error reporting."""
+    try:
+        yield
+    except CheckpointException as err:
+        cause = os_error_in(err) or next(iter(err.failures.values()))[0]
+        free = shutil.disk_usage(path.parent).free
+        raise RunDirError(f"cannot write checkpoint {path}: {type(cause).__name__}: "
+                          f"{str(cause).strip().splitlines()[-1]} ({free} bytes free there); "
+                          f"free space or choose another checkpoint.dir") from None
 
 
 def _replace_dir(partial: Path, final: Path) -> None:

@@ -72,6 +72,16 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def os_error_in(err: BaseException) -> OSError | None:
+    """The ``OSError`` behind a DCP ``CheckpointException`` (which carries one per failed
+    rank), if any: a full disk, a vanished directory."""
+    failures = getattr(err, "failures", None) or {}
+    for exc, _trace in failures.values():
+        if isinstance(exc, OSError):
+            return exc
+    return err if isinstance(err, OSError) else None
+
+
 def read_metadata(path: Path):
     """DCP's metadata of a checkpoint directory (no process group needed)."""
     with open(Path(path) / ".metadata", "rb") as handle:

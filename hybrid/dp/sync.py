@@ -26,7 +26,7 @@ bf16 compute runs under autocast, whose gradients arrive in the parameters' fp32
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterable, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -242,10 +242,16 @@ class GradSync:
         for bucket in self.buckets:
             bucket.grad.zero_()
 
-    def finish_step(self, *, lr: float, max_norm: float) -> float:
-        """Reduce, clip, step, zero; returns the global gradient norm before clipping."""
+    def finish_step(self, *, lr: float, max_norm: float,
+                    check: Optional[Callable[[float], None]] = None) -> float:
+        """Reduce, clip, step, zero; returns the global gradient norm before clipping.
+
+        ``check(norm)`` runs after the norm is known and before the optimizer step: it may
+        raise to stop a step whose update must not be applied (a non-finite norm)."""
         self.reduce_gradients()
         norm = self.clip_grad_norm_(max_norm)
+        if check is not None:
+            check(norm)
         self.optimizer_step(lr)
         self.zero_grad()
         return norm

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from hybrid.files import atomic_write, write_text
+
 from hybrid.pipeline.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, Action,
 )
@@ -70,7 +72,7 @@ def write_chrome_trace(events: Iterable[EventLike], path: str | Path) -> None:
         "dur": (end - start) * MICROSECONDS_PER_SECOND,
         "args": {"kind": action.kind, "stage": action.stage, "mb": action.mb},
     } for rank, action, start, end in parsed]
-    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
 def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "pipeline",
@@ -104,7 +106,8 @@ def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "p
                    loc="left", fontsize=10)
     _draw_legend(axes, kinds_drawn)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with atomic_write(path) as tmp:
+        figure.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
 
 
 def _draw_bars(axes, parsed: Sequence[Event], begin: float, makespan: float,
