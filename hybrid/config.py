@@ -97,6 +97,9 @@ class TrainConfig:
     """Print a log line every this many steps."""
     timeline_step: int = 3
     """Record the pipeline timeline of this step (1-based); 0 disables it."""
+    collective_timeout_s: float = 300.0
+    """Seconds any collective, process-group set-up or pipeline receive may wait before the
+    rank fails instead of hanging."""
     skip_memory_check: bool = False
     """Launch even when the memory estimate per rank exceeds what the ranks can use."""
     overwrite: bool = False
@@ -140,7 +143,8 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class LauncherConfig:
     name: str = "local"
-    """local (torch elastic agent on this machine) | torchrun | slurm."""
+    """local (torch elastic agent on this machine); torchrun and slurm are accepted by
+    hybrid-plan, which plans them, but hybrid-train cannot start them yet."""
     nnodes: int = 1
     """Number of nodes."""
     nproc_per_node: Optional[int] = None

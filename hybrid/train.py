@@ -139,7 +139,8 @@ class Trainer:
                     self.actions, self.chunks, data, groups=self.groups,
                     pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
                     loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
-                    act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder)
+                    act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
+                    recv_timeout_s=self.cfg.train.collective_timeout_s)
             global_loss = []
 
             def check(norm: float) -> None:  # before the update is applied

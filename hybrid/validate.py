@@ -113,6 +113,7 @@ def _check_numbers(cfg: Config) -> None:
     _non_negative("train.timeline_step", cfg.train.timeline_step)
     _positive("train.log_every", cfg.train.log_every)
     _above_zero("parallel.bucket_mb", cfg.parallel.bucket_mb)
+    _above_zero("train.collective_timeout_s", cfg.train.collective_timeout_s)
     if cfg.launcher.omp_threads is not None:
         _positive("launcher.omp_threads", cfg.launcher.omp_threads)
     _non_negative("launcher.max_restarts", cfg.launcher.max_restarts)

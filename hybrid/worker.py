@@ -15,8 +15,6 @@ from hybrid.config import Config, from_dict
 from hybrid.groups import ParallelGroups, backend_for, default_device
 from hybrid.validate import validate_config
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
-"""A rank stuck in a collective this long fails instead of hanging the job forever."""
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -60,7 +58,8 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
         torch.set_num_threads(int(threads))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_distributed(backend_for(device), COLLECTIVE_TIMEOUT)
+    # A rank stuck in a collective this long fails instead of hanging the job forever.
+    init_distributed(backend_for(device), timedelta(seconds=cfg.train.collective_timeout_s))
     try:
         groups = ParallelGroups.create(layout, device)
         return train(cfg, groups, Path(run_dir))
