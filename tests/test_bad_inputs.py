@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -140,12 +141,20 @@ def test_hybrid_data_never_writes_over_its_input_or_an_existing_file(tmp_path):
     assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~mask)
 
 
+def _error_pickles() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")}
+
+
 def test_a_diverging_run_stops_before_applying_a_non_finite_update(tmp_path):
+    before = _error_pickles()
     done = run([TRAIN, *SMALL, "train.steps=5", "optim.lr=1e30", "optim.min_lr=0",
                 f"hydra.run.dir={tmp_path}"])
     one_line(done, 1, "step 2: loss nan, gradient norm nan; the update was not applied")
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
     assert steps == [1]
+    # the agent's account of the failure is in the run's log, not on the console
+    assert "NonFiniteError" in (tmp_path / "train.log").read_text()
+    assert _error_pickles() <= before  # torch.multiprocessing's error files were removed
 
 
 def test_a_warm_up_longer_than_the_run_is_one_warning(tmp_path):

@@ -70,3 +70,32 @@ def test_misspelt_key_wrong_type_or_unknown_preset_fail_at_composition(override,
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], out.stderr
+
+
+GPT3 = ["model=gpt3-175b", "parallel.dp=8", "parallel.tp=8", "parallel.pp=16",
+        "train.global_batch=1536", "train.micro_batch=1"]
+
+
+def test_a_1024_rank_plan_is_summarised_and_says_it_was_planned_on_one_node():
+    out = plan(*GPT3)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) < 100
+    assert "   ... 1008 more ranks (full=true prints them all) ..." in lines
+    assert "all 1024 ranks are planned on one node (launcher.nnodes=1)" in out.stdout
+    assert "no group crosses a node" not in out.stdout
+    full = plan(*GPT3, "full=true")
+    assert len(full.stdout.splitlines()) > 1024
+    nodes = plan(*GPT3, "launcher.nnodes=128", "launcher.nproc_per_node=8")
+    assert "warning: 64 pp group(s) cross nodes" in nodes.stdout
+    assert "tp group(s) cross" not in nodes.stdout  # 8 TP ranks fill one 8-rank node
+
+
+def test_the_fix_a_refused_model_is_told_makes_the_memory_check_pass():
+    big = ["model=gpt2-350m", "parallel.dp=4", "parallel.tp=2", "parallel.pp=1",
+           "train.global_batch=16"]
+    refused = plan(*big)
+    assert "memory check: the job needs about" in refused.stdout
+    fix = refused.stdout.split("; ")[-1].split(" would need")[0].split()
+    assert fix == ["model.recompute=true", "parallel.zero=1"]
+    assert "memory check: fits: needs about" in plan(*big, *fix).stdout
