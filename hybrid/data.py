@@ -31,9 +31,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from hybrid.token_files import misread_file
 
 SOURCES = ("synthetic", "tokens")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -207,44 +209,14 @@ def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any) -> int:
     if isinstance(dataset, TokenFileDataset):
         largest = max_token(dataset.tokens)
         if largest >= model_cfg.vocab:
-            raise _misread_file_error(data_cfg, model_cfg.vocab) or \
+            misread = misread_file(data_cfg.path, data_cfg.dtype, model_cfg.vocab)
+            raise DataError(misread) if misread else \
                 _vocab_error(data_cfg.path, largest, model_cfg.vocab)
-        misread = _misread_file_error(data_cfg, model_cfg.vocab, uint16_of_uint32=True)
+        misread = misread_file(data_cfg.path, data_cfg.dtype, model_cfg.vocab,
+                               uint16_of_uint32=True)
         if misread:
-            raise misread
+            raise DataError(misread)
     return len(dataset)
-
-
-SNIFF_BYTES = 1 << 16
-
-
-def _misread_file_error(data_cfg: Any, vocab: int, *,
-                        uint16_of_uint32: bool = False) -> Optional[DataError]:
-    """A token file read the wrong way, recognised from its first bytes: a text file, a uint16
-    file read as uint32, or (``uint16_of_uint32``) a uint32 file read as uint16, whose every
-    other token is the zero high half of an id."""
-    with open(data_cfg.path, "rb") as handle:
-        head = handle.read(SNIFF_BYTES)
-    path, dtype = data_cfg.path, data_cfg.dtype
-    if uint16_of_uint32:
-        halves = np.frombuffer(head[:len(head) // 4 * 4], dtype=np.uint16)
-        if dtype == "uint16" and len(halves) >= 64 and not halves[1::2].any() \
-                and halves[0::2].any():
-            return DataError(f"data.path={path} reads as uint16 with every other token 0: it "
-                             f"was written as uint32; set data.dtype=uint32")
-        return None
-    printable = sum(32 <= b < 127 or b in (9, 10, 13) for b in head)
-    if head and printable >= 0.95 * len(head):
-        return DataError(f"data.path={path} looks like a text file, not a token file; make "
-                         f"one with `hybrid-data {path} tokens.bin` and pass "
-                         f"data.path=tokens.bin")
-    if dtype == "uint32":
-        as16 = np.frombuffer(head[:len(head) // 2 * 2], dtype=np.uint16)
-        if len(as16) and int(as16.max()) < vocab:
-            return DataError(f"data.path={path} holds ids >= model.vocab={vocab} as uint32 "
-                             f"but all fit as uint16: it was written as uint16; set "
-                             f"data.dtype=uint16")
-    return None
 
 
 def _too_few_samples_error(data_cfg: Any, model_cfg: Any, samples: int,
