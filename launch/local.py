@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import uuid
@@ -36,7 +37,9 @@ default, 30, is long for a worker that is stuck in a collective and cannot see t
 # The agent replaces these handlers for good and sets these variables in this process;
 # run_local puts them back so the caller's Ctrl-C behaves as before once the run is over.
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", "HYBRID_LAUNCHER_PID")
+LAUNCHER_PID_ENV = "HYBRID_LAUNCHER_PID"
+"""Tells workers which process to watch (see ``_die_with_launcher``)."""
 TORCHRUN_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                      "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT")
 
@@ -132,6 +135,7 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
             _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG)), \
             _own_error_files():
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         try:
             results = elastic_launch(config, _call_entrypoint)(entrypoint, *args)
         except ChildFailedError as err:
@@ -149,10 +153,36 @@ def _call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
     torch.multiprocessing treats KeyboardInterrupt in a worker as a clean exit (code 0, no
     return value), after which the agent would wait forever for that worker's result.
     """
+    _die_with_launcher()
     try:
         return entrypoint(*args)
     except KeyboardInterrupt as err:
         raise WorkerInterrupted("got SIGINT and stopped") from err
+
+
+def _die_with_launcher() -> None:
+    """Worker side: SIGKILL this worker as soon as the launcher process is gone.
+
+    A ``kill -9`` of ``hybrid-train`` (the OOM killer, a scheduler) cannot stop its workers
+    itself, and the fork server outlives it (every worker holds the pipe whose end would tell
+    it), so each worker watches the launcher: a daemon thread blocks on a pidfd of the
+    launcher (Linux >= 5.3), which becomes readable when it exits. Elsewhere this does nothing.
+    """
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    if not launcher or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)  # it died before we started watching
+    except OSError:
+        return  # no pidfd support in this kernel
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="hybrid-launcher-watchdog", daemon=True).start()
 
 
 def worker_failure_from(err: Any) -> WorkerFailure:

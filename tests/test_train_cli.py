@@ -118,3 +118,22 @@ def test_a_killed_worker_ends_the_run_with_its_rank_and_no_leftovers(tmp_path):
     assert proc.returncode == 1, stderr[-2000:]
     assert re.search(r"^error: rank \d failed: killed by signal SIGKILL", stderr, re.M), stderr
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "all workers to be gone")
+
+
+def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
+    proc = subprocess.Popen([TRAIN, "model=tiny", "train.steps=1000", f"hydra.run.dir={tmp_path}",
+                             "train.timeline_step=0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (tmp_path / "metrics.jsonl").exists()
+                  and (tmp_path / "metrics.jsonl").read_text(), 90, "the first step")
+        family = _descendants(proc.pid)
+        assert len(family) >= 9, family  # the fork server and 8 workers
+        proc.kill()  # SIGKILL: the launcher can clean nothing up itself
+        proc.wait(timeout=10)
+        _wait_for(lambda: not any(_alive(pid) for pid in family), 10,
+                  "every worker to notice its launcher's death")
+    finally:
+        proc.kill()
+        for pid in _descendants(proc.pid) if _alive(proc.pid) else ():
+            os.kill(pid, signal.SIGKILL)
