@@ -1,10 +1,18 @@
 """The entry point of every rank: set up torch.distributed from the launcher's environment,
 build the groups and train. ``launch/`` starts this; ``hybrid/`` never imports ``launch/``.
+
+Any launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (plain
+``torchrun``, a cluster's own wrapper) can start it too, on a run directory whose resolved
+``config.json`` was written before (``hybrid-train`` writes one into every run directory)::
+
+    torchrun --standalone --nproc-per-node 8 -m hybrid.worker RUN_DIR
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,3 +73,32 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
         return train(cfg, groups, Path(run_dir))
     finally:
         dist.destroy_process_group()
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+USAGE = "usage: python -m hybrid.worker RUN_DIR (started by torchrun or a cluster's launcher)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m hybrid.worker RUN_DIR``: train this rank of the run in ``RUN_DIR``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        sys.exit(f"error: {USAGE}")
+    run_dir = Path(args[0])
+    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
+    if missing:
+        sys.exit(f"error: {', '.join(missing)} not set; {USAGE}")
+    try:
+        cfg_dict = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        sys.exit(f"error: cannot read {run_dir / 'config.json'} ({err}); pass a run directory "
+                 f"written by hybrid-train")
+    summary = worker_main(cfg_dict, str(run_dir))
+    if os.environ["RANK"] == "0":
+        losses = summary["losses"]
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+        print(f"run directory: {run_dir}")
+
+
+if __name__ == "__main__":
+    main()

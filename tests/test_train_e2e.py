@@ -5,6 +5,7 @@ same model, seed and global batch. Each run starts real workers under the elasti
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,25 @@ def test_run_directory_holds_config_metrics_tensorboard_and_timeline(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 5000
     bubble = json.loads((tmp_path / "timeline_bubble.json").read_text())
     assert 0 <= bubble["measured"] < 1 and 0 <= bubble["simulated"] < 1
+
+
+def test_plain_torchrun_starts_hybrid_worker_on_a_run_directory(reference, tmp_path):
+    """``torchrun -m hybrid.worker RUN_DIR`` trains the run whose config.json is there: the
+    2x2x2 main-job layout, composed from conf/ as hybrid-train composes it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from launch.app import CONF_DIR, register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=COMMON))
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg)))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "8", "-m",
+                           "hybrid.worker", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"run directory: {tmp_path}" in done.stdout
+    assert_same_losses(losses_of(tmp_path), reference["untied"])
