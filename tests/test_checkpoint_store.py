@@ -91,3 +91,19 @@ def test_metadata_unpickler_refuses_anything_but_dcp_classes(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Boom()))
     with pytest.raises(CheckpointError, match="asks to load posix.system"):
         read_metadata(tmp_path)
+
+
+def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(tmp_path):
+    from hybrid.config import Config, TrainConfig
+    from launch.train import resolve_checkpointing
+
+    path = make_checkpoint(tmp_path / "checkpoints", 10)
+    cfg = Config(train=TrainConfig(steps=10))
+    cfg.checkpoint.resume_from = "auto"
+    with pytest.raises(CheckpointError, match="is at step 10, train.steps=10 leaves nothing"):
+        resolve_checkpointing(cfg, tmp_path)
+    cfg = Config(train=TrainConfig(steps=12))
+    cfg.checkpoint.resume_from = "auto"
+    resolve_checkpointing(cfg, tmp_path)
+    assert cfg.checkpoint.resume_from == str(path.resolve())
+    assert cfg.checkpoint.dir == str((tmp_path / "checkpoints").resolve())
