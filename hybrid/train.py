@@ -206,8 +206,7 @@ class Trainer:
             metrics.close()
             self.sync.close()
         return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir),
-                "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from,
-                "save_stall_s": self.checkpointer.stall_s}
+                "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:

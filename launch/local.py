@@ -37,9 +37,9 @@ default, 30, is long for a worker that is stuck in a collective and cannot see t
 # The agent replaces these handlers for good and sets these variables in this process;
 # run_local puts them back so the caller's Ctrl-C behaves as before once the run is over.
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", "HYBRID_LAUNCHER_PID")
 LAUNCHER_PID_ENV = "HYBRID_LAUNCHER_PID"
 """Tells workers which process to watch (see ``_die_with_launcher``)."""
+AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", LAUNCHER_PID_ENV)
 TORCHRUN_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                      "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT")
 

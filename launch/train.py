@@ -21,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from hybrid.checkpoint.store import (
-    CheckpointError, check_files, check_model_matches, read_manifest, resolve_resume,
+    CheckpointError, check_files, check_model_matches, checkpoint_dir, read_manifest,
+    resolve_resume,
 )
 from hybrid.config import Config, to_dict
 from hybrid.data import DataError, validate_data
@@ -93,7 +94,7 @@ def resolve_checkpointing(cfg: Config, run_dir: Path) -> None:
     checkpoint directory it names, or None) for the workers, after checking that checkpoint:
     complete, files whole, the same model shape, steps left to train."""
     ckpt = cfg.checkpoint
-    ckpt.dir = str(Path(ckpt.dir or run_dir / "checkpoints").expanduser().resolve())
+    ckpt.dir = str(checkpoint_dir(cfg, run_dir).expanduser().resolve())
     path = resolve_resume(ckpt.resume_from, Path(ckpt.dir))
     if path is not None:
         manifest = read_manifest(path)

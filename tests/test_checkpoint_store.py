@@ -107,3 +107,21 @@ def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(tmp_path):
     resolve_checkpointing(cfg, tmp_path)
     assert cfg.checkpoint.resume_from == str(path.resolve())
     assert cfg.checkpoint.dir == str((tmp_path / "checkpoints").resolve())
+
+
+class CallsDcp:
+    def __reduce__(self):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        return (dcp_to_torch_save, ("/nowhere", "/tmp/overwritten"))
+
+
+def test_metadata_unpickler_admits_dcp_classes_but_not_dcp_functions(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from hybrid.checkpoint.dcp_io import read_metadata
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+    assert read_metadata(tmp_path).state_dict_metadata == {}
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(CallsDcp()))
+    with pytest.raises(CheckpointError, match="format_utils.dcp_to_torch_save"):
+        read_metadata(tmp_path)

@@ -29,20 +29,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid import faults
 from hybrid.checkpoint.dcp_io import (
-    HostCopyStager, SafeReader, as_global, os_error_in, file_checksums, read_metadata, tp_mesh, verify_files,
+    HostCopyStager, SafeReader, as_global, file_checksums, os_error_in, read_metadata, tp_mesh,
+    verify_files,
 )
 from hybrid.checkpoint.store import (
-    FORMAT_VERSION, CheckpointError, checkpoint_name, model_shape, partial_name, prune,
-    read_manifest, resolve_resume, write_manifest,
+    FORMAT_VERSION, CheckpointError, checkpoint_dir, checkpoint_name, model_shape, partial_name,
+    prune, read_manifest, resolve_resume, write_manifest,
 )
 from hybrid.config import to_dict
 from hybrid.dp.state import MOMENTS
 from hybrid.files import RunDirError
 from hybrid.optim import unique_parameters
-
-
-def checkpoint_dir(cfg, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
 class Checkpointer:

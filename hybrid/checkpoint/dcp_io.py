@@ -33,33 +33,36 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hybrid.checkpoint.store import CheckpointError
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.", "collections")
-_ALLOWED_TORCH = {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32",
-                  "int16", "int8", "uint8", "bool", "strided", "contiguous_format",
-                  "preserve_format", "channels_last", "device", "layout", "memory_format",
-                  "dtype"}
-_ALLOWED_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "int", "float", "str",
-                     "bytes", "bool", "getattr", "slice", "complex", "object"}
+_CLASS_MODULES = ("torch.distributed.checkpoint.", "collections")
+"""Modules whose *classes* (never functions) DCP's metadata is made of."""
+_ALLOWED_NAMES = {
+    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16",
+              "int8", "uint8", "bool", "strided", "contiguous_format", "preserve_format",
+              "channels_last"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "builtins": {"set", "frozenset"},
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module.startswith(_ALLOWED_MODULES)
-                   or (module == "torch" and name in _ALLOWED_TORCH)
-                   or (module == "builtins" and name in _ALLOWED_BUILTINS)
-                   or (module == "torch.serialization" and name == "_get_layout")
-                   or (module == "pathlib" and name in ("PosixPath", "PurePosixPath")))
-        if not allowed:
-            raise CheckpointError(f"checkpoint metadata asks to load {module}.{name}, which a "
-                                  f"DCP checkpoint never contains; refusing to unpickle it")
-        return super().find_class(module, name)
+        if name in _ALLOWED_NAMES.get(module, ()):
+            return super().find_class(module, name)
+        if module.startswith(_CLASS_MODULES):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # a function of DCP could act (write, delete) if called
+                return found
+        raise CheckpointError(f"checkpoint metadata asks to load {module}.{name}, which a DCP "
+                              f"checkpoint never contains; refusing to unpickle it")
 
 
 class SafeReader(FileSystemReader):
     """DCP's file reader with a metadata unpickler limited to DCP's own classes.
 
     ``read_metadata`` is ``FileSystemReader.read_metadata`` (torch 2.13) with the unpickler
-    replaced; ``tests/test_checkpoint_io.py`` pins that it reads real checkpoints.
+    replaced; every load in ``tests/test_checkpoint_e2e.py`` goes through it, and
+    ``tests/test_checkpoint_store.py`` shows it refusing a foreign pickle.
     """
 
     def read_metadata(self, *args: Any, **kwargs: Any):

@@ -34,6 +34,11 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used as asked: one line with the path and the fix."""
 
 
+def checkpoint_dir(cfg, run_dir: Path) -> Path:
+    """``checkpoint.dir``, or ``<run dir>/checkpoints`` when it is not set."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
