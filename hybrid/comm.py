@@ -22,6 +22,10 @@ Byte definitions, for a tensor payload of ``n`` bytes in a group of ``d`` ranks:
   Summed over the ranks of a group this is the group's total traffic.
 
 Calls count operations issued (a ``batch_isend_irecv`` of two ops counts two).
+
+Given a ``watch`` (``hybrid.watch.RankWatch``), the same seam also hands it every collective
+issued, with its options (whether the caller waits at once), so that it can time this rank's
+waits per axis and say which operation a failed wait was.
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ class CommCounter:
     figures). Process-local: each rank counts what it issues.
     """
 
-    def __init__(self, groups: Optional[Any] = None):
-        self.groups = groups
+    def __init__(self, groups: Optional[Any] = None, watch: Optional[Any] = None):
+        self.groups, self.watch = groups, watch
         self._axis_of_group: dict[int, str] = {}
         if groups is not None:
             for axis in ("dp", "tp", "pp"):
@@ -163,8 +167,21 @@ class CommCounter:
             peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
             axis = counter.axis_of(group, kind, peer)
             counter.record(axis, kind, payload, group.size())
-            return original(group, *args, **kwargs)
+            watch = counter.watch
+            if watch is None:
+                return original(group, *args, **kwargs)
+            watch.before_issue(axis)
+            work = original(group, *args, **kwargs)
+            return watch.issued(work, axis, name, group, _options(args, kwargs))
 
         counted.__name__ = name
         counted.hybrid_counter = self  # marks the method as wrapped (see track)
         return counted
+
+
+def _options(args: tuple, kwargs: dict) -> Any:
+    """The collective's options object (``AllreduceOptions``, ...; has ``asyncOp``), if any."""
+    for value in (*args, *kwargs.values()):
+        if hasattr(value, "asyncOp"):
+            return value
+    return None

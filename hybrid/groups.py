@@ -9,6 +9,7 @@ independent 2-rank replicas, and ``Layout()`` gives every process its own 1-rank
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,14 @@ class ParallelGroups:
     ranks: dict[str, list[int]]
 
     @classmethod
-    def create(cls, layout: Layout, device: torch.device | None = None) -> "ParallelGroups":
-        """Build every group of ``layout``; a collective call that all ranks must make."""
+    def create(cls, layout: Layout, device: torch.device | None = None,
+               timeout: timedelta | None = None) -> "ParallelGroups":
+        """Build every group of ``layout``; a collective call that all ranks must make.
+
+        ``timeout`` bounds every collective of these groups. Pass the job's: a group made by
+        ``new_group`` does not inherit the default group's timeout but takes torch's default
+        (30 minutes), so a stalled peer would hold a TP or DP collective that long.
+        """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group "
                                "(hybrid-train and hybrid.testing.spawn do this for you)")
@@ -70,7 +77,7 @@ class ParallelGroups:
                 for local in layout.groups(axis):
                     members = [offset + r for r in local]
                     # new_group is collective over the world: every rank makes every group.
-                    pg = dist.new_group(members, backend=backend)
+                    pg = dist.new_group(members, backend=backend, timeout=timeout)
                     if me in members:
                         groups[axis], ranks[axis] = pg, members
         return cls(layout=layout, global_rank=me, replica_offset=mine_offset, device=device,

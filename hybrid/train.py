@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,10 @@ from hybrid.pipeline.plan import partition_for_config
 from hybrid.pipeline.runtime import run_pipeline_step
 from hybrid.pipeline.schedules import add_communication, build_schedule
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
+from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
+from hybrid.stall import who
 from hybrid.validate import microbatches
+from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
 
 
 def build_chunks(cfg: Config, groups: ParallelGroups) -> dict[int, nn.Module]:
@@ -92,25 +98,41 @@ class StepReport:
     """CPU seconds of the step summed over all ranks (the cost of parallelism on CPUs)."""
     peak_mem_bytes: int
     """The largest peak memory of any rank so far."""
+    compute_s: list[float]
+    """Per rank: wall time of the step minus the time blocked in waits."""
+    wait_s: dict[str, list[float]]
+    """Per axis, per rank: seconds blocked in collectives and pipeline receives."""
 
 
 class Trainer:
     """Everything one rank holds for a run; ``run()`` trains ``cfg.train.steps`` steps."""
 
-    def __init__(self, cfg: Config, groups: ParallelGroups, run_dir: Path):
-        self.cfg, self.groups, self.run_dir = cfg, groups, run_dir
+    def __init__(self, cfg: Config, groups: ParallelGroups, run_dir: Path,
+                 store: Optional[dist.Store] = None, watch: bool = True):
+        """``watch=False`` turns off wait timing and stall diagnosis (compute is then the whole
+        step): only ``bench/watch_overhead.py`` does, to measure what they cost."""
+        self.cfg, self.groups, self.run_dir, self.store = cfg, groups, run_dir, store
         self.device = groups.device
         self.chunks = {s: c.to(self.device) for s, c in build_chunks(cfg, groups).items()}
         self.schedule = lowered_schedule(cfg, groups)
         self.actions = self.schedule[groups.pp_rank]
         self.m = microbatches(cfg)
         self.dataset = make_dataset(cfg.data, cfg.model, cfg.seed)
-        self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg)
-        self.counter = CommCounter(groups)
+        self.watch = RankWatch(dist.get_rank())
+        self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg,
+                                         wait=self.watch.wait_async)
+        publish_pid(store, dist.get_rank(), socket.gethostname())
+        self.counter = CommCounter(groups, watch=self.watch)
+        self.set_watching(watch)
+        self.slow = faults.slow_seconds(dist.get_rank())
         self.act_shape = activation_shape(cfg, groups)
         self.checkpointer = Checkpointer(cfg, groups, self.chunks, self.sync, run_dir)
         self.start_step = self.checkpointer.resume()
         """The step the run resumes after (0: a fresh run)."""
+
+    def set_watching(self, on: bool) -> None:
+        """Wait timing and stall diagnosis on or off (off: compute is the whole step)."""
+        self.watch.enabled = on
 
     def _autocast(self):
         if self.cfg.train.precision == "bf16":
@@ -132,31 +154,54 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         start, cpu_start = time.perf_counter(), time.process_time()
         self.counter.reset()
+        self.watch.start_step(step)
         self.sync.start_step(self.m)
-        with self.counter.track():
-            with self._autocast():
-                loss = run_pipeline_step(
-                    self.actions, self.chunks, data, groups=self.groups,
-                    pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
-                    loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
-                    act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
-                    recv_timeout_s=self.cfg.train.collective_timeout_s)
-            global_loss = []
+        try:
+            with self.counter.track():
+                loss = self._forward_backward(step, data, recorder)
+                global_loss = []
 
-            def check(norm: float) -> None:  # before the update is applied
-                global_loss.append(self._global_loss(loss))
-                stop_if_not_finite(step, global_loss[0], norm, lr)
+                def check(norm: float) -> None:  # before the update is applied
+                    global_loss.append(self._global_loss(loss))
+                    stop_if_not_finite(step, global_loss[0], norm, lr)
 
-            grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip,
-                                              check=check)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        comm = self.counter.snapshot()
-        slowest, peak = self._all_reduce([elapsed, peak_memory_bytes(self.device)],
-                                         dist.ReduceOp.MAX)
-        (cpu_total,) = self._all_reduce([cpu], dist.ReduceOp.SUM)
+                grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip,
+                                                  check=check)
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+                waits = [self.watch.wait_s[axis] for axis in WAIT_AXES]
+                times = self._gather([elapsed, peak_memory_bytes(self.device), cpu,
+                                      elapsed - sum(waits), *waits])
+        except Exception as error:
+            if self.watch.waiting is None:
+                raise  # not a failed wait: the error speaks for itself
+            raise self._stall_error(error) from error
         return StepReport(loss=global_loss[0], grad_norm=float(grad_norm), lr=lr,
-                          step_time_s=slowest, comm=comm, cpu_s=cpu_total,
-                          peak_mem_bytes=int(peak))
+                          step_time_s=max(t[0] for t in times), comm=self.counter.snapshot(),
+                          cpu_s=sum(t[2] for t in times),
+                          peak_mem_bytes=int(max(t[1] for t in times)),
+                          compute_s=[t[3] for t in times],
+                          wait_s={axis: [t[4 + i] for t in times]
+                                  for i, axis in enumerate(WAIT_AXES)})
+
+    def _forward_backward(self, step: int, data, recorder) -> Optional[float]:
+        if self.slow is not None and step >= self.slow[0]:
+            time.sleep(self.slow[1])  # a test's straggler (hybrid.faults): slow compute
+        with self._autocast():
+            return run_pipeline_step(
+                self.actions, self.chunks, data, groups=self.groups,
+                pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
+                loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
+                act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
+                recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch)
+
+    def _stall_error(self, error: BaseException) -> Exception:
+        """A wait failed: the diagnosis, after hearing from every rank that can still speak."""
+        world = dist.get_world_size()
+        return stall_error(
+            self.watch, error, layout=self.groups.layout, world=world,
+            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            host=socket.gethostname(), store=self.store, run_dir=self.run_dir,
+            grace_s=min(REPORT_GRACE_S, self.cfg.train.collective_timeout_s / 2))
 
     def _global_loss(self, loss: Optional[float]) -> float:
         """The step's loss on the whole global batch: from the last stage, mean over DP."""
@@ -166,18 +211,20 @@ class Trainer:
         dist.all_reduce(value, group=self.groups.dp)
         return value.item() / self.groups.layout.dp
 
-    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
-        """Over the whole job: MAX for wall time and memory (the worst rank), SUM for CPU."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=op)
-        return tensor.tolist()
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (one all-gather over the job), by rank."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64,
+                          device=self.device)
+        dist.all_gather_single(out, mine)
+        return out.view(-1, len(values)).tolist()
 
     def run(self) -> dict:
         cfg = self.cfg
         is_rank0 = dist.get_rank() == 0
         metrics = MetricsWriter(self.run_dir, cfg.train.steps, enabled=is_rank0,
                                 log_every=cfg.train.log_every, first_step=self.start_step + 1)
-        tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        times = self._times_log() if is_rank0 else None
         losses, norms = [], []
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
@@ -186,27 +233,46 @@ class Trainer:
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
-                metrics.write({
-                    "step": step, "loss": report.loss, "lr": report.lr,
-                    "grad_norm": report.grad_norm,
-                    "tokens_per_s": tokens_per_step / report.step_time_s,
-                    "step_time_s": report.step_time_s,
-                    "cpu_s": report.cpu_s,
-                    "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in
-                                   ("dp", "tp", "pp")},
-                    "comm_calls": {axis: report.comm[axis]["calls"] for axis in
-                                   ("dp", "tp", "pp")},
-                    "peak_mem_bytes": report.peak_mem_bytes,
-                })
+                if times is not None:
+                    metrics.write(self._record(step, report, times))
                 if recorder is not None:
                     self._write_timeline(recorder, step)
                 self.checkpointer.after_step(step)
             self.checkpointer.close()
         finally:
             metrics.close()
+            if times is not None:
+                times.close()
             self.sync.close()
         return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir),
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
+
+    def _times_log(self) -> RankTimesLog:
+        layout = self.groups.layout
+        pp_of_rank = [layout.coords(r % layout.world_size)["pp"]
+                      for r in range(dist.get_world_size())]
+        return RankTimesLog(self.run_dir / "rank_times.jsonl", pp_of_rank,
+                            self.cfg.train.straggler_ratio, append=self.start_step > 0)
+
+    def _record(self, step: int, report: StepReport, times: RankTimesLog) -> dict:
+        """Rank 0: the step's ``metrics.jsonl`` record; warns of a straggler on the way."""
+        summary, stragglers = times.add(step, report.compute_s, report.wait_s,
+                                         report.step_time_s)
+        layout, local_world = self.groups.layout, int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+        for straggler in stragglers:
+            name = who(straggler.rank, lambda r: layout.coords(r % layout.world_size),
+                       lambda r: r // local_world if local_world else 0)
+            print(warning_line(straggler, name), file=sys.stderr, flush=True)
+        tokens_per_step = self.cfg.train.global_batch * self.cfg.model.seq_len
+        axes = ("dp", "tp", "pp")
+        return {
+            "step": step, "loss": report.loss, "lr": report.lr, "grad_norm": report.grad_norm,
+            "tokens_per_s": tokens_per_step / report.step_time_s,
+            "step_time_s": report.step_time_s, "cpu_s": report.cpu_s,
+            "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in axes},
+            "comm_calls": {axis: report.comm[axis]["calls"] for axis in axes},
+            "peak_mem_bytes": report.peak_mem_bytes, **summary,
+        }
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:
@@ -228,5 +294,7 @@ class Trainer:
               f"{report['measured']:.1%}, simulated {report['simulated']:.1%})", flush=True)
 
 
-def train(cfg: Config, groups: ParallelGroups, run_dir: Path) -> dict:
-    return Trainer(cfg, groups, run_dir).run()
+def train(cfg: Config, groups: ParallelGroups, run_dir: Path,
+          store: Optional[dist.Store] = None) -> dict:
+    """``store``: the job's key-value store, where a failed rank hears the others' reports."""
+    return Trainer(cfg, groups, run_dir, store).run()

@@ -114,6 +114,10 @@ def _check_numbers(cfg: Config) -> None:
     _positive("train.log_every", cfg.train.log_every)
     _above_zero("parallel.bucket_mb", cfg.parallel.bucket_mb)
     _above_zero("train.collective_timeout_s", cfg.train.collective_timeout_s)
+    ratio = cfg.train.straggler_ratio
+    if ratio != 0 and not ratio > 1:
+        raise LayoutError(f"train.straggler_ratio={ratio} must be above 1 (a rank that slow "
+                          f"relative to its peers is named), or 0 to turn the warning off")
     if cfg.launcher.omp_threads is not None:
         _positive("launcher.omp_threads", cfg.launcher.omp_threads)
     _non_negative("launcher.max_restarts", cfg.launcher.max_restarts)

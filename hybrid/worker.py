@@ -35,14 +35,15 @@ def pick_device(cfg: Config) -> torch.device:
     return device
 
 
-def init_distributed(backend: str, timeout: timedelta) -> None:
+def init_distributed(backend: str, timeout: timedelta) -> dist.Store:
     """``init_process_group`` from the launcher's variables, on a store prefixed by the restart
     count.
 
     Under torch's elastic agent every attempt of a restarted worker group gets the same
     ``MASTER_PORT``: the agent's own store, which still holds the previous attempt's keys
     (every process group's peer addresses). Without a prefix of its own the new group would
-    read them and connect to dead workers' ports ("Connection refused").
+    read them and connect to dead workers' ports ("Connection refused"). Returns the prefixed
+    store (where a failed rank publishes its stall report).
     """
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -50,8 +51,10 @@ def init_distributed(backend: str, timeout: timedelta) -> None:
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_store, timeout=timeout)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"hybrid/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    attempt_store = dist.PrefixStore(f"hybrid/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world,
+                            timeout=timeout)
+    return attempt_store
 
 
 def worker_main(cfg_dict: dict, run_dir: str) -> dict:
@@ -67,10 +70,11 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # A rank stuck in a collective this long fails instead of hanging the job forever.
-    init_distributed(backend_for(device), timedelta(seconds=cfg.train.collective_timeout_s))
+    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    store = init_distributed(backend_for(device), timeout)
     try:
-        groups = ParallelGroups.create(layout, device)
-        return train(cfg, groups, Path(run_dir))
+        groups = ParallelGroups.create(layout, device, timeout)
+        return train(cfg, groups, Path(run_dir), store)
     finally:
         dist.destroy_process_group()
 

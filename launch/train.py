@@ -14,7 +14,9 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -37,6 +39,8 @@ MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError", "NonFiniteError",
                       "RunDirError")
 """Exceptions a worker raises for bad input: reported as one line, without a traceback."""
+WORKER_DIAGNOSES = ("StallError",)
+"""Failures whose one line already names the ranks involved (``hybrid.watch``)."""
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
 
@@ -107,11 +111,31 @@ def resolve_checkpointing(cfg: Config, run_dir: Path) -> None:
     ckpt.resume_from = None if path is None else str(path)
 
 
-def report_worker_failure(err) -> None:
-    """A user error raised in a worker (a damaged checkpoint, a bad data window) is one line;
-    anything else is a bug and keeps its traceback."""
+def stall_diagnosis(run_dir: Path, since: float) -> Optional[str]:
+    """The diagnosis line of a stall in this launch (``failure.json`` newer than ``since``).
+
+    It wins over the agent's first failure: the rank that wrote it may have stopped a silent
+    rank (``hybrid.watch.stop_silent_ranks``), whose death the agent can see first.
+    """
+    path = run_dir / "failure.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return f"{json.loads(path.read_text())['diagnosis']}; every rank's state: {path}"
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def report_worker_failure(err, run_dir: Path, since: float) -> None:
+    """A stall is its diagnosis; a user error raised in a worker (a damaged checkpoint, a bad
+    data window) is one line; anything else is a bug and keeps its traceback."""
     kind = err.error.split(":", 1)[0]
-    if kind in WORKER_USER_ERRORS:
+    diagnosis = stall_diagnosis(run_dir, since)
+    if diagnosis is not None:
+        print(f"error: {diagnosis}", file=sys.stderr)
+    elif kind in WORKER_DIAGNOSES:
+        print(f"error: {err.error.split(':', 1)[1].strip()}", file=sys.stderr)
+    elif kind in WORKER_USER_ERRORS:
         print(f"error: rank {err.rank}: {err.error.split(':', 1)[1].strip()}", file=sys.stderr)
     else:
         print(f"error: {err}", file=sys.stderr)
@@ -148,10 +172,11 @@ def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
     """Launch the workers; a failure ends in one line and the exit status that says why."""
     from launch.local import LaunchInterrupted, WorkerFailure
 
+    started = time.time()
     try:
         results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
-        report_worker_failure(err)
+        report_worker_failure(err, run_dir, started)
         sys.exit(WORKER_FAILED_EXIT)
     except LaunchInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)

@@ -245,8 +245,11 @@ def test_format_table_is_step_by_rank_with_marks():
 
 
 def test_pure_modules_do_not_import_torch():
-    modules = ["actions", "schedules", "check", "replay", "simulate", "partition", "timeline"]
+    modules = [f"pipeline.{name}" for name in
+               ("actions", "schedules", "check", "replay", "simulate", "partition", "timeline")]
+    modules += ["layout", "config", "validate", "params", "memory", "checkpoint.store",
+                "stall", "stragglers", "plan", "cost"]
     code = ("import sys\n"
-            + "".join(f"import hybrid.pipeline.{name}\n" for name in modules)
+            + "".join(f"import hybrid.{name}\n" for name in modules)
             + "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -71,6 +71,7 @@ def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses_of(tmp_path), reference["untied"])
     assert "run directory: " + str(tmp_path) in done.stdout
+    assert "straggler" not in done.stderr  # an undisturbed run names no slow rank
 
 
 def test_tied_embeddings_with_sequence_parallel_on_2x2x2(reference, tmp_path):
@@ -94,6 +95,11 @@ def test_run_directory_holds_config_metrics_tensorboard_and_timeline(tmp_path):
         assert set(REQUIRED_KEYS) <= set(record)
         assert set(record["comm_bytes"]) == {"dp", "tp", "pp"}
         assert min(record["comm_bytes"].values()) > 0  # all three axes talk on 2x2x2
+        assert 0 <= record["slowest_rank"]["rank"] < 8
+        assert set(record["max_wait_s"]) == {"dp", "tp", "pp", "other"}
+    times = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text()
+             .splitlines()]
+    assert [t["step"] for t in times] == [1, 2, 3] and len(times[0]["compute_s"]) == 8
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     trace = json.loads((tmp_path / "timeline.json").read_text())
     assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) > 0

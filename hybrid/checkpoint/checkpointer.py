@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -53,7 +54,10 @@ class Checkpointer:
         self.params = unique_parameters(chunks.values())
         self.specs = {spec.name: spec for spec, _ in self.params}
         # DCP's async save runs collectives from its own thread: never on the training groups.
-        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        self.async_group = None
+        if cfg.checkpoint.async_save:
+            timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+            self.async_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: Optional[tuple] = None
         self.resumed_from: Optional[str] = None
         """The checkpoint this rank loaded, if any."""

@@ -16,7 +16,7 @@ and belongs to no parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,7 +131,8 @@ class Bucket:
         self.accumulations = [0] * len(self.params)
         self.final_params = 0
 
-    def wait(self) -> None:
+    def wait(self, wait: Callable[[Any], None]) -> None:
+        """``wait(work)`` for each collective started on the bucket."""
         for work in self.works:
-            work.wait()
+            wait(work)
         self.works.clear()

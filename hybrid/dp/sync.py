@@ -59,6 +59,10 @@ def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
     return None
 
 
+def _plain_wait(work: dist.Work) -> None:
+    work.wait()
+
+
 class GradSync:
     """Bucketed DP gradient sync, other-axis reductions, clipping, AdamW and ZeRO-1.
 
@@ -68,7 +72,10 @@ class GradSync:
     """
 
     def __init__(self, model: Union[nn.Module, Iterable[nn.Module]], groups,
-                 optim: OptimConfig, *, bucket_mb: float = 25.0, zero: int = 0):
+                 optim: OptimConfig, *, bucket_mb: float = 25.0, zero: int = 0,
+                 wait: Optional[Callable[[dist.Work], None]] = None):
+        """``wait(work)`` waits for each asynchronous DP collective (default ``work.wait()``;
+        the trainer's ``RankWatch.wait_async`` times it and says what it was)."""
         if zero not in (0, 1):
             raise DataParallelConfigError(f"parallel.zero={zero} is not supported; use 0 or 1")
         if not bucket_mb > 0:
@@ -78,6 +85,7 @@ class GradSync:
         named = unique_parameters(modules)
         _check_fp32(named)
         self.groups, self.zero = groups, zero
+        self.wait = wait or _plain_wait
         self.dp_size, self.dp_rank = groups.dp.size(), groups.dp_rank
         self.specs = {id(p): spec for spec, p in named}
         """Every parameter's spec, by ``id``: a plain module's gets one named by its place."""
@@ -99,10 +107,10 @@ class GradSync:
 
     @classmethod
     def from_config(cls, model: Union[nn.Module, Iterable[nn.Module]], groups,
-                    cfg) -> "GradSync":
+                    cfg, wait: Optional[Callable[[dist.Work], None]] = None) -> "GradSync":
         """From a ``hybrid.config.Config``: ``optim``, ``parallel.bucket_mb``, ``parallel.zero``."""
         return cls(model, groups, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
-                   zero=cfg.parallel.zero)
+                   zero=cfg.parallel.zero, wait=wait)
 
     # ----- construction ----------------------------------------------------------------------
     def _build_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
@@ -220,7 +228,7 @@ class GradSync:
                 dist.all_reduce(bucket.grad, group=bucket.reduce_first)
             self._launch(bucket)
         for bucket in self.buckets:
-            bucket.wait()
+            bucket.wait(self.wait)
         self._microbatches = None
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -235,7 +243,7 @@ class GradSync:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.zero:
-            all_gather_params(self.shards, self.groups.dp)
+            all_gather_params(self.shards, self.groups.dp, self.wait)
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (``.grad`` stays a view of them)."""

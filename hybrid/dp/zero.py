@@ -73,7 +73,8 @@ class Shard:
         self.bucket.works.append(work)
 
 
-def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup) -> None:
+def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup,
+                      wait: Callable[[dist.Work], None] = dist.Work.wait) -> None:
     """Rebuild every bucket's flat parameters from the DP ranks' updated shards (in place).
 
     Each rank's input is exactly its own slot of the output, as in Megatron's distributed
@@ -84,4 +85,4 @@ def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup) -> None
     works = [_all_gather(s.bucket.data, s.bucket.data[s.start:s.end], group=group,
                          async_op=True) for s in shards]
     for work in works:
-        work.wait()
+        wait(work)

@@ -36,6 +36,7 @@ from hybrid.groups import ParallelGroups
 from hybrid.pipeline import p2p
 from hybrid.pipeline.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
+    stage_rank,
 )
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.pipeline.rank_check import check_rank_actions, lower_rank_actions
@@ -57,11 +58,21 @@ class Recorder(Protocol):
     def record(self, action: Action, start_s: float, end_s: float) -> None: ...
 
 
+class Progress(Protocol):
+    """Told when each action (a RECV wait included) starts and finishes (``RankWatch``)."""
+
+    def started(self, action: Action, peer: Optional[int] = None) -> None:
+        """``peer``: for a RECV, the global rank it waits on."""
+
+    def finished(self, action: Action) -> None: ...
+
+
 def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
                       microbatches: Sequence[Microbatch], *, groups: ParallelGroups, pp: int,
                       vpp: int, loss_fn: LossFn, act_shape: Sequence[int],
                       act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
-                      recv_timeout_s: Optional[float] = None) -> Optional[float]:
+                      recv_timeout_s: Optional[float] = None,
+                      progress: Optional[Progress] = None) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
 
     ``actions``: this rank's list of a schedule (``add_communication(build_schedule(...),
@@ -72,7 +83,8 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
     stages (``[s, b, h]``, ``[s/tp, b, h]`` with sequence parallelism), the shape of every
     receive buffer. ``recorder.record(action, start_s, end_s)`` gets the wall-clock span of
     every action. A RECV that waits longer than ``recv_timeout_s`` (default: the process
-    group's timeout) raises ``PipelineTimeout``.
+    group's timeout) raises ``PipelineTimeout``. ``progress`` is told when every action
+    starts and finishes, so that a failure can say where each rank was.
 
     Returns the mean of the micro-batch losses on the rank holding the last stage, else None.
     Every send has completed when it returns.
@@ -84,7 +96,7 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
     check_rank_actions(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m)
     step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, loss_fn=loss_fn,
                  act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
-                 recv_timeout_s=recv_timeout_s)
+                 recv_timeout_s=recv_timeout_s, progress=progress)
     with torch.enable_grad():
         return step.run(actions)
 
@@ -115,11 +127,11 @@ class _Step:
     """The state of one step on one rank, keyed by (stage, micro-batch)."""
 
     def __init__(self, chunks, microbatches, *, groups, pp, vpp, loss_fn, act_shape, act_dtype,
-                 recorder, recv_timeout_s):
+                 recorder, recv_timeout_s, progress):
         self.chunks, self.microbatches, self.groups = chunks, microbatches, groups
         self.pp, self.m, self.last_stage = pp, len(microbatches), pp * vpp - 1
         self.loss_fn, self.act_shape, self.act_dtype = loss_fn, act_shape, act_dtype
-        self.recorder = recorder
+        self.recorder, self.progress = recorder, progress
         self.timeout = None if recv_timeout_s is None else timedelta(seconds=recv_timeout_s)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # stage inputs (leaves)
         self.roots: dict = {}  # output edge, or the loss on the last stage
@@ -144,8 +156,10 @@ class _Step:
                     self.sends.release_finished()
                     self._wait_inputs(action)  # outside the timed span: a wait is not work
                     start = self._now()
+                    self._started(action)
                     with self._precision(action):
                         compute[action.kind](action.stage, action.mb)
+                    self._finished(action)
                     self._record(action, start, self._now())
         except BaseException:
             self.sends.abandon()  # a peer may never receive them: do not wait
@@ -198,8 +212,20 @@ class _Step:
         else:
             return
         pending, start = self.pending.pop(recv), time.time()
+        if self.progress is not None:
+            peer = self.groups.ranks["pp"][stage_rank(p2p.peer_stage(recv), self.pp)]
+            self.progress.started(recv, peer)
         self.arrived[recv] = p2p.wait_recv(pending, self.timeout, self.groups.pp_rank)
+        self._finished(recv)
         self._record(recv, start, time.time())  # the time this rank was blocked on it
+
+    def _started(self, action: Action) -> None:
+        if self.progress is not None:
+            self.progress.started(action)
+
+    def _finished(self, action: Action) -> None:
+        if self.progress is not None:
+            self.progress.finished(action)
 
     def _record(self, action: Action, start: float, end: float) -> None:
         if self.recorder is not None:

@@ -1,0 +1,128 @@
+"""A stalled rank ends the job with a diagnosis; a slow rank is named (issue 14).
+
+Each test runs the real ``hybrid-train`` and checks the command's last error line, the run
+directory's ``failure.json`` / ``rank_times.jsonl`` and that no process of the job is left.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.layout import Layout
+from hybrid.metrics import read_metrics
+from test_train_cli import _alive, _descendants, _parent_of, _wait_for
+
+TRAIN = str(Path(sys.executable).parent / "hybrid-train")
+TINY = ["model=tiny", "train.timeline_step=0", "train.log_every=1000"]
+WHO = r"rank (\d) \(dp (\d), tp (\d), pp (\d), node 0\)"
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+
+
+def start(run_dir: Path, *overrides: str, fault: str = "") -> subprocess.Popen:
+    env = dict(os.environ, HYBRID_TEST_FAULT=fault) if fault else None
+    return subprocess.Popen([TRAIN, *TINY, f"hydra.run.dir={run_dir}", *overrides], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for the command; return its stderr (killing it and its family past ``timeout``)."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            for pid in _descendants(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+
+
+def first_step_done(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and bool(path.read_text())
+
+
+def check_diagnosis(stderr: str, run_dir: Path, *, stalled: int, layout: Layout) -> re.Match:
+    """The last line names who waited (with coordinates and node), on what, at which step,
+    and, down the chain of waits, the stalled rank as the one that never reported;
+    failure.json agrees."""
+    last = stderr.strip().splitlines()[-1]
+    match = re.match(rf"error: {WHO} waited [\d.]+s at step (\d+) in (.+?); never arrived: ",
+                     last)
+    assert match, stderr[-3000:]
+    waiter = int(match[1])
+    assert match.group(2, 3, 4) == tuple(str(c) for c in layout.coords(waiter).values())
+    c = layout.coords(stalled)
+    assert re.search(rf"rank {stalled} \(dp {c['dp']}, tp {c['tp']}, pp {c['pp']}, node 0\)"
+                     rf"(,| never arrived,) no report: stopped", last), last
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["silent_ranks"] == [stalled] and failure["diagnosis"] in last
+    waiting = failure["ranks"][str(waiter)]
+    assert waiting["reported"] and waiting["step"] == int(match[5]) and waiting["waiting"]
+    return match
+
+
+@pytest.mark.parametrize("axis, stalled, waited_on", [
+    ("tp", 1, r"TP all_reduce #1 over ranks \[0, 1\]"),
+    ("dp", 1, r"DP all_reduce #1 over ranks \[0, 1\]"),
+    ("pp", 0, r"pipeline 1RECV_F0 \(micro-batch 0 of stage 1\) from rank 0"),
+])
+def test_a_rank_stalled_in_a_collective_or_receive_is_named(tmp_path, axis, stalled,
+                                                             waited_on):
+    """The test hook stops ``stalled`` (SIGSTOP) just before its first operation on ``axis``
+    at step 2; its peer fails after the timeout naming it, and no process is left."""
+    proc = start(tmp_path, "parallel=single", f"parallel.{axis}=2", "train.steps=50", "train.collective_timeout_s=4",
+                 fault=f"stall_{axis}:2:{stalled}")
+    _wait_for(lambda: first_step_done(tmp_path), 90, "the first step")
+    family = _descendants(proc.pid)
+    stderr = finish(proc, 90)
+    assert proc.returncode == 1, stderr[-3000:]
+    layout = Layout(**{axis: 2})
+    match = check_diagnosis(stderr, tmp_path, stalled=stalled, layout=layout)
+    assert int(match[5]) == 2 and re.fullmatch(waited_on, match[6]), match[0]
+    _wait_for(lambda: not any(_alive(pid) for pid in family), 15, "every process to be gone")
+
+
+def test_sigstop_of_one_of_8_workers_ends_the_job_within_60s(tmp_path):
+    """The issue's case: the main job's layout, one worker stopped from outside mid-run."""
+    proc = start(tmp_path, "train.steps=1000", "train.collective_timeout_s=20")
+    _wait_for(lambda: first_step_done(tmp_path), 90, "the first step")
+    family = _descendants(proc.pid)
+    workers = sorted(pid for pid in family if _parent_of(pid) != proc.pid)
+    assert len(workers) == 8, workers
+    # Ranks above 0 write into workers/<run>/attempt_0/<rank>/stdout.log (rank 0: console).
+    rank = 5
+    victim = next(pid for pid in workers if f"attempt_0/{rank}/" in os.readlink(f"/proc/{pid}/fd/1"))
+    stopped_at = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    stderr = finish(proc, 60)
+    assert time.monotonic() - stopped_at < 60
+    assert proc.returncode == 1, stderr[-3000:]
+    check_diagnosis(stderr, tmp_path, stalled=rank, layout=Layout(dp=2, tp=2, pp=2))
+    _wait_for(lambda: not any(_alive(pid) for pid in family), 15, "every process to be gone")
+
+
+def test_a_slow_rank_is_named_and_the_others_wait_for_it(tmp_path):
+    """Rank 5 sleeps 0.4 s per step from step 4: the warning names it within a few steps and
+    the others' largest wait grows by about that much; rank_times.jsonl holds every rank."""
+    proc = start(tmp_path, "train.steps=10", fault="slow:4:5:0.4")
+    stderr = finish(proc, 120)
+    assert proc.returncode == 0, stderr[-3000:]
+    warnings = [line for line in stderr.splitlines() if "straggler" in line]
+    assert len(warnings) == 1, stderr[-3000:]
+    assert re.match(r"warning: straggler: rank 5 \(dp 0, tp 1, pp 1, node 0\) computes "
+                    r"[\d.]+x its peers' median", warnings[0]), warnings
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    waits = [max(r["max_wait_s"].values()) for r in records]
+    assert min(waits[4:]) > max(waits[1:3]) + 0.2, waits
+    assert all(r["slowest_rank"]["rank"] == 5 for r in records[4:]), records
+    times = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text()
+             .splitlines()]
+    assert [t["step"] for t in times] == list(range(1, 11))
+    assert all(len(t["compute_s"]) == 8 for t in times)
