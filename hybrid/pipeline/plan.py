@@ -5,6 +5,8 @@ Pure (no torch): used by ``hybrid-plan`` and by the training loop to build its s
 
 from __future__ import annotations
 
+import functools
+
 from hybrid.config import Config
 from hybrid.cost import block_params
 from hybrid.pipeline.partition import format_partition, partition
@@ -26,13 +28,18 @@ def partition_for_config(cfg: Config) -> list[range]:
     return partition(block_costs(cfg), par.pp, par.vpp, mode=par.partition)
 
 
+@functools.lru_cache(maxsize=64)
+def _unit_cost_simulation(schedule: str, pp: int, m: int, vpp: int):
+    """One simulation per schedule shape: the memory check's candidate layouts share most."""
+    return simulate(build_schedule(schedule, pp, m, vpp=vpp), pp, m, vpp=vpp, costs=Costs())
+
+
 def schedule_summary(cfg: Config) -> dict:
     """Stage map and simulated schedule (unit costs F=1, B=2 / I=W=1, no p2p time)."""
     par = cfg.parallel
     stages = partition_for_config(cfg)
     m = microbatches(cfg)
-    lists = build_schedule(par.schedule, par.pp, m, vpp=par.vpp)
-    result = simulate(lists, par.pp, m, vpp=par.vpp, costs=Costs())
+    result = _unit_cost_simulation(par.schedule, par.pp, m, par.vpp)
     return {
         "stages": {"blocks": [list(r) for r in stages],
                    "lines": format_partition(stages, par.pp, cfg.model.layers).splitlines()},
