@@ -171,7 +171,11 @@ class CommCounter:
             if watch is None:
                 return original(group, *args, **kwargs)
             watch.before_issue(axis)
-            work = original(group, *args, **kwargs)
+            try:
+                work = original(group, *args, **kwargs)
+            except Exception:  # a peer already gone: the failure is this operation's
+                watch.issue_failed(axis, name, group, peer)
+                raise
             return watch.issued(work, axis, name, group, _options(args, kwargs))
 
         counted.__name__ = name

@@ -61,7 +61,8 @@ def describe_wait(wait: dict) -> str:
         detail = ""
         if wait.get("action_mb") is not None:
             detail = f" (micro-batch {wait['action_mb']} of stage {wait['action_stage']})"
-        return f"pipeline {what}{detail} from rank {wait['peer']}"
+        direction = "to" if wait["op"] == "send" else "from"
+        return f"pipeline {what}{detail} {direction} rank {wait['peer']}"
     axis = AXIS_NAMES.get(wait["axis"])
     return f"{axis + ' ' if axis else ''}{wait['op']} #{wait['seq']} over ranks {wait['ranks']}"
 

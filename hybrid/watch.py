@@ -82,10 +82,12 @@ class RankWatch:
         self._issued.clear()
 
     def started(self, action: Action, peer: Optional[int] = None) -> None:
-        """An action starts; for a RECV, ``peer`` (global rank) is who must send it."""
+        """An action starts; for a RECV (or a SEND that failed), ``peer`` (global rank) is the
+        other end."""
         self.last_started = action
         if peer is not None and self.enabled:
-            self.waiting = {"axis": "pp", "op": "recv", "ranks": [peer], "seq": None,
+            op = "send" if action.kind.startswith("SEND") else "recv"
+            self.waiting = {"axis": "pp", "op": op, "ranks": [peer], "seq": None,
                             "peer": peer, "action": str(action), "action_stage": action.stage,
                             "action_mb": action.mb, "since": time.perf_counter()}
 
@@ -118,6 +120,21 @@ class RankWatch:
         else:
             self._timed_wait(work, wait)  # the caller's own wait then returns at once
         return work
+
+    def issue_failed(self, axis: str, method: str, group: Any, peer: Optional[int]) -> None:
+        """Issuing an operation raised (its peer's connection is already closed)."""
+        if not self.enabled or self.waiting is not None:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        if method in P2P_OPS:
+            peer = None if peer is None else dist.get_global_rank(group, peer)
+            self.waiting = {"axis": axis, "op": method, "ranks": [peer], "seq": None,
+                            "peer": peer, "action": None}
+        else:
+            seq = self._seq.get(id(group), 0) + 1
+            self.waiting = {"axis": axis, "op": OP_NAMES.get(method, method), "ranks": ranks,
+                            "seq": seq, "peer": None, "action": None}
+        self.waiting["since"] = time.perf_counter()
 
     def wait_async(self, work: Any) -> None:
         """``work.wait()`` for an asynchronous collective (the DP buckets), timed."""

@@ -92,6 +92,9 @@ def test_failure_json_holds_every_rank_reported_or_silent():
 
 def test_describe_wait_reads_like_the_schedule():
     assert describe_wait(tp_wait([0, 1], 12)) == "TP all_reduce #12 over ranks [0, 1]"
+    send = {"axis": "pp", "op": "send", "ranks": [6], "seq": None, "peer": 6,
+            "action": "0SEND_F3", "action_stage": 0, "action_mb": 3}
+    assert describe_wait(send) == "pipeline 0SEND_F3 (micro-batch 3 of stage 0) to rank 6"
 
 
 def test_peers_are_the_ranks_of_the_same_stage():

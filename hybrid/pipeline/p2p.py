@@ -125,10 +125,12 @@ class SendsInFlight:
         self._polled: list[tuple[dist.Work, torch.Tensor]] = []
         self._queue: queue.Queue = queue.Queue()
         self._error: Optional[BaseException] = None
+        self.failed_label: object = None
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, work: dist.Work, tensor: torch.Tensor) -> None:
-        """Hold ``tensor`` (the only reference left to a sent activation) until sent."""
+    def add(self, work: dist.Work, tensor: torch.Tensor, label: object = None) -> None:
+        """Hold ``tensor`` (the only reference left to a sent activation) until sent;
+        ``label`` names the send in ``failed_label`` if it is the first to fail."""
         if not self._threaded:
             self._polled.append((work, tensor))
             return
@@ -136,7 +138,7 @@ class SendsInFlight:
             self._thread = threading.Thread(target=self._wait_in_order, daemon=True,
                                             name="pipeline-sends")
             self._thread.start()
-        self._queue.put((work, tensor))
+        self._queue.put((work, tensor, label))
 
     def release_finished(self) -> None:
         if not self._threaded:
@@ -166,11 +168,12 @@ class SendsInFlight:
             item = self._queue.get()
             if item is None:
                 return
-            work, tensor = item
+            work, tensor, label = item
             try:
                 work.wait()
             except BaseException as error:  # reported by wait_all, in the interpreter
-                self._error = self._error or error
+                if self._error is None:
+                    self._error, self.failed_label = error, label
             del work, tensor, item  # the buffer goes now, not when the next item arrives
 
 

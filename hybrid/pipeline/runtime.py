@@ -164,7 +164,13 @@ class _Step:
         except BaseException:
             self.sends.abandon()  # a peer may never receive them: do not wait
             raise
-        self.sends.wait_all()
+        try:
+            self.sends.wait_all()
+        except BaseException:
+            failed = self.sends.failed_label
+            if self.progress is not None and failed is not None:
+                self.progress.started(failed, self._peer_of(failed))  # say which send
+            raise
         left = self.pending or self.arrived or self.outbox or self.deferred or self.roots
         assert not left, "a checked schedule leaves nothing behind"
         if not self.losses:
@@ -193,7 +199,7 @@ class _Step:
             n_microbatches=self.m, recv_buffer=self._recv_buffer)
         del payloads  # the sends hold the only references now
         for action, tensor, work in sends:
-            self.sends.add(work, tensor)
+            self.sends.add(work, tensor, label=action)
             self._record(action, time.time(), time.time())
         for pending in recvs:
             self.pending[pending.action] = pending
@@ -213,11 +219,14 @@ class _Step:
             return
         pending, start = self.pending.pop(recv), time.time()
         if self.progress is not None:
-            peer = self.groups.ranks["pp"][stage_rank(p2p.peer_stage(recv), self.pp)]
-            self.progress.started(recv, peer)
+            self.progress.started(recv, self._peer_of(recv))
         self.arrived[recv] = p2p.wait_recv(pending, self.timeout, self.groups.pp_rank)
         self._finished(recv)
         self._record(recv, start, time.time())  # the time this rank was blocked on it
+
+    def _peer_of(self, action: Action) -> int:
+        """The global rank at the other end of a SEND/RECV action."""
+        return self.groups.ranks["pp"][stage_rank(p2p.peer_stage(action), self.pp)]
 
     def _started(self, action: Action) -> None:
         if self.progress is not None:
