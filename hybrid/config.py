@@ -146,12 +146,20 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class LauncherConfig:
     name: str = "local"
-    """local (torch elastic agent on this machine); torchrun and slurm are accepted by
-    hybrid-plan, which plans them, but hybrid-train cannot start them yet."""
+    """local (torch elastic agent on this machine) | torchrun (one hybrid-train per node, each
+    node's agent meeting the others at rdzv_endpoint) | slurm (hybrid-plan plans it;
+    hybrid-train cannot start it yet)."""
     nnodes: int = 1
     """Number of nodes."""
     nproc_per_node: Optional[int] = None
     """Processes per node; None means world size / nnodes."""
+    node_rank: int = 0
+    """This node's place among the nodes (torchrun): node i runs global ranks
+    i * nproc_per_node to (i + 1) * nproc_per_node - 1; node 0 hosts the rendezvous."""
+    rdzv_endpoint: Optional[str] = None
+    """HOST:PORT where node 0 hosts the rendezvous (torchrun; required when nnodes > 1)."""
+    rdzv_timeout_s: float = 300.0
+    """Seconds a node waits for the others to arrive at the rendezvous."""
     omp_threads: Optional[int] = None
     """OMP_NUM_THREADS per worker; None means cores / local workers (at least 1)."""
     max_restarts: int = 0

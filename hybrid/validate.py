@@ -188,6 +188,7 @@ def _check_batch(cfg: Config, layout: Layout) -> None:
 def _check_world(cfg: Config, layout: Layout) -> None:
     launcher = cfg.launcher
     _positive("launcher.nnodes", launcher.nnodes)
+    _check_nodes(launcher)
     if launcher.nproc_per_node is None:
         if layout.world_size % launcher.nnodes:
             raise LayoutError(
@@ -201,6 +202,25 @@ def _check_world(cfg: Config, layout: Layout) -> None:
             f"parallel.dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} = {layout.world_size} "
             f"but the launcher starts {world} processes (launcher.nnodes={launcher.nnodes} x "
             f"nproc_per_node={launcher.nproc_per_node}); make them equal")
+
+
+def _check_nodes(launcher) -> None:
+    """Where the nodes meet: ``node_rank`` among them, a ``HOST:PORT`` endpoint."""
+    if not 0 <= launcher.node_rank < launcher.nnodes:
+        raise LayoutError(f"launcher.node_rank={launcher.node_rank} must be in 0.."
+                          f"{launcher.nnodes - 1} for launcher.nnodes={launcher.nnodes}")
+    _above_zero("launcher.rdzv_timeout_s", launcher.rdzv_timeout_s)
+    endpoint = launcher.rdzv_endpoint
+    if endpoint is None:
+        if launcher.name == "torchrun" and launcher.nnodes > 1:
+            raise LayoutError(f"launcher.nnodes={launcher.nnodes} needs launcher.rdzv_endpoint="
+                              f"HOST:PORT: node 0's address and a free port, the same on "
+                              f"every node")
+        return
+    host, _, port = str(endpoint).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LayoutError(f"launcher.rdzv_endpoint={endpoint} is not HOST:PORT; write node 0's "
+                          f"address and a port, e.g. launcher.rdzv_endpoint=node0:29500")
 
 
 def ranks_per_node(cfg: Config, layout: Layout) -> int:

@@ -1,18 +1,20 @@
-"""Run a function on N worker processes of this machine under torch's elastic agent.
+"""Run a function on this node's workers under torch's elastic agent: the machinery behind
+every hybrid launcher (``launch/local.py``, ``launch/torchrun.py``).
 
-``run_local(fn, args, nproc=4, run_dir=...)`` is ``torchrun --standalone --nproc-per-node=4``
-done in-process: a c10d rendezvous on ``localhost:0`` (a free port, never a fixed one), workers
-started with ``spawn`` or ``forkserver``, each given the usual torchrun variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) so it can call
-``torch.distributed.init_process_group(backend)`` itself. It returns the per-rank results.
+``run_agent(fn, args, nproc=4, rendezvous=..., run_dir=...)`` is ``torchrun`` done in-process:
+one agent on this node meets the other nodes' agents (``Rendezvous``), starts ``nproc``
+workers with ``spawn`` or ``forkserver`` and gives each the usual torchrun variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) so that it can call
+``torch.distributed.init_process_group(backend)`` itself. It returns this node's results.
 
-Failures: when a worker raises or dies, the agent stops all the others and ``run_local``
+Failures: when a worker raises or dies, the agent stops all the others and ``run_agent``
 raises ``WorkerFailure`` (``rank 3 failed: ValueError: ...`` and the worker's traceback
 tail). Ctrl-C stops every worker, then raises ``KeyboardInterrupt``; SIGTERM, SIGHUP or
-SIGQUIT stop every worker, then raise ``LaunchInterrupted``.
+SIGQUIT stop every worker, then raise ``LaunchInterrupted``. Nodes that do not meet within
+the rendezvous timeout raise ``RendezvousFailure``.
 
-A script that calls ``run_local`` needs the ``if __name__ == "__main__":`` guard: spawned
-workers import the main module, and without the guard each would launch again.
+A script that calls it needs the ``if __name__ == "__main__":`` guard: spawned workers import
+the main module, and without the guard each would launch again.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import select
 import signal
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 TRACEBACK_TAIL_LINES = 15
@@ -35,13 +39,43 @@ SHUTDOWN_TIMEOUT_S = 10
 """Seconds workers get to exit after SIGTERM/SIGINT before the agent sends SIGKILL (torch's
 default, 30, is long for a worker that is stuck in a collective and cannot see the signal)."""
 # The agent replaces these handlers for good and sets these variables in this process;
-# run_local puts them back so the caller's Ctrl-C behaves as before once the run is over.
+# run_agent puts them back so the caller's Ctrl-C behaves as before once the run is over.
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 LAUNCHER_PID_ENV = "HYBRID_LAUNCHER_PID"
 """Tells workers which process to watch (see ``_die_with_launcher``)."""
 AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", LAUNCHER_PID_ENV)
 TORCHRUN_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                      "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this node's agent meets the others'.
+
+    One node (the default): a c10d rendezvous on ``localhost:0``, a free port, never a fixed
+    one. Several: torch's static rendezvous at ``endpoint`` (``HOST:PORT`` of node 0, which
+    hosts the store), so that ``node_rank`` fixes which global ranks a node runs (node ``i``
+    runs ranks ``i * nproc`` to ``(i + 1) * nproc - 1``): c10d's dynamic rendezvous would
+    order nodes by host name and process id instead. ``timeout_s`` bounds the wait for the
+    other nodes.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: Optional[str] = None
+    timeout_s: float = 300.0
+
+    def launch_options(self) -> dict:
+        if self.endpoint is None:
+            return {"min_nodes": 1, "max_nodes": 1, "rdzv_backend": "c10d",
+                    "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
+        return {"min_nodes": self.nnodes, "max_nodes": self.nnodes, "rdzv_backend": "static",
+                "rdzv_endpoint": self.endpoint, "run_id": "hybrid",
+                "rdzv_configs": {"rank": self.node_rank, "timeout": int(self.timeout_s)}}
+
+
+class RendezvousFailure(RuntimeError):
+    """The nodes did not meet: one line naming the endpoint and how many arrived."""
 
 
 class WorkerFailure(RuntimeError):
@@ -85,12 +119,13 @@ def default_omp_threads(nproc: int) -> int:
     return max(1, cores // nproc)
 
 
-def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int,
-              omp_threads: Optional[int] = None, max_restarts: int = 0,
-              run_dir: str | os.PathLike, start_method: str = "spawn",
+def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int,
+              rendezvous: Rendezvous = Rendezvous(), omp_threads: Optional[int] = None,
+              max_restarts: int = 0, run_dir: str | os.PathLike, start_method: str = "spawn",
               preload: Sequence[str] = (),
               shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S) -> list[Any]:
-    """Run ``entrypoint(*args)`` on ``nproc`` local workers; return their results by rank.
+    """Run ``entrypoint(*args)`` on ``nproc`` workers of this node; return their results in
+    rank order.
 
     ``entrypoint`` must be a module-level function and ``args`` picklable (workers are fresh
     processes). Worker logs and error files go under ``run_dir/workers``. ``omp_threads``
@@ -105,7 +140,8 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     default for arbitrary callers; ``hybrid-train`` uses the fork server
     (``launcher.start_method``), whose environment it sets before the first launch.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -118,13 +154,12 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
         raise ValueError(f"start_method={start_method!r} is unsupported; use spawn or "
                          f"forkserver (fork is unsafe once torch has started threads)")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        nproc_per_node=nproc, max_restarts=max_restarts, **rendezvous.launch_options(),
         start_method=start_method, monitor_interval=0.1, shutdown_timeout=shutdown_timeout_s,
         # Rank 0 speaks on the console; the others into their log files only, so that eight
         # workers' start-up chatter does not bury the progress lines.
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(os.fspath(run_dir), "workers"),
-                                    redirects={r: Std.ALL for r in range(1, nproc)}))
+                                    redirects=_quiet_ranks(rendezvous, nproc)))
     threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
     if start_method == "forkserver" and preload:
         import multiprocessing
@@ -144,7 +179,35 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
             if err.sigval == signal.SIGINT:
                 raise KeyboardInterrupt(f"all {nproc} workers were stopped") from None
             raise LaunchInterrupted(int(err.sigval), nproc) from None
-    return [results[rank] for rank in range(nproc)]
+        except (dist.DistStoreError, dist.DistNetworkError) as err:
+            raise rendezvous_failure(rendezvous, err) from None
+    return [results[rank] for rank in sorted(results)]
+
+
+def _quiet_ranks(rendezvous: Rendezvous, nproc: int) -> dict:
+    """Local ranks whose output goes to their log files only: all but global rank 0, which
+    speaks on node 0's console (eight workers' start-up chatter would bury the progress)."""
+    from torch.distributed.elastic.multiprocessing import Std
+
+    first = 1 if rendezvous.node_rank == 0 else 0
+    return {r: Std.ALL for r in range(first, nproc)}
+
+
+def rendezvous_failure(rendezvous: Rendezvous, err: Exception) -> RendezvousFailure:
+    """One line from the store's own error (``... 1/2 clients joined``, a connect timeout)."""
+    where, waited = rendezvous.endpoint, f"{rendezvous.timeout_s:g}s"
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+    if joined:
+        others = "1" if rendezvous.nnodes == 2 else f"1..{rendezvous.nnodes - 1}"
+        return RendezvousFailure(
+            f"rendezvous at {where} timed out after {waited}: {joined[1]} of {joined[2]} nodes "
+            f"arrived; start hybrid-train with launcher.node_rank={others} on the other "
+            f"nodes, or raise launcher.rdzv_timeout_s")
+    return RendezvousFailure(
+        f"node {rendezvous.node_rank} could not reach node 0's rendezvous at {where} within "
+        f"{waited}; start node 0 (launcher.node_rank=0) with the same launcher.rdzv_endpoint, "
+        f"check that this node can reach it, or raise launcher.rdzv_timeout_s "
+        f"({str(err).strip().splitlines()[0][:160]})")
 
 
 def _call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:

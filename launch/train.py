@@ -79,12 +79,23 @@ def check_fits(cfg: Config) -> None:
         check_memory(cfg, limit, device)
 
 
-def check_launchable(cfg: Config) -> None:
+def launcher_for(cfg: Config):
+    """The launcher module's object for ``launcher.name``: ``check`` then ``launch``."""
+    if cfg.launcher.name == "torchrun":
+        from launch.torchrun import TorchrunLauncher
+
+        return TorchrunLauncher()
+    if cfg.launcher.name == "local":
+        from launch.local import LocalLauncher
+
+        return LocalLauncher()
+    raise LayoutError(f"launcher.name={cfg.launcher.name} cannot be started by hybrid-train yet; "
+                      f"use launcher=local or launcher=torchrun (hybrid-plan can still plan it)")
+
+
+def check_launchable(cfg: Config, layout: Layout) -> None:
     """What this machine and this launcher can run (hybrid-plan may plan more than that)."""
-    if cfg.launcher.name != "local" or cfg.launcher.nnodes != 1:
-        raise LayoutError(f"launcher.name={cfg.launcher.name} with launcher.nnodes="
-                          f"{cfg.launcher.nnodes} cannot be started by hybrid-train yet; use "
-                          f"launcher=local on one node (hybrid-plan can still plan it)")
+    launcher_for(cfg).check(cfg, layout)
     if cfg.train.device == "cuda":
         import torch
 
@@ -143,21 +154,20 @@ def report_worker_failure(err, run_dir: Path, since: float) -> None:
 
 def launch(cfg: Config, layout: Layout, run_dir: Path) -> list:
     from hybrid.worker import worker_main
-    from launch.local import run_local
 
     # Read when the fork server's interpreter starts, before it imports megatron-core, which
     # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
     os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
-    return run_local(worker_main, (to_dict(cfg), str(run_dir)), nproc=layout.world_size,
-                     omp_threads=cfg.launcher.omp_threads,
-                     max_restarts=cfg.launcher.max_restarts, run_dir=run_dir,
-                     start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
+    return launcher_for(cfg).launch(
+        worker_main, (to_dict(cfg), str(run_dir)), cfg, layout, run_dir,
+        omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
+        start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
 
 
 def prepare(cfg: Config, run_dir: Path) -> Layout:
     """Every check that can be made before a worker starts; writes ``config.json``."""
     layout = validate_config(cfg)
-    check_launchable(cfg)
+    check_launchable(cfg, layout)
     check_fits(cfg)
     validate_data(cfg.data, cfg.model, cfg.train)
     for warning in config_warnings(cfg):
@@ -170,13 +180,16 @@ def prepare(cfg: Config, run_dir: Path) -> Layout:
 
 def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
     """Launch the workers; a failure ends in one line and the exit status that says why."""
-    from launch.local import LaunchInterrupted, WorkerFailure
+    from launch.agent import LaunchInterrupted, RendezvousFailure, WorkerFailure
 
     started = time.time()
     try:
         results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
         report_worker_failure(err, run_dir, started)
+        sys.exit(WORKER_FAILED_EXIT)
+    except RendezvousFailure as err:
+        print(f"error: {err}", file=sys.stderr)
         sys.exit(WORKER_FAILED_EXIT)
     except LaunchInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)

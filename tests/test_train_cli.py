@@ -46,7 +46,10 @@ BAD = [
     (["data.samples=0"], "data.samples=0 must be an integer >= 1"),
     (["model=gpt2-350m", "parallel.dp=4", "parallel.tp=2", "parallel.pp=1",
       "train.global_batch=16"], "model.recompute=true parallel.zero=1 would need"),
-    (["launcher.nnodes=2"], "cannot be started by hybrid-train yet"),
+    (["launcher.nnodes=2"], "launcher=local runs one node, not launcher.nnodes=2; use "
+                            "launcher=torchrun on each node"),
+    (["launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=2",
+      "launcher.rdzv_endpoint=127.0.0.1:1"], "launcher.node_rank=2 must be in 0..1"),
     (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
 ]
 

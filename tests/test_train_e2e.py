@@ -6,6 +6,7 @@ same model, seed and global batch. Each run starts real workers under the elasti
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,11 @@ TIED = ["model.tie_embeddings=true"]
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def run_train(run_dir: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_train(run_dir: Path, *overrides: str, timeout: float = 240,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([TRAIN, *COMMON, f"hydra.run.dir={run_dir}", *overrides],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def losses_of(run_dir: Path) -> list[float]:
@@ -83,29 +86,66 @@ def test_tied_embeddings_with_sequence_parallel_on_2x2x2(reference, tmp_path):
 
 
 def test_run_directory_holds_config_metrics_tensorboard_and_timeline(tmp_path):
-    done = run_train(tmp_path, "train.steps=3")
+    """One 8-rank run checks the run directory and the straggler report: rank 5 sleeps
+    0.4 s per step from step 4 (a test hook), is named by one warning within a few steps, and
+    the others' largest wait grows by about that much."""
+    done = run_train(tmp_path, env={"HYBRID_TEST_FAULT": "slow:4:5:0.4"})
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.loads((tmp_path / "config.json").read_text())
     cfg = from_dict(saved)
-    assert isinstance(cfg, Config) and cfg.train.steps == 3 and cfg.parallel.pp == 2
+    assert isinstance(cfg, Config) and cfg.train.steps == STEPS and cfg.parallel.pp == 2
     assert to_dict(cfg) == saved  # the resolved config reloads identically
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
         assert set(REQUIRED_KEYS) <= set(record)
         assert set(record["comm_bytes"]) == {"dp", "tp", "pp"}
         assert min(record["comm_bytes"].values()) > 0  # all three axes talk on 2x2x2
-        assert 0 <= record["slowest_rank"]["rank"] < 8
         assert set(record["max_wait_s"]) == {"dp", "tp", "pp", "other"}
-    times = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text()
-             .splitlines()]
-    assert [t["step"] for t in times] == [1, 2, 3] and len(times[0]["compute_s"]) == 8
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     trace = json.loads((tmp_path / "timeline.json").read_text())
     assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) > 0
     assert (tmp_path / "timeline.png").stat().st_size > 5000
     bubble = json.loads((tmp_path / "timeline_bubble.json").read_text())
     assert 0 <= bubble["measured"] < 1 and 0 <= bubble["simulated"] < 1
+    warnings = [line for line in done.stderr.splitlines() if "straggler" in line]
+    assert len(warnings) == 1, done.stderr[-3000:]
+    assert re.match(r"warning: straggler: rank 5 \(dp 0, tp 1, pp 1, node 0\) computes "
+                    r"[\d.]+x its peers' median", warnings[0]), warnings
+    waits = [max(r["max_wait_s"].values()) for r in records]
+    # steps 1-2 before the slowdown (step 3 waits for rank 0 drawing step 2's timeline)
+    assert min(waits[4:]) > max(waits[:2]) + 0.2, waits
+    assert all(r["slowest_rank"]["rank"] == 5 for r in records[4:]), records
+    times = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text()
+             .splitlines()]
+    assert [t["step"] for t in times] == list(range(1, STEPS + 1))
+    assert all(len(t["compute_s"]) == 8 for t in times)
+
+
+def test_two_torchrun_nodes_train_the_same_losses(reference, tmp_path):
+    """launcher=torchrun: two "nodes" of 4 ranks on this machine, each its own hybrid-train
+    and agent, meeting at 127.0.0.1 (a free port), train 2x2x2 with the 1-process losses;
+    node 0 (rank 0) writes the metrics, each node keeps its own workers' logs."""
+    from test_multinode import free_port, node_command
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen(node_command(tmp_path / f"node{r}", r, endpoint, base=COMMON),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (1, 0)]
+    try:
+        outputs = [proc.communicate(timeout=200) for proc in nodes]
+    finally:
+        for proc in nodes:
+            proc.kill()
+    for proc, (_, stderr) in zip(nodes, outputs):
+        assert proc.returncode == 0, stderr[-3000:]
+    assert_same_losses(losses_of(tmp_path / "node0"), reference["untied"])
+    assert not (tmp_path / "node1" / "metrics.jsonl").exists()
+
+    def logs(name):  # local ranks whose output went to log files: all but global rank 0
+        return {p.parent.name for p in (tmp_path / name / "workers").rglob("stderr.log")}
+
+    assert logs("node0") == {"1", "2", "3"} and logs("node1") == {"0", "1", "2", "3"}
 
 
 def test_plain_torchrun_starts_hybrid_worker_on_a_run_directory(reference, tmp_path):

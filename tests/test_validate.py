@@ -59,6 +59,18 @@ BAD = [
                                           "starts 4 processes"),
     ({"launcher": {"nnodes": 3}}, "cannot be spread evenly over launcher.nnodes=3"),
     ({"parallel": {"partition": "greedy"}}, "parallel.partition='greedy' is unknown"),
+    ({"launcher": {"name": "torchrun", "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}},
+     "launcher.node_rank=2 must be in 0..1 for launcher.nnodes=2"),
+    ({"launcher": {"name": "torchrun", "nnodes": 2}},
+     "launcher.nnodes=2 needs launcher.rdzv_endpoint=HOST:PORT"),
+    ({"launcher": {"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "node0"}},
+     "launcher.rdzv_endpoint=node0 is not HOST:PORT"),
+    ({"launcher": {"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "node0:99999"}},
+     "launcher.rdzv_endpoint=node0:99999 is not HOST:PORT"),
+    ({"launcher": {"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "h:1",
+                   "rdzv_timeout_s": 0}}, "launcher.rdzv_timeout_s=0 must be a finite number"),
+    ({"launcher": {"name": "torchrun", "nnodes": 2, "nproc_per_node": 2,
+                   "rdzv_endpoint": "h:1"}}, "but the launcher starts 4 processes"),
 ]
 
 
@@ -88,3 +100,14 @@ def test_config_dataclasses_are_keyword_only_and_documented():
         for f in dataclasses.fields(cls):
             block = text.split(f"    {f.name}:", 1)[1].split("\n", 2)[1]
             assert '"""' in block, f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_torchrun_checkpoints_on_several_nodes_need_one_shared_directory():
+    from launch.torchrun import TorchrunLauncher
+
+    cfg = make(launcher={"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "h:1"})
+    cfg.checkpoint.every = 5
+    with pytest.raises(LayoutError, match="set checkpoint.dir to one path that all nodes share"):
+        TorchrunLauncher().check(cfg, validate_config(cfg))
+    cfg.checkpoint.dir = "/shared/ckpt"
+    TorchrunLauncher().check(cfg, validate_config(cfg))

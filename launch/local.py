@@ -1,0 +1,39 @@
+"""``launcher=local``: every rank on this machine, one agent (``torchrun --standalone``).
+
+``run_local(fn, args, nproc=4, run_dir=...)`` runs ``fn(*args)`` on 4 workers of this machine
+and returns their results by rank (see ``launch.agent`` for failures and signals).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from launch.agent import (
+    LaunchInterrupted, Rendezvous, WorkerFailure, default_omp_threads, run_agent,
+    worker_env_summary,
+)
+
+__all__ = ["LaunchInterrupted", "LocalLauncher", "WorkerFailure", "default_omp_threads",
+           "run_local", "worker_env_summary"]
+
+
+def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int,
+              **options: Any) -> list[Any]:
+    """``run_agent`` on one node (a c10d rendezvous on a free local port)."""
+    return run_agent(entrypoint, args, nproc=nproc, rendezvous=Rendezvous(), **options)
+
+
+class LocalLauncher:
+    """Starts the job's ``dp * tp * pp`` ranks on this machine."""
+
+    def check(self, cfg, layout) -> None:
+        from hybrid.layout import LayoutError
+
+        if cfg.launcher.nnodes != 1:
+            raise LayoutError(f"launcher=local runs one node, not launcher.nnodes="
+                              f"{cfg.launcher.nnodes}; use launcher=torchrun on each node")
+
+    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
+               run_dir: Path, **options: Any) -> list[Any]:
+        return run_local(entrypoint, args, nproc=layout.world_size, run_dir=run_dir, **options)
