@@ -28,6 +28,9 @@ DEFAULT_WINDOW = 5
 """Steps whose median is a rank's compute time."""
 MIN_SHARE_OF_STEP = 0.05
 """A straggler's excess compute must cost at least this share of the step to be named."""
+MIN_EXCESS_S = 0.1
+"""... and at least this many seconds: on a busy CPU (8 ranks on 2 cores) a rank's 30 ms
+compute is stretched by scheduling alone, 25% for several steps in a row (measured)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class StragglerWatch:
     Each rank's compute is the median of its last ``window`` steps, so that a few slow steps
     (a page fault, another process taking the core) are not a straggler; and the excess must
     cost at least ``min_share`` of the step time, so that a 1 ms difference on a 5 ms compute
-    in a 1 s step is not one either.
+    in a 1 s step is not one either, nor anything under ``min_excess_s``.
     """
 
     pp_of_rank: Sequence[int]
@@ -76,6 +79,7 @@ class StragglerWatch:
     patience: int = DEFAULT_PATIENCE
     window: int = DEFAULT_WINDOW
     min_share: float = MIN_SHARE_OF_STEP
+    min_excess_s: float = MIN_EXCESS_S
     _peers: list[list[int]] = field(init=False)
     _streak: list[int] = field(init=False)
     _history: list[deque] = field(init=False)
@@ -95,7 +99,9 @@ class StragglerWatch:
         found = []
         for rank, ratio in enumerate(ratios(typical, self._peers)):
             peers = statistics.median(typical[r] for r in self._peers[rank]) if ratio > 1 else 0
-            if ratio < self.threshold or typical[rank] - peers < self.min_share * step_time_s:
+            excess = typical[rank] - peers
+            if ratio < self.threshold or excess < max(self.min_share * step_time_s,
+                                                      self.min_excess_s):
                 self._streak[rank] = 0
                 self._flagged.discard(rank)
                 continue

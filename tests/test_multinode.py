@@ -2,6 +2,7 @@
 agent, meeting at a rendezvous on 127.0.0.1 (a free port). The two-node training run, compared
 with the 1-process losses, is in test_train_e2e.py."""
 
+import contextlib
 import os
 import re
 import signal
@@ -37,6 +38,40 @@ def node_command(run_dir: Path, rank: int, endpoint: str, *overrides: str,
 def node(run_dir: Path, rank: int, endpoint: str, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(node_command(run_dir, rank, endpoint, *overrides),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def two_network_namespaces():
+    """Two network namespaces joined by a veth pair, 10.77.x.1 and 10.77.x.2; yields
+    ``[(namespace, interface, address), ...]`` and deletes both (and the pair) afterwards.
+    Skips the test where they cannot be made (not root, no ``ip``, no netns support)."""
+    tag = f"{os.getpid() % 10000}"
+    spaces = [(f"hyb{tag}a", f"hyb{tag}a", f"10.77.{os.getpid() % 250}.1"),
+              (f"hyb{tag}b", f"hyb{tag}b", f"10.77.{os.getpid() % 250}.2")]
+    made = []
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    try:
+        for space, _, _ in spaces:
+            ip("netns", "add", space)
+            made.append(space)
+        ip("link", "add", spaces[0][1], "type", "veth", "peer", "name", spaces[1][1])
+        for space, link, address in spaces:
+            ip("link", "set", link, "netns", space)
+            ip("-n", space, "addr", "add", f"{address}/24", "dev", link)
+            ip("-n", space, "link", "set", link, "up")
+            ip("-n", space, "link", "set", "lo", "up")
+    except (OSError, subprocess.SubprocessError) as err:
+        for space in made:
+            subprocess.run(["ip", "netns", "del", space], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here (needs root and iproute2): {err}")
+    try:
+        yield spaces
+    finally:
+        for space in made:  # deleting a namespace deletes its end of the pair, and the pair
+            subprocess.run(["ip", "netns", "del", space], capture_output=True)
 
 
 def stop_all(*procs: subprocess.Popen) -> None:

@@ -148,6 +148,31 @@ def test_two_torchrun_nodes_train_the_same_losses(reference, tmp_path):
     assert logs("node0") == {"1", "2", "3"} and logs("node1") == {"0", "1", "2", "3"}
 
 
+def test_two_nodes_in_separate_network_namespaces_train_the_same_losses(reference, tmp_path):
+    """The nodes in two network namespaces joined by a veth pair, so that every byte between
+    them crosses an interface: gloo is told which (GLOO_SOCKET_IFNAME), the rendezvous is at
+    node 0's veth address. Skipped where namespaces cannot be made."""
+    from test_multinode import free_port, node_command, two_network_namespaces
+
+    with two_network_namespaces() as spaces:
+        endpoint = f"{spaces[0][2]}:{free_port()}"
+        nodes = []
+        for rank in (1, 0):
+            space, link, _ = spaces[rank]
+            command = node_command(tmp_path / f"node{rank}", rank, endpoint, base=COMMON)
+            nodes.append(subprocess.Popen(
+                ["ip", "netns", "exec", space, "env", f"GLOO_SOCKET_IFNAME={link}", *command],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        try:
+            outputs = [proc.communicate(timeout=200) for proc in nodes]
+        finally:
+            for proc in nodes:
+                proc.kill()
+    for proc, (_, stderr) in zip(nodes, outputs):
+        assert proc.returncode == 0, stderr[-3000:]
+    assert_same_losses(losses_of(tmp_path / "node0"), reference["untied"])
+
+
 def test_plain_torchrun_starts_hybrid_worker_on_a_run_directory(reference, tmp_path):
     """``torchrun -m hybrid.worker RUN_DIR`` trains the run whose config.json is there: the
     2x2x2 main-job layout, composed from conf/ as hybrid-train composes it."""
