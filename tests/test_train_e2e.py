@@ -122,16 +122,10 @@ def test_run_directory_holds_config_metrics_tensorboard_and_timeline(tmp_path):
     assert all(len(t["compute_s"]) == 8 for t in times)
 
 
-def test_two_torchrun_nodes_train_the_same_losses(reference, tmp_path):
-    """launcher=torchrun: two "nodes" of 4 ranks on this machine, each its own hybrid-train
-    and agent, meeting at 127.0.0.1 (a free port), train 2x2x2 with the 1-process losses;
-    node 0 (rank 0) writes the metrics, each node keeps its own workers' logs."""
-    from test_multinode import free_port, node_command
-
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [subprocess.Popen(node_command(tmp_path / f"node{r}", r, endpoint, base=COMMON),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (1, 0)]
+def run_nodes(commands: list[list[str]]) -> None:
+    """Start every node's command at once; each must succeed (none outlives the test)."""
+    nodes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
     try:
         outputs = [proc.communicate(timeout=200) for proc in nodes]
     finally:
@@ -139,6 +133,16 @@ def test_two_torchrun_nodes_train_the_same_losses(reference, tmp_path):
             proc.kill()
     for proc, (_, stderr) in zip(nodes, outputs):
         assert proc.returncode == 0, stderr[-3000:]
+
+
+def test_two_torchrun_nodes_train_the_same_losses(reference, tmp_path):
+    """launcher=torchrun: two "nodes" of 4 ranks on this machine, each its own hybrid-train
+    and agent, meeting at 127.0.0.1 (a free port), train 2x2x2 with the 1-process losses;
+    node 0 (rank 0) writes the metrics, each node keeps its own workers' logs."""
+    from test_multinode import free_port, node_command
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_nodes([node_command(tmp_path / f"node{r}", r, endpoint, base=COMMON) for r in (1, 0)])
     assert_same_losses(losses_of(tmp_path / "node0"), reference["untied"])
     assert not (tmp_path / "node1" / "metrics.jsonl").exists()
 
@@ -156,20 +160,10 @@ def test_two_nodes_in_separate_network_namespaces_train_the_same_losses(referenc
 
     with two_network_namespaces() as spaces:
         endpoint = f"{spaces[0][2]}:{free_port()}"
-        nodes = []
-        for rank in (1, 0):
-            space, link, _ = spaces[rank]
-            command = node_command(tmp_path / f"node{rank}", rank, endpoint, base=COMMON)
-            nodes.append(subprocess.Popen(
-                ["ip", "netns", "exec", space, "env", f"GLOO_SOCKET_IFNAME={link}", *command],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        try:
-            outputs = [proc.communicate(timeout=200) for proc in nodes]
-        finally:
-            for proc in nodes:
-                proc.kill()
-    for proc, (_, stderr) in zip(nodes, outputs):
-        assert proc.returncode == 0, stderr[-3000:]
+        run_nodes([["ip", "netns", "exec", spaces[rank][0], "env",
+                    f"GLOO_SOCKET_IFNAME={spaces[rank][1]}",
+                    *node_command(tmp_path / f"node{rank}", rank, endpoint, base=COMMON)]
+                   for rank in (1, 0)])
     assert_same_losses(losses_of(tmp_path / "node0"), reference["untied"])
 
 
