@@ -1,11 +1,12 @@
 """What hang and straggler diagnosis costs: the main job's step time with and without it.
 
-    .venv/bin/python bench/watch_overhead.py [--blocks 4] [--steps 6]
+    .venv/bin/python bench/watch_overhead.py [--blocks 10] [--steps 4]
 
 One 8-rank job (the main job: small GPT, DP 2 x TP 2 x PP 2, 1F1B) builds one ``Trainer`` and
 alternates blocks of ``--steps`` steps with diagnosis on and off (``Trainer.set_watching``):
-on, every operation is described as it is issued, every ``Work.wait`` is timed per axis and
-every action reports its start and end. Both modes run the same per-step all-gather of the
+on, every collective is described as it is issued and its wait timed per axis (synchronous
+ones where they are issued, the DP buckets where the gradient sync waits), and every action
+reports its start and end. Both modes run the same per-step all-gather of the
 per-rank times, so the difference is the hooks alone. Alternating blocks in one job keeps the
 machine's drift out of the comparison. Prints the median step time (the slowest rank's wall
 time) and CPU seconds summed over ranks for each mode, the operations hooked per step, the
@@ -66,8 +67,8 @@ def measure(cfg_dict: dict, run_dir: str, blocks: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
     from hydra import compose, initialize_config_dir

@@ -25,6 +25,8 @@ Report = dict
 CoordsOf = Callable[[int], dict]
 """Global rank -> ``{"dp": i, "tp": j, "pp": k}`` (``Layout.coords``)."""
 
+FAILURE_FILE = "failure.json"
+"""Written into the run directory by the first rank that finished hearing the others."""
 AXIS_NAMES = {"dp": "DP", "tp": "TP", "pp": "PP"}
 """How a wait's axis reads in the line; other groups (the world, tp-pp, embedding) by ranks."""
 

@@ -17,7 +17,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from hybrid.files import write_error
 
@@ -54,13 +54,16 @@ def peer_sets(pp_of_rank: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def peer_medians(compute_s: Sequence[float], peers: list[list[int]]) -> list[float]:
+    """Per rank, the median of its peers' compute (0.0 when it has none)."""
+    return [statistics.median(compute_s[r] for r in others) if others else 0.0
+            for others in peers]
+
+
 def ratios(compute_s: Sequence[float], peers: list[list[int]]) -> list[float]:
     """Each rank's compute over the median of its peers' (1.0 when it has none)."""
-    out = []
-    for rank, others in enumerate(peers):
-        median = statistics.median(compute_s[r] for r in others) if others else 0.0
-        out.append(compute_s[rank] / median if median > 0 else 1.0)
-    return out
+    return [mine / median if median > 0 else 1.0
+            for mine, median in zip(compute_s, peer_medians(compute_s, peers))]
 
 
 @dataclass
@@ -97,11 +100,10 @@ class StragglerWatch:
             history.append(value)
         typical = [statistics.median(history) for history in self._history]
         found = []
-        for rank, ratio in enumerate(ratios(typical, self._peers)):
-            peers = statistics.median(typical[r] for r in self._peers[rank]) if ratio > 1 else 0
-            excess = typical[rank] - peers
-            if ratio < self.threshold or excess < max(self.min_share * step_time_s,
-                                                      self.min_excess_s):
+        floor = max(self.min_share * step_time_s, self.min_excess_s)
+        for rank, peers in enumerate(peer_medians(typical, self._peers)):
+            if peers <= 0 or typical[rank] < self.threshold * peers \
+                    or typical[rank] - peers < floor:
                 self._streak[rank] = 0
                 self._flagged.discard(rank)
                 continue
@@ -113,10 +115,9 @@ class StragglerWatch:
 
 
 def step_summary(compute_s: Sequence[float], waits: dict[str, Sequence[float]],
-                 peers: Optional[list[list[int]]] = None) -> dict:
+                 peers: list[list[int]]) -> dict:
     """What ``metrics.jsonl`` records of a step's per-rank times: the slowest rank by compute
     (with its ratio to its peers' median) and the largest wait of any rank per axis."""
-    peers = peers if peers is not None else peer_sets([0] * len(compute_s))
     slowest = max(range(len(compute_s)), key=lambda r: compute_s[r])
     return {
         "slowest_rank": {"rank": slowest, "compute_s": compute_s[slowest],

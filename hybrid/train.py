@@ -108,9 +108,7 @@ class Trainer:
     """Everything one rank holds for a run; ``run()`` trains ``cfg.train.steps`` steps."""
 
     def __init__(self, cfg: Config, groups: ParallelGroups, run_dir: Path,
-                 store: Optional[dist.Store] = None, watch: bool = True):
-        """``watch=False`` turns off wait timing and stall diagnosis (compute is then the whole
-        step): only ``bench/watch_overhead.py`` does, to measure what they cost."""
+                 store: Optional[dist.Store] = None):
         self.cfg, self.groups, self.run_dir, self.store = cfg, groups, run_dir, store
         self.device = groups.device
         self.chunks = {s: c.to(self.device) for s, c in build_chunks(cfg, groups).items()}
@@ -123,7 +121,8 @@ class Trainer:
                                          wait=self.watch.wait_async)
         publish_pid(store, dist.get_rank(), socket.gethostname())
         self.counter = CommCounter(groups, watch=self.watch)
-        self.set_watching(watch)
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        """Ranks per node: node ``i`` runs ranks ``i * local_world ...`` (hybrid.launch)."""
         self.slow = faults.slow_seconds(dist.get_rank())
         self.act_shape = activation_shape(cfg, groups)
         self.checkpointer = Checkpointer(cfg, groups, self.chunks, self.sync, run_dir)
@@ -131,8 +130,16 @@ class Trainer:
         """The step the run resumes after (0: a fresh run)."""
 
     def set_watching(self, on: bool) -> None:
-        """Wait timing and stall diagnosis on or off (off: compute is the whole step)."""
+        """Wait timing and stall diagnosis on or off (off: compute is the whole step): only
+        ``bench/watch_overhead.py`` turns them off, to measure what they cost."""
         self.watch.enabled = on
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """A global rank's (dp, tp, pp) coordinates."""
+        return self.groups.layout.coords(rank % self.groups.layout.world_size)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world
 
     def _autocast(self):
         if self.cfg.train.precision == "bf16":
@@ -196,11 +203,10 @@ class Trainer:
 
     def _stall_error(self, error: BaseException) -> Exception:
         """A wait failed: the diagnosis, after hearing from every rank that can still speak."""
-        world = dist.get_world_size()
         return stall_error(
-            self.watch, error, layout=self.groups.layout, world=world,
-            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-            host=socket.gethostname(), store=self.store, run_dir=self.run_dir,
+            self.watch, error, coords_of=self.coords_of, node_of=self.node_of,
+            world=dist.get_world_size(), host=socket.gethostname(), store=self.store,
+            run_dir=self.run_dir,
             grace_s=min(REPORT_GRACE_S, self.cfg.train.collective_timeout_s / 2))
 
     def _global_loss(self, loss: Optional[float]) -> float:
@@ -248,9 +254,7 @@ class Trainer:
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
 
     def _times_log(self) -> RankTimesLog:
-        layout = self.groups.layout
-        pp_of_rank = [layout.coords(r % layout.world_size)["pp"]
-                      for r in range(dist.get_world_size())]
+        pp_of_rank = [self.coords_of(r)["pp"] for r in range(dist.get_world_size())]
         return RankTimesLog(self.run_dir / "rank_times.jsonl", pp_of_rank,
                             self.cfg.train.straggler_ratio, append=self.start_step > 0)
 
@@ -258,10 +262,8 @@ class Trainer:
         """Rank 0: the step's ``metrics.jsonl`` record; warns of a straggler on the way."""
         summary, stragglers = times.add(step, report.compute_s, report.wait_s,
                                          report.step_time_s)
-        layout, local_world = self.groups.layout, int(os.environ.get("LOCAL_WORLD_SIZE", 0))
         for straggler in stragglers:
-            name = who(straggler.rank, lambda r: layout.coords(r % layout.world_size),
-                       lambda r: r // local_world if local_world else 0)
+            name = who(straggler.rank, self.coords_of, self.node_of)
             print(warning_line(straggler, name), file=sys.stderr, flush=True)
         tokens_per_step = self.cfg.train.global_batch * self.cfg.model.seq_len
         axes = ("dp", "tp", "pp")

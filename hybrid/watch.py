@@ -19,6 +19,7 @@ on 2 ranks, 0.99 -> 1.25 ms).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,20 +27,19 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from hybrid import faults
 from hybrid.files import write_text
 from hybrid.pipeline.actions import Action
-from hybrid.stall import failure_document, stall_line
+from hybrid.stall import FAILURE_FILE, CoordsOf, failure_document, stall_line
 from hybrid.stragglers import WAIT_AXES
 
 REPORT_GRACE_S = 5.0
 """How long a failed rank waits for the others' reports before it stops: every rank blocked
 on the same stalled one times out within about one step of the first."""
-FAILURE_FILE = "failure.json"
 OP_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
             "allgather": "all_gather", "_allgather_base": "all_gather",
             "all_gather_single": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
@@ -109,12 +109,8 @@ class RankWatch:
         if work is None or not self.enabled or method in P2P_OPS \
                 or threading.current_thread() is not self._thread:
             return work
-        ranks = self._ranks.get(id(group))
-        if ranks is None:
-            ranks = self._ranks[id(group)] = dist.get_process_group_ranks(group)
-        seq = self._seq[id(group)] = self._seq.get(id(group), 0) + 1
-        wait = {"axis": axis, "op": OP_NAMES.get(method, method), "ranks": ranks, "seq": seq,
-                "peer": None, "action": None}
+        self._seq[id(group)] = self._seq.get(id(group), 0) + 1
+        wait = self._collective(axis, method, group)
         if getattr(options, "asyncOp", True):
             self._issued[id(work)] = wait  # the id only: a reference would keep its buffers
         else:
@@ -125,16 +121,22 @@ class RankWatch:
         """Issuing an operation raised (its peer's connection is already closed)."""
         if not self.enabled or self.waiting is not None:
             return
-        ranks = dist.get_process_group_ranks(group)
         if method in P2P_OPS:
             peer = None if peer is None else dist.get_global_rank(group, peer)
-            self.waiting = {"axis": axis, "op": method, "ranks": [peer], "seq": None,
-                            "peer": peer, "action": None}
-        else:
-            seq = self._seq.get(id(group), 0) + 1
-            self.waiting = {"axis": axis, "op": OP_NAMES.get(method, method), "ranks": ranks,
-                            "seq": seq, "peer": None, "action": None}
-        self.waiting["since"] = time.perf_counter()
+            wait = {"axis": axis, "op": method, "ranks": [peer], "seq": None, "peer": peer,
+                    "action": None}
+        else:  # the collective it would have been
+            self._seq[id(group)] = self._seq.get(id(group), 0) + 1
+            wait = self._collective(axis, method, group)
+        self.waiting = dict(wait, since=time.perf_counter())
+
+    def _collective(self, axis: str, method: str, group: Any) -> dict:
+        """The description of this step's latest collective on ``group``."""
+        ranks = self._ranks.get(id(group))
+        if ranks is None:
+            ranks = self._ranks[id(group)] = dist.get_process_group_ranks(group)
+        return {"axis": axis, "op": OP_NAMES.get(method, method), "ranks": ranks,
+                "seq": self._seq[id(group)], "peer": None, "action": None}
 
     def wait_async(self, work: Any) -> None:
         """``work.wait()`` for an asynchronous collective (the DP buckets), timed."""
@@ -166,8 +168,7 @@ class RankWatch:
                 "step": self.step, "waiting": self.failed_wait(),
                 "last_started": _text(self.last_started),
                 "last_finished": _text(self.last_finished),
-                "error": str(error).strip().splitlines()[-1][:300] if str(error) else
-                type(error).__name__}
+                "error": (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]}
 
 
 def _text(action: Optional[Action]) -> Optional[str]:
@@ -183,26 +184,21 @@ def publish_pid(store: Optional[dist.Store], rank: int, host: str) -> None:
         store.set(PID_KEY(rank), f"{host} {os.getpid()}")
 
 
-def stop_silent_ranks(store: Optional[dist.Store], silent: list[int], host: str) -> list[int]:
-    """SIGKILL the silent ranks that run on this host; returns the ranks stopped.
+def stop_silent_ranks(store: Optional[dist.Store], silent: list[int], host: str) -> None:
+    """SIGKILL the silent ranks that run on this host.
 
     A stopped or hung process cannot act on the agent's SIGTERM, and torch's agent then waits
     30 s before its SIGKILL; the job is failing anyway, so end it now. Ranks on other hosts
     are left to their own node's agent.
     """
-    stopped = []
     for rank in silent:
         try:
             where, pid = store.get(PID_KEY(rank)).decode().split()
         except (AttributeError, RuntimeError, ValueError):
             continue  # no store, or that rank never started
         if where == host and int(pid) != os.getpid():
-            try:
+            with contextlib.suppress(OSError):  # it may have gone meanwhile
                 os.kill(int(pid), signal.SIGKILL)
-                stopped.append(rank)
-            except OSError:
-                pass
-    return stopped
 
 
 def exchange_reports(store: Optional[dist.Store], report: dict, world: int,
@@ -235,17 +231,11 @@ def exchange_reports(store: Optional[dist.Store], report: dict, world: int,
     return seen, first
 
 
-def stall_error(watch: RankWatch, error: BaseException, *, layout: Any, world: int,
-                local_world: int, host: str, store: Optional[dist.Store],
-                run_dir: Path, grace_s: float = REPORT_GRACE_S) -> StallError:
+def stall_error(watch: RankWatch, error: BaseException, *, coords_of: CoordsOf,
+                node_of: Callable[[int], int], world: int, host: str,
+                store: Optional[dist.Store], run_dir: Path,
+                grace_s: float = REPORT_GRACE_S) -> StallError:
     """The diagnosed error for a failed wait of ``watch``'s rank (see the module doc)."""
-
-    def coords_of(rank: int) -> dict:
-        return layout.coords(rank % layout.world_size)
-
-    def node_of(rank: int) -> int:
-        return rank // local_world
-
     me = watch.rank
     report = watch.report(error, coords_of(me), node_of(me), host)
     reports, first = exchange_reports(store, report, world, grace_s)

@@ -7,11 +7,12 @@ workers with ``spawn`` or ``forkserver`` and gives each the usual torchrun varia
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) so that it can call
 ``torch.distributed.init_process_group(backend)`` itself. It returns this node's results.
 
-Failures: when a worker raises or dies, the agent stops all the others and ``run_agent``
-raises ``WorkerFailure`` (``rank 3 failed: ValueError: ...`` and the worker's traceback
-tail). Ctrl-C stops every worker, then raises ``KeyboardInterrupt``; SIGTERM, SIGHUP or
-SIGQUIT stop every worker, then raise ``LaunchInterrupted``. Nodes that do not meet within
-the rendezvous timeout raise ``RendezvousFailure``.
+Failures (``launch/failures.py``): when a worker raises or dies, the agent stops all the
+others and ``run_agent`` raises ``WorkerFailure`` (``rank 3 failed: ValueError: ...`` and the
+worker's traceback tail). Ctrl-C stops every worker, then raises ``KeyboardInterrupt``;
+SIGTERM, SIGHUP or SIGQUIT stop every worker, then raise ``LaunchInterrupted``. Nodes that do
+not meet within the rendezvous timeout raise ``RendezvousFailure``
+(``launch/rendezvous.py``).
 
 A script that calls it needs the ``if __name__ == "__main__":`` guard: spawned workers import
 the main module, and without the guard each would launch again.
@@ -22,19 +23,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import select
 import signal
 import threading
-import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-TRACEBACK_TAIL_LINES = 15
+from launch.failures import LaunchInterrupted, WorkerInterrupted, worker_failure_from
+from launch.rendezvous import Rendezvous, rendezvous_failure
+
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 AGENT_LOG = "train.log"
 """The agent's messages go here, in the run directory (Hydra's log of the launcher too)."""
-AGENT_FRAME_MARK = "torch/distributed/elastic/"
 SHUTDOWN_TIMEOUT_S = 10
 """Seconds workers get to exit after SIGTERM/SIGINT before the agent sends SIGKILL (torch's
 default, 30, is long for a worker that is stuck in a collective and cannot see the signal)."""
@@ -46,68 +45,6 @@ LAUNCHER_PID_ENV = "HYBRID_LAUNCHER_PID"
 AGENT_ENV_KEYS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", LAUNCHER_PID_ENV)
 TORCHRUN_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                      "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT")
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """How this node's agent meets the others'.
-
-    One node (the default): a c10d rendezvous on ``localhost:0``, a free port, never a fixed
-    one. Several: torch's static rendezvous at ``endpoint`` (``HOST:PORT`` of node 0, which
-    hosts the store), so that ``node_rank`` fixes which global ranks a node runs (node ``i``
-    runs ranks ``i * nproc`` to ``(i + 1) * nproc - 1``): c10d's dynamic rendezvous would
-    order nodes by host name and process id instead. ``timeout_s`` bounds the wait for the
-    other nodes.
-    """
-
-    nnodes: int = 1
-    node_rank: int = 0
-    endpoint: Optional[str] = None
-    timeout_s: float = 300.0
-
-    def launch_options(self) -> dict:
-        if self.endpoint is None:
-            return {"min_nodes": 1, "max_nodes": 1, "rdzv_backend": "c10d",
-                    "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
-        return {"min_nodes": self.nnodes, "max_nodes": self.nnodes, "rdzv_backend": "static",
-                "rdzv_endpoint": self.endpoint, "run_id": "hybrid",
-                "rdzv_configs": {"rank": self.node_rank, "timeout": int(self.timeout_s)}}
-
-
-class RendezvousFailure(RuntimeError):
-    """The nodes did not meet: one line naming the endpoint and how many arrived."""
-
-
-class WorkerFailure(RuntimeError):
-    """A worker raised or died; every other worker has been stopped.
-
-    ``str(err)`` is ``rank R failed: <error>`` followed by the traceback tail; the parts are
-    also attributes: ``rank``, ``error`` (one line), ``traceback`` (may be empty),
-    ``exitcode`` (negative: killed by that signal) and ``pid``.
-    """
-
-    def __init__(self, *, rank: int, error: str, traceback: str, exitcode: int, pid: int):
-        self.rank, self.error, self.traceback = rank, error, traceback
-        self.exitcode, self.pid = exitcode, pid
-        super().__init__(f"rank {rank} failed: {error}" + (f"\n{traceback}" if traceback else ""))
-
-    @property
-    def summary(self) -> str:
-        """The one-line form: ``rank R failed: <error>``."""
-        return f"rank {self.rank} failed: {self.error}"
-
-
-class WorkerInterrupted(RuntimeError):
-    """Raised inside a worker that got SIGINT on its own, so that it counts as a failure."""
-
-
-class LaunchInterrupted(RuntimeError):
-    """The launcher got a termination signal other than SIGINT; all workers were stopped."""
-
-    def __init__(self, signal_number: int, nproc: int):
-        self.signal_number = signal_number
-        name = signal.Signals(signal_number).name
-        super().__init__(f"launcher got {name}; all {nproc} workers were stopped")
 
 
 def default_omp_threads(nproc: int) -> int:
@@ -180,6 +117,8 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
                 raise KeyboardInterrupt(f"all {nproc} workers were stopped") from None
             raise LaunchInterrupted(int(err.sigval), nproc) from None
         except (dist.DistStoreError, dist.DistNetworkError) as err:
+            if rendezvous.endpoint is None:
+                raise  # one node meets on its own free port: not a rendezvous problem
             raise rendezvous_failure(rendezvous, err) from None
     return [results[rank] for rank in sorted(results)]
 
@@ -191,23 +130,6 @@ def _quiet_ranks(rendezvous: Rendezvous, nproc: int) -> dict:
 
     first = 1 if rendezvous.node_rank == 0 else 0
     return {r: Std.ALL for r in range(first, nproc)}
-
-
-def rendezvous_failure(rendezvous: Rendezvous, err: Exception) -> RendezvousFailure:
-    """One line from the store's own error (``... 1/2 clients joined``, a connect timeout)."""
-    where, waited = rendezvous.endpoint, f"{rendezvous.timeout_s:g}s"
-    joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
-    if joined:
-        others = "1" if rendezvous.nnodes == 2 else f"1..{rendezvous.nnodes - 1}"
-        return RendezvousFailure(
-            f"rendezvous at {where} timed out after {waited}: {joined[1]} of {joined[2]} nodes "
-            f"arrived; start hybrid-train with launcher.node_rank={others} on the other "
-            f"nodes, or raise launcher.rdzv_timeout_s")
-    return RendezvousFailure(
-        f"node {rendezvous.node_rank} could not reach node 0's rendezvous at {where} within "
-        f"{waited}; start node 0 (launcher.node_rank=0) with the same launcher.rdzv_endpoint, "
-        f"check that this node can reach it, or raise launcher.rdzv_timeout_s "
-        f"({str(err).strip().splitlines()[0][:160]})")
 
 
 def _call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
@@ -246,36 +168,6 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="hybrid-launcher-watchdog", daemon=True).start()
-
-
-def worker_failure_from(err: Any) -> WorkerFailure:
-    """Turn the agent's ``ChildFailedError`` into a ``WorkerFailure`` for its first failure."""
-    rank, failure = err.get_first_failure()
-    message, traceback = failure.message, ""
-    if isinstance(message, dict):  # written by @record: {"message": ..., "extraInfo": ...}
-        traceback = _tail(message.get("extraInfo", {}).get("py_callstack", ""))
-        message = message.get("message", "")
-    if failure.exitcode < 0 and not traceback:
-        message = (f"killed by signal {failure.signal_name()} "
-                   f"(exit code {failure.exitcode}, pid {failure.pid})")
-    elif not traceback:
-        # No error file: the worker left without a Python exception (sys.exit, os._exit).
-        message = f"exited with code {failure.exitcode} (pid {failure.pid})"
-    return WorkerFailure(rank=rank, error=str(message).strip(), traceback=traceback,
-                         exitcode=failure.exitcode, pid=failure.pid)
-
-
-def _tail(traceback: str) -> str:
-    """The last lines of ``traceback`` without the agent's own wrapper frames."""
-    kept, in_agent_frame = [], False
-    for line in traceback.rstrip().splitlines():
-        if line.startswith("  File "):
-            in_agent_frame = AGENT_FRAME_MARK in line.replace(os.sep, "/")
-        elif not line.startswith("    "):
-            in_agent_frame = False
-        if not in_agent_frame:
-            kept.append(line)
-    return "\n".join(kept[-TRACEBACK_TAIL_LINES:])
 
 
 class _QuietFileHandler(logging.FileHandler):

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from launch.agent import (
-    LaunchInterrupted, Rendezvous, WorkerFailure, default_omp_threads, run_agent,
-    worker_env_summary,
-)
+from launch.agent import default_omp_threads, run_agent, worker_env_summary
+from launch.failures import LaunchInterrupted, WorkerFailure
+from launch.rendezvous import Rendezvous
 
 __all__ = ["LaunchInterrupted", "LocalLauncher", "WorkerFailure", "default_omp_threads",
            "run_local", "worker_env_summary"]

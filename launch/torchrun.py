@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from launch.agent import Rendezvous, run_agent
+from launch.agent import run_agent
+from launch.rendezvous import Rendezvous
 
 
 class TorchrunLauncher:

@@ -30,6 +30,7 @@ from hybrid.config import Config, to_dict
 from hybrid.data import DataError, validate_data
 from hybrid.files import RunDirError, write_error, write_text
 from hybrid.layout import Layout, LayoutError
+from hybrid.stall import FAILURE_FILE
 from hybrid.memory import check_memory
 from hybrid.validate import config_warnings, validate_config
 from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
@@ -128,7 +129,7 @@ def stall_diagnosis(run_dir: Path, since: float) -> Optional[str]:
     It wins over the agent's first failure: the rank that wrote it may have stopped a silent
     rank (``hybrid.watch.stop_silent_ranks``), whose death the agent can see first.
     """
-    path = run_dir / "failure.json"
+    path = run_dir / FAILURE_FILE
     try:
         if path.stat().st_mtime < since:
             return None
@@ -180,7 +181,8 @@ def prepare(cfg: Config, run_dir: Path) -> Layout:
 
 def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
     """Launch the workers; a failure ends in one line and the exit status that says why."""
-    from launch.agent import LaunchInterrupted, RendezvousFailure, WorkerFailure
+    from launch.failures import LaunchInterrupted, WorkerFailure
+    from launch.rendezvous import RendezvousFailure
 
     started = time.time()
     try:

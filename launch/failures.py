@@ -1,0 +1,73 @@
+"""What a launch that did not finish raises: a failed worker (with the first failure's one-line
+error and its traceback tail, from torch elastic's ``ChildFailedError``) or a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+TRACEBACK_TAIL_LINES = 15
+AGENT_FRAME_MARK = "torch/distributed/elastic/"
+
+
+class WorkerFailure(RuntimeError):
+    """A worker raised or died; every other worker has been stopped.
+
+    ``str(err)`` is ``rank R failed: <error>`` followed by the traceback tail; the parts are
+    also attributes: ``rank``, ``error`` (one line), ``traceback`` (may be empty),
+    ``exitcode`` (negative: killed by that signal) and ``pid``.
+    """
+
+    def __init__(self, *, rank: int, error: str, traceback: str, exitcode: int, pid: int):
+        self.rank, self.error, self.traceback = rank, error, traceback
+        self.exitcode, self.pid = exitcode, pid
+        super().__init__(f"rank {rank} failed: {error}" + (f"\n{traceback}" if traceback else ""))
+
+    @property
+    def summary(self) -> str:
+        """The one-line form: ``rank R failed: <error>``."""
+        return f"rank {self.rank} failed: {self.error}"
+
+
+class WorkerInterrupted(RuntimeError):
+    """Raised inside a worker that got SIGINT on its own, so that it counts as a failure."""
+
+
+class LaunchInterrupted(RuntimeError):
+    """The launcher got a termination signal other than SIGINT; all workers were stopped."""
+
+    def __init__(self, signal_number: int, nproc: int):
+        self.signal_number = signal_number
+        name = signal.Signals(signal_number).name
+        super().__init__(f"launcher got {name}; all {nproc} workers were stopped")
+
+
+def worker_failure_from(err: Any) -> WorkerFailure:
+    """Turn the agent's ``ChildFailedError`` into a ``WorkerFailure`` for its first failure."""
+    rank, failure = err.get_first_failure()
+    message, traceback = failure.message, ""
+    if isinstance(message, dict):  # written by @record: {"message": ..., "extraInfo": ...}
+        traceback = _tail(message.get("extraInfo", {}).get("py_callstack", ""))
+        message = message.get("message", "")
+    if failure.exitcode < 0 and not traceback:
+        message = (f"killed by signal {failure.signal_name()} "
+                   f"(exit code {failure.exitcode}, pid {failure.pid})")
+    elif not traceback:
+        # No error file: the worker left without a Python exception (sys.exit, os._exit).
+        message = f"exited with code {failure.exitcode} (pid {failure.pid})"
+    return WorkerFailure(rank=rank, error=str(message).strip(), traceback=traceback,
+                         exitcode=failure.exitcode, pid=failure.pid)
+
+
+def _tail(traceback: str) -> str:
+    """The last lines of ``traceback`` without the agent's own wrapper frames."""
+    kept, in_agent_frame = [], False
+    for line in traceback.rstrip().splitlines():
+        if line.startswith("  File "):
+            in_agent_frame = AGENT_FRAME_MARK in line.replace(os.sep, "/")
+        elif not line.startswith("    "):
+            in_agent_frame = False
+        if not in_agent_frame:
+            kept.append(line)
+    return "\n".join(kept[-TRACEBACK_TAIL_LINES:])

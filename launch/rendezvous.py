@@ -1,0 +1,55 @@
+"""How the nodes' agents meet (``Rendezvous``), and the one line when they do not."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this node's agent meets the others'.
+
+    One node (the default): a c10d rendezvous on ``localhost:0``, a free port, never a fixed
+    one. Several: torch's static rendezvous at ``endpoint`` (``HOST:PORT`` of node 0, which
+    hosts the store), so that ``node_rank`` fixes which global ranks a node runs (node ``i``
+    runs ranks ``i * nproc`` to ``(i + 1) * nproc - 1``): c10d's dynamic rendezvous would
+    order nodes by host name and process id instead. ``timeout_s`` bounds the wait for the
+    other nodes.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: Optional[str] = None
+    timeout_s: float = 300.0
+
+    def launch_options(self) -> dict:
+        if self.endpoint is None:
+            return {"min_nodes": 1, "max_nodes": 1, "rdzv_backend": "c10d",
+                    "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
+        return {"min_nodes": self.nnodes, "max_nodes": self.nnodes, "rdzv_backend": "static",
+                "rdzv_endpoint": self.endpoint, "run_id": "hybrid",
+                "rdzv_configs": {"rank": self.node_rank, "timeout": int(self.timeout_s)}}
+
+
+class RendezvousFailure(RuntimeError):
+    """The nodes did not meet: one line naming the endpoint and how many arrived."""
+
+
+def rendezvous_failure(rendezvous: Rendezvous, err: Exception) -> RendezvousFailure:
+    """One line from the store's own error (``... 1/2 clients joined``, a connect timeout)."""
+    where, waited = rendezvous.endpoint, f"{rendezvous.timeout_s:g}s"
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+    if joined:
+        others = "1" if rendezvous.nnodes == 2 else f"1..{rendezvous.nnodes - 1}"
+        return RendezvousFailure(
+            f"rendezvous at {where} timed out after {waited}: {joined[1]} of {joined[2]} nodes "
+            f"arrived; start hybrid-train with launcher.node_rank={others} on the other "
+            f"nodes, or raise launcher.rdzv_timeout_s")
+    return RendezvousFailure(
+        f"node {rendezvous.node_rank} could not reach node 0's rendezvous at {where} within "
+        f"{waited}; start node 0 (launcher.node_rank=0) with the same launcher.rdzv_endpoint, "
+        f"check that this node can reach it, or raise launcher.rdzv_timeout_s "
+        f"({str(err).strip().splitlines()[0][:160]})")
