@@ -47,6 +47,11 @@ def run_hydra_app(app: Callable[[], None]) -> None:
     try:
         app()
     except (HydraException, OmegaConfBaseException) as err:
+        from launch.console import interrupted_by
+
+        interrupt = interrupted_by(err)
+        if interrupt is not None:  # Ctrl-C while Hydra composed: not a config error
+            raise interrupt from None
         exit_user_error(_first_lines(err))
     except OSError as err:  # Hydra making the run directory, or a file of the run
         exit_user_error(err if isinstance(err, RunDirError)

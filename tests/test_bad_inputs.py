@@ -190,6 +190,21 @@ def test_a_signal_mid_run_stops_every_process_with_one_line(sig, code, needle, t
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "all workers to be gone")
 
 
+def test_ctrl_c_inside_a_library_cleanup_still_counts_as_ctrl_c():
+    """The start-up race behind the test below: Ctrl-C landing in OmegaConf's flag restore
+    surfaces as an AttributeError whose context is the KeyboardInterrupt."""
+    from launch.console import interrupted_by
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'")
+    except AttributeError as err:
+        assert isinstance(interrupted_by(err), KeyboardInterrupt)
+    assert interrupted_by(ValueError("a bug")) is None
+
+
 def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     proc = _start(tmp_path)
     try:
