@@ -91,7 +91,7 @@ def test_a_rank_stalled_in_a_collective_or_receive_is_named(tmp_path, axis, stal
 
 def test_sigstop_of_one_of_8_workers_ends_the_job_within_60s(tmp_path):
     """The issue's case: the main job's layout, one worker stopped from outside mid-run."""
-    proc = start(tmp_path, "train.steps=1000", "train.collective_timeout_s=20")
+    proc = start(tmp_path, "train.steps=1000", "train.collective_timeout_s=12")
     _wait_for(lambda: first_step_done(tmp_path), 90, "the first step")
     family = _descendants(proc.pid)
     workers = sorted(pid for pid in family if _parent_of(pid) != proc.pid)
