@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass(kw_only=True)
@@ -147,8 +147,8 @@ class OptimConfig:
 class LauncherConfig:
     name: str = "local"
     """local (torch elastic agent on this machine) | torchrun (one hybrid-train per node, each
-    node's agent meeting the others at rdzv_endpoint) | slurm (hybrid-plan plans it;
-    hybrid-train cannot start it yet)."""
+    node's agent meeting the others at rdzv_endpoint) | slurm (one Slurm job, submitted
+    through submitit, one task per node, each running its node's agent)."""
     nnodes: int = 1
     """Number of nodes."""
     nproc_per_node: Optional[int] = None
@@ -167,6 +167,34 @@ class LauncherConfig:
     start_method: str = "forkserver"
     """How local workers start: forkserver (torch is imported once and shared: fast start) |
     spawn (each worker a fresh interpreter)."""
+    partition: Optional[str] = None
+    """Slurm partition (sbatch --partition); None means the cluster's default."""
+    time_min: int = 60
+    """Slurm time limit of the job in minutes (sbatch --time)."""
+    account: Optional[str] = None
+    """Slurm account to charge (sbatch --account)."""
+    qos: Optional[str] = None
+    """Slurm quality of service (sbatch --qos)."""
+    constraint: Optional[str] = None
+    """Slurm node features required (sbatch --constraint)."""
+    cpus_per_task: Optional[int] = None
+    """CPUs of each node's task (it runs the node's ranks); None means one per rank."""
+    gpus_per_node: Optional[int] = None
+    """GPUs per node; None means one per rank when train.device=cuda, none otherwise."""
+    mem_gb: Optional[int] = None
+    """Memory per node in GiB (sbatch --mem); None means the cluster's default."""
+    sbatch: Dict[str, str] = field(default_factory=dict)
+    """Any other sbatch option, e.g. launcher.sbatch={exclusive:'',reservation:r1}."""
+    setup: List[str] = field(default_factory=list)
+    """Shell lines the job script runs before starting the nodes (module load, ...)."""
+    job_name: str = "hybrid"
+    """Slurm job name."""
+    wait: bool = True
+    """Slurm: wait for the job, show rank 0's progress and exit with its status; false
+    prints the job id and run directory and returns (a sweep's cells are waited at its end)."""
+    dry_run: bool = False
+    """Slurm: print the sbatch script, the per-node command and the rank table, submit
+    nothing (the resolved config.json is written, ready for a job started by hand)."""
 
 
 @dataclass(kw_only=True)

@@ -121,8 +121,18 @@ def _check_numbers(cfg: Config) -> None:
     if cfg.launcher.omp_threads is not None:
         _positive("launcher.omp_threads", cfg.launcher.omp_threads)
     _non_negative("launcher.max_restarts", cfg.launcher.max_restarts)
+    _check_slurm_numbers(cfg.launcher)
     if cfg.data.source == "synthetic":
         _positive("data.samples", cfg.data.samples)
+
+
+def _check_slurm_numbers(launcher) -> None:
+    _positive("launcher.time_min", launcher.time_min)
+    for name in ("cpus_per_task", "mem_gb"):
+        if getattr(launcher, name) is not None:
+            _positive(f"launcher.{name}", getattr(launcher, name))
+    if launcher.gpus_per_node is not None:
+        _non_negative("launcher.gpus_per_node", launcher.gpus_per_node)
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -211,6 +221,9 @@ def _check_nodes(launcher) -> None:
                           f"{launcher.nnodes - 1} for launcher.nnodes={launcher.nnodes}")
     _above_zero("launcher.rdzv_timeout_s", launcher.rdzv_timeout_s)
     endpoint = launcher.rdzv_endpoint
+    if launcher.name == "slurm" and (endpoint is not None or launcher.node_rank != 0):
+        raise LayoutError("launcher=slurm places the nodes itself (the job's first node hosts "
+                          "the rendezvous); drop launcher.rdzv_endpoint and launcher.node_rank")
     if endpoint is None:
         if launcher.name == "torchrun" and launcher.nnodes > 1:
             raise LayoutError(f"launcher.nnodes={launcher.nnodes} needs launcher.rdzv_endpoint="

@@ -30,6 +30,11 @@ class WorkerFailure(RuntimeError):
         return f"rank {self.rank} failed: {self.error}"
 
 
+class LaunchFailed(RuntimeError):
+    """The job did not finish, for a reason already said in one line (``str(err)``): the
+    nodes did not meet, a Slurm job failed or was cancelled."""
+
+
 class WorkerInterrupted(RuntimeError):
     """Raised inside a worker that got SIGINT on its own, so that it counts as a failure."""
 

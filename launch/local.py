@@ -26,6 +26,9 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
 class LocalLauncher:
     """Starts the job's ``dp * tp * pp`` ranks on this machine."""
 
+    runs_here = True
+    """This machine runs the ranks: its memory and devices are the job's."""
+
     def check(self, cfg, layout) -> None:
         from hybrid.layout import LayoutError
 

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
+from launch.failures import LaunchFailed
+
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -34,7 +36,7 @@ class Rendezvous:
                 "rdzv_configs": {"rank": self.node_rank, "timeout": int(self.timeout_s)}}
 
 
-class RendezvousFailure(RuntimeError):
+class RendezvousFailure(LaunchFailed):
     """The nodes did not meet: one line naming the endpoint and how many arrived."""
 
 

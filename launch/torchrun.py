@@ -24,6 +24,9 @@ from launch.rendezvous import Rendezvous
 class TorchrunLauncher:
     """Starts this node's ``launcher.nproc_per_node`` ranks and meets the other nodes."""
 
+    runs_here = True
+    """This machine runs the ranks: its memory and devices are the job's."""
+
     def check(self, cfg, layout) -> None:
         """What only a multi-node run needs, beyond ``validate_config``'s launcher checks."""
         from hybrid.layout import LayoutError

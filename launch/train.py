@@ -73,9 +73,16 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
 
 
 def check_fits(cfg: Config) -> None:
+    """The job's memory against what one node offers: this machine's when the ranks run here;
+    ``launcher.mem_gb`` (CPU) for a Slurm job, whose nodes this machine cannot see."""
     if cfg.train.skip_memory_check:
         return
-    limit, device = available_memory(cfg)
+    if launcher_for(cfg).runs_here:
+        limit, device = available_memory(cfg)
+    elif cfg.launcher.mem_gb is not None and cfg.train.device == "cpu":
+        limit, device = cfg.launcher.mem_gb * 2**30, "cpu"
+    else:
+        return
     if limit is not None:
         check_memory(cfg, limit, device)
 
@@ -86,18 +93,20 @@ def launcher_for(cfg: Config):
         from launch.torchrun import TorchrunLauncher
 
         return TorchrunLauncher()
-    if cfg.launcher.name == "local":
-        from launch.local import LocalLauncher
+    if cfg.launcher.name == "slurm":
+        from launch.slurm import SlurmLauncher
 
-        return LocalLauncher()
-    raise LayoutError(f"launcher.name={cfg.launcher.name} cannot be started by hybrid-train yet; "
-                      f"use launcher=local or launcher=torchrun (hybrid-plan can still plan it)")
+        return SlurmLauncher()
+    from launch.local import LocalLauncher
+
+    return LocalLauncher()
 
 
 def check_launchable(cfg: Config, layout: Layout) -> None:
     """What this machine and this launcher can run (hybrid-plan may plan more than that)."""
-    launcher_for(cfg).check(cfg, layout)
-    if cfg.train.device == "cuda":
+    launcher = launcher_for(cfg)
+    launcher.check(cfg, layout)
+    if cfg.train.device == "cuda" and launcher.runs_here:
         import torch
 
         if not torch.cuda.is_available():
@@ -138,28 +147,31 @@ def stall_diagnosis(run_dir: Path, since: float) -> Optional[str]:
         return None
 
 
-def report_worker_failure(err, run_dir: Path, since: float) -> None:
-    """A stall is its diagnosis; a user error raised in a worker (a damaged checkpoint, a bad
-    data window) is one line; anything else is a bug and keeps its traceback."""
+def failure_line(err, run_dir: Path, since: float) -> str:
+    """The line a worker's failure ends in: a stall is its diagnosis; a user error raised in a
+    worker (a damaged checkpoint, a bad data window) is one line; anything else is a bug and
+    keeps its traceback."""
     kind = err.error.split(":", 1)[0]
     diagnosis = stall_diagnosis(run_dir, since)
     if diagnosis is not None:
-        print(f"error: {diagnosis}", file=sys.stderr)
-    elif kind in WORKER_DIAGNOSES:
-        print(f"error: {err.error.split(':', 1)[1].strip()}", file=sys.stderr)
-    elif kind in WORKER_USER_ERRORS:
-        print(f"error: rank {err.rank}: {err.error.split(':', 1)[1].strip()}", file=sys.stderr)
-    else:
-        print(f"error: {err}", file=sys.stderr)
+        return diagnosis
+    if kind in WORKER_DIAGNOSES:
+        return err.error.split(":", 1)[1].strip()
+    if kind in WORKER_USER_ERRORS:
+        return f"rank {err.rank}: {err.error.split(':', 1)[1].strip()}"
+    return str(err)
 
 
-def launch(cfg: Config, layout: Layout, run_dir: Path) -> list:
+def launch(cfg: Config, layout: Layout, run_dir: Path, launcher=None) -> Optional[list]:
+    """Start the workers through ``launcher`` (default: the one ``launcher.name`` names);
+    their results by rank, or None when the launcher left them running (a Slurm job
+    submitted without waiting, a dry run)."""
     from hybrid.worker import worker_main
 
     # Read when the fork server's interpreter starts, before it imports megatron-core, which
     # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
     os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
-    return launcher_for(cfg).launch(
+    return (launcher or launcher_for(cfg)).launch(
         worker_main, (to_dict(cfg), str(run_dir)), cfg, layout, run_dir,
         omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
         start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
@@ -181,16 +193,15 @@ def prepare(cfg: Config, run_dir: Path) -> Layout:
 
 def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
     """Launch the workers; a failure ends in one line and the exit status that says why."""
-    from launch.failures import LaunchInterrupted, WorkerFailure
-    from launch.rendezvous import RendezvousFailure
+    from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
 
     started = time.time()
     try:
         results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
-        report_worker_failure(err, run_dir, started)
+        print(f"error: {failure_line(err, run_dir, started)}", file=sys.stderr)
         sys.exit(WORKER_FAILED_EXIT)
-    except RendezvousFailure as err:
+    except LaunchFailed as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(WORKER_FAILED_EXIT)
     except LaunchInterrupted as err:
@@ -198,6 +209,11 @@ def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
         sys.exit(128 + err.signal_number)  # the shell's convention: 143 for SIGTERM
     except OSError as err:  # the launcher's own files (worker logs) on a full disk
         exit_user_error(write_error(run_dir, err))
+    if results is not None:
+        report_results(results, run_dir)
+
+
+def report_results(results: list, run_dir: Path) -> None:
     losses, resumed = results[0]["losses"], results[0]["resumed_from"]
     if resumed is not None:
         print(f"resumed from {resumed} (step {results[0]['start_step']})")

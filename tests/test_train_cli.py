@@ -51,6 +51,12 @@ BAD = [
     (["launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=2",
       "launcher.rdzv_endpoint=127.0.0.1:1"], "launcher.node_rank=2 must be in 0..1"),
     (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+    (["launcher=slurm", "launcher.time_min=soon"],
+     "Value 'soon' of type 'str' could not be converted to Integer"),
+    (["launcher=slurm", "launcher.cpus_per_task=0"],
+     "launcher.cpus_per_task=0 must be an integer >= 1"),
+    (["launcher=slurm", "launcher.rdzv_endpoint=n1:29500"],
+     "launcher=slurm places the nodes itself"),
 ]
 
 pytestmark = pytest.mark.timeout(120)

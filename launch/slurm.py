@@ -1,0 +1,266 @@
+"""``launcher=slurm``: one Slurm job through submitit, one task per node.
+
+    hybrid-train launcher=slurm launcher.nnodes=4 launcher.nproc_per_node=8 \\
+        launcher.partition=gpu launcher.time_min=120
+
+runs every check on the login node, writes the resolved config into the run directory (which
+must be on a filesystem the nodes share, as submitit's own files are), then submits a job of
+``launcher.nnodes`` tasks. Each task is one node: ``launch.slurm_node.run_node`` runs the
+node's torch elastic agent; the job script picks a free port on the first node, where the
+agents meet (torch's static rendezvous). By default ``hybrid-train`` waits, shows rank 0's
+progress and exits with the job's status (Ctrl-C cancels the job); ``launcher.wait=false``
+prints the job id and the run directory and returns; ``launcher.dry_run=true`` prints the
+job script, the per-node command and the rank table, and submits nothing.
+
+In a Hydra multirun (``hybrid-train -m ... launcher=slurm``) every cell is submitted without
+waiting, so the cells run side by side as separate jobs; ``launch.sweep`` waits for them all
+at the end of the sweep and reports each.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launch.failures import LaunchFailed
+from launch.slurm_node import RDZV_PORT_ENV
+
+SLURM_DIR = "slurm"
+"""submitit's folder in the run directory: job scripts, pickles, each task's log."""
+SWEEP_JOBS = "slurm_jobs.jsonl"
+"""In a multirun's sweep directory: one line per submitted cell (``launch.sweep``)."""
+POLL_S = 0.5
+END_WAIT_S = 60.0
+"""How long the job may take to end once every task has written its result."""
+ENDED = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+         "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT", "GONE")
+"""Job states after which no task writes its result any more (``GONE``: squeue no longer
+lists the job)."""
+STOPPED_BY_SLURM = ("BOOT_FAIL", "CANCELLED", "DEADLINE", "NODE_FAIL", "OUT_OF_MEMORY",
+                    "PREEMPTED", "TIMEOUT")
+
+
+def nproc_per_node(cfg, layout) -> int:
+    return cfg.launcher.nproc_per_node or layout.world_size // cfg.launcher.nnodes
+
+
+def sbatch_parameters(cfg, layout) -> dict[str, Any]:
+    """The job's sbatch options, in submitit's names."""
+    launcher, nproc = cfg.launcher, nproc_per_node(cfg, layout)
+    gpus = launcher.gpus_per_node
+    if gpus is None and cfg.train.device == "cuda":
+        gpus = nproc
+    chosen = {
+        "job_name": launcher.job_name, "nodes": launcher.nnodes, "ntasks_per_node": 1,
+        "cpus_per_task": launcher.cpus_per_task or nproc, "time": launcher.time_min,
+        "partition": launcher.partition, "account": launcher.account, "qos": launcher.qos,
+        "constraint": launcher.constraint, "gpus_per_node": gpus or None,
+        "mem": None if launcher.mem_gb is None else f"{launcher.mem_gb}GB",
+        "additional_parameters": dict(launcher.sbatch) or None,
+        # The first node's free port, exported to every task by srun.
+        "setup": [*launcher.setup, f"export {RDZV_PORT_ENV}=$({shlex.quote(sys.executable)} "
+                                   f"-m launch.slurm_node --free-port)"],
+        # One node that fails ends the job at once, not after the others' timeouts.
+        "srun_args": ["--kill-on-bad-exit=1"],
+    }
+    return {key: value for key, value in chosen.items() if value is not None}
+
+
+def node_command(run_dir: Path) -> str:
+    """What each task runs, as a command line (submitit runs the same function)."""
+    return f"{shlex.quote(sys.executable)} -m launch.slurm_node {shlex.quote(str(run_dir))}"
+
+
+def dry_run_text(cfg, layout, run_dir: Path) -> str:
+    """The job script submitit would submit, the per-node command and the rank table."""
+    from submitit.slurm.slurm import _make_sbatch_string  # the text SlurmExecutor submits
+
+    folder = run_dir / SLURM_DIR
+    submit = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    script = _make_sbatch_string(command=submit, folder=folder, **sbatch_parameters(cfg, layout))
+    nproc = nproc_per_node(cfg, layout)
+    rows = [f"{r:>4}  {layout.node_of(r, nproc):>4}  {c['dp']:>2}  {c['tp']:>2}  {c['pp']:>2}"
+            for r in range(layout.world_size) for c in [layout.coords(r)]]
+    return "\n".join([
+        f"# dry run: launcher.nnodes={cfg.launcher.nnodes} nodes x 1 task, "
+        f"{nproc} ranks per node; nothing was submitted", "",
+        "# job script (sbatch):", script.rstrip(), "",
+        "# per-node command (one task per node; submitit runs it as "
+        "launch.slurm_node.run_node):", node_command(run_dir), "",
+        "# ranks:", "rank  node  dp  tp  pp", *rows, "",
+        f"# run directory (config.json written): {run_dir}",
+    ])
+
+
+class SlurmLauncher:
+    """Submits the job from this (login) machine; the ranks run on the job's nodes."""
+
+    runs_here = False
+    """This machine's memory and devices are not the job's."""
+
+    def check(self, cfg, layout) -> None:
+        from hybrid.layout import LayoutError
+
+        if cfg.launcher.dry_run:
+            return
+        if shutil.which("sbatch") is None:
+            raise LayoutError("launcher=slurm needs Slurm's sbatch, not found on PATH: run "
+                              "hybrid-train on the cluster's login node, or see the job with "
+                              "launcher.dry_run=true")
+
+    def launch(self, entrypoint, args, cfg, layout, run_dir: Path,
+               **options: Any) -> Optional[list]:
+        """Submit (the nodes start ``hybrid.worker.worker_main`` themselves, from the run
+        directory's config.json: ``entrypoint``, ``args`` and ``options`` are theirs too)."""
+        run_dir = Path(run_dir)
+        if cfg.launcher.dry_run:
+            print(dry_run_text(cfg, layout, run_dir))
+            return None
+        job = submit(cfg, layout, run_dir)
+        sweep_dir = multirun_sweep_dir()
+        print(f"submitted slurm job {job.job_id}: {cfg.launcher.nnodes} node(s) x "
+              f"{nproc_per_node(cfg, layout)} ranks; run directory: {run_dir}", flush=True)
+        if sweep_dir is not None and cfg.launcher.wait:
+            record_sweep_cell(sweep_dir, job, run_dir)
+            return None
+        if not cfg.launcher.wait:
+            print(f"rank 0's output: {job.task(0).paths.stdout}")
+            return None
+        try:
+            outcomes = wait_for(job, follow=True)
+        except KeyboardInterrupt:
+            job.cancel(check=False)
+            raise KeyboardInterrupt(f"cancelled slurm job {job.job_id}") from None
+        return node_results(outcomes, job)
+
+
+def submit(cfg, layout, run_dir: Path):
+    import submitit
+
+    from launch.slurm_node import run_node
+
+    executor = submitit.SlurmExecutor(folder=run_dir / SLURM_DIR, python=sys.executable)
+    executor.update_parameters(**sbatch_parameters(cfg, layout))
+    try:
+        return executor.submit(run_node, str(run_dir))
+    except subprocess.CalledProcessError as err:
+        detail = (err.stderr or err.output or b"").decode(errors="replace").strip()
+        raise LaunchFailed(f"sbatch refused the job: {detail.splitlines()[-1] if detail else err}"
+                           f"; check launcher.partition, launcher.time_min and the other "
+                           f"launcher options against sinfo") from None
+
+
+def multirun_sweep_dir() -> Optional[Path]:
+    """The sweep directory when this is a cell of a Hydra multirun, else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return Path(HydraConfig.get().sweep.dir)
+
+
+def record_sweep_cell(sweep_dir: Path, job, run_dir: Path) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    line = {"job_id": str(job.job_id), "folder": str(run_dir / SLURM_DIR),
+            "run_dir": str(run_dir), "nodes": job.num_tasks,
+            "overrides": list(HydraConfig.get().overrides.task)}
+    with open(sweep_dir / SWEEP_JOBS, "a") as handle:
+        handle.write(json.dumps(line) + "\n")
+
+
+def job_state(job_id: str) -> str:
+    """Slurm's state of the job (``squeue``, which needs no accounting database)."""
+    done = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%T",
+                           f"--jobs={job_id}"], capture_output=True, text=True, timeout=60)
+    state = done.stdout.strip().split()
+    if done.returncode != 0 or not state:
+        return "GONE"
+    return state[0]
+
+
+def wait_for(job, follow: bool = False) -> list:
+    """Every task's outcome, once the job has ended; rank 0's output is echoed meanwhile
+    when ``follow``. A task that left no outcome is ``None``."""
+    tasks = [job.task(i) for i in range(job.num_tasks)]
+    follower = LogFollower(tasks[0].paths.stdout) if follow else None
+    checked, state = 0.0, "PENDING"
+    while not all(task.paths.result_pickle.exists() for task in tasks):
+        if follower:
+            follower.echo()
+        if time.monotonic() - checked > 2:
+            checked, state = time.monotonic(), job_state(str(job.job_id))
+            if state in ENDED:
+                break
+        time.sleep(POLL_S)
+    if follower:
+        follower.echo()
+    # The tasks write their results just before they exit: the job ends a moment later.
+    deadline = time.monotonic() + END_WAIT_S
+    while state not in ENDED and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        state = job_state(str(job.job_id))
+    return [outcome_of(task) if task.paths.result_pickle.exists() else None for task in tasks]
+
+
+def outcome_of(task) -> dict:
+    """``run_node``'s dict; an exception it raised (a bug) becomes its last line."""
+    try:
+        return task.result()
+    except Exception as err:  # submitit's FailedJobError carries the task's traceback
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        return {"node": task.task_id, "error": lines[-1] if lines else repr(err)}
+
+
+def node_results(outcomes: list, job) -> list:
+    """Node 0's ranks' results, or ``LaunchFailed`` with the first failure's line."""
+    failure = job_failure(outcomes, job)
+    if failure is not None:
+        raise LaunchFailed(failure)
+    return outcomes[0]["results"]
+
+
+def job_failure(outcomes: list, job) -> Optional[str]:
+    """One line saying why the job did not train, or None when every node finished: the
+    job's state when Slurm ended it (cancelled, out of time, a node lost), else the first
+    node's error."""
+    errors = [o for o in outcomes if o is not None and "error" in o]
+    missing = [i for i, o in enumerate(outcomes) if o is None]
+    if not errors and not missing:
+        return None
+    state = job_state(str(job.job_id))
+    log = job.task(missing[0] if missing else errors[0]["node"]).paths.stderr
+    if state in STOPPED_BY_SLURM:
+        return f"slurm job {job.job_id} ended {state} before it finished; see {log}"
+    if errors:
+        first = min(errors, key=lambda o: o["node"])
+        return f"slurm job {job.job_id}, node {first['node']}: {first['error']}"
+    return (f"slurm job {job.job_id} ended {state} before node(s) {missing} finished; "
+            f"see {log}")
+
+
+class LogFollower:
+    """Echo the lines a growing log file gains, leaving out submitit's own."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def echo(self) -> None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if not line.startswith("submitit "):
+                print(line, flush=True)

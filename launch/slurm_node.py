@@ -1,0 +1,123 @@
+"""One node of a Slurm job: run this node's torch elastic agent on a run directory.
+
+``launcher=slurm`` submits a job with one task per node; each task calls ``run_node(RUN_DIR)``
+(through submitit). A cluster that forbids submitit can start the same thing from its own
+job script, one task per node (docs/multinode.md has the template)::
+
+    export HYBRID_RDZV_PORT=$(python -m launch.slurm_node --free-port)   # on the first node
+    srun --ntasks-per-node=1 python -m launch.slurm_node RUN_DIR
+
+Slurm says where each task stands: ``SLURM_NODEID`` is the node's rank, and the job's first
+node (node 0, where the batch script and ``srun`` run: ``SLURM_LAUNCH_NODE_IPADDR``) hosts the
+rendezvous on the free port the script chose there (``HYBRID_RDZV_PORT``). Node ``i`` runs
+global ranks ``i * nproc_per_node`` onwards, as with ``launcher=torchrun``; each node's agent
+log and workers' logs go to ``RUN_DIR/nodes/node<i>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from launch.agent import run_agent
+from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
+from launch.rendezvous import Rendezvous
+
+RDZV_PORT_ENV = "HYBRID_RDZV_PORT"
+SLURM_VARIABLES = ("SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_TASKS",
+                   "SLURM_LAUNCH_NODE_IPADDR", RDZV_PORT_ENV)
+USAGE = ("usage: python -m launch.slurm_node RUN_DIR (one Slurm task per node) | "
+         "python -m launch.slurm_node --free-port")
+
+
+def slurm_rendezvous(cfg, env: Mapping[str, str]) -> Rendezvous:
+    """Where this task's agent meets the others', from the Slurm step's variables; a job
+    shaped unlike the config is refused in one line."""
+    missing = [name for name in SLURM_VARIABLES if name not in env]
+    if missing:
+        raise LaunchFailed(f"{', '.join(missing)} not set: run one task per node inside a "
+                           f"Slurm job, with {RDZV_PORT_ENV} exported by the job script "
+                           f"({USAGE})")
+    nodes, tasks = int(env["SLURM_JOB_NUM_NODES"]), int(env["SLURM_STEP_NUM_TASKS"])
+    if nodes != cfg.launcher.nnodes or tasks != nodes:
+        raise LaunchFailed(
+            f"the Slurm step has {tasks} task(s) on {nodes} node(s) but the run's config has "
+            f"launcher.nnodes={cfg.launcher.nnodes}; start one task per node "
+            f"(sbatch --nodes={cfg.launcher.nnodes} --ntasks-per-node=1)")
+    return Rendezvous(nnodes=nodes, node_rank=int(env["SLURM_NODEID"]),
+                      endpoint=f"{env['SLURM_LAUNCH_NODE_IPADDR']}:{env[RDZV_PORT_ENV]}",
+                      timeout_s=cfg.launcher.rdzv_timeout_s)
+
+
+class SlurmNodeLauncher:
+    """This node's part of a Slurm job (``launch.train.launch`` with this launcher)."""
+
+    runs_here = True
+
+    def __init__(self, rendezvous: Rendezvous):
+        self.rendezvous = rendezvous
+
+    def check(self, cfg, layout) -> None:
+        pass
+
+    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
+               run_dir: Path, **options: Any) -> list[Any]:
+        logs = Path(run_dir) / "nodes" / f"node{self.rendezvous.node_rank}"
+        return run_agent(entrypoint, args, nproc=layout.world_size // cfg.launcher.nnodes,
+                         rendezvous=self.rendezvous, run_dir=logs, **options)
+
+
+def run_node(run_dir: str) -> dict:
+    """Run this node's ranks of the run in ``run_dir``; what happened, as a dict that the
+    submitting ``hybrid-train`` reads back: ``{"node": i, "results": [...]}`` (this node's
+    ranks' summaries) or ``{"node": i, "error": "<one line>"}``."""
+    from hybrid.config import from_dict
+    from hybrid.validate import validate_config
+    from launch.train import failure_line, launch
+
+    path = Path(run_dir)
+    cfg = from_dict(json.loads((path / "config.json").read_text()))
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    started = time.time()
+    try:
+        launcher = SlurmNodeLauncher(slurm_rendezvous(cfg, os.environ))
+        return {"node": node, "results": launch(cfg, validate_config(cfg), path, launcher)}
+    except WorkerFailure as err:
+        return {"node": node, "error": failure_line(err, path, started)}
+    except (LaunchFailed, LaunchInterrupted) as err:  # interrupted: scancel, time limit
+        return {"node": node, "error": str(err)}
+
+
+def free_port() -> int:
+    """A port free on this machine now (the rendezvous binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--free-port"]:
+        print(free_port())
+        return
+    if len(args) != 1 or args[0].startswith("-"):
+        sys.exit(f"error: {USAGE}")
+    if not (Path(args[0]) / "config.json").is_file():
+        sys.exit(f"error: {args[0]} holds no config.json; pass a run directory written by "
+                 f"hybrid-train (launcher.dry_run=true writes one without submitting)")
+    outcome = run_node(args[0])
+    if "error" in outcome:
+        sys.exit(f"error: node {outcome['node']}: {outcome['error']}")
+    if outcome["node"] == 0:
+        from launch.train import report_results
+
+        report_results(outcome["results"], Path(args[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""launcher=slurm against a real Slurm: one slurmctld and two slurmd on this machine
+(``tests/slurm_cluster.py``), started once for this file and stopped after it, with every
+process it ran. Skipped where the cluster cannot start (not root, Slurm not installed).
+
+Correctness is layout invariance, as everywhere: the 2x2x2 job through Slurm gives the
+1-process losses, and a sweep's cells (different layouts, each its own job) give each other's.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import Cluster, leftover_processes, missing_requirement
+from test_train_cli import _wait_for
+from test_train_e2e import STEPS, assert_same_losses, losses_of, run_train
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(Path(sys.executable).parent / "hybrid-train")
+TEMPLATE = ROOT / "docs" / "slurm" / "hybrid.sbatch"
+# Two nodes of one rank each: the smallest multi-node job (tiny model, a few steps).
+SMALL = ["model=tiny", "train.steps=4", "train.global_batch=4", "train.micro_batch=1",
+         "train.log_every=100", "train.timeline_step=0", "parallel=single", "parallel.dp=2",
+         "optim.warmup_steps=0", "launcher=slurm", "launcher.nnodes=2", "seed=3"]
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The cluster as docs/multinode.md starts it (``python tests/slurm_cluster.py DIR``);
+    closing its input stops it, and nothing of it may be left running afterwards."""
+    why = missing_requirement()
+    if why is not None:
+        pytest.skip(why)
+    directory = tmp_path_factory.mktemp("slurm")
+    script = subprocess.Popen([sys.executable, str(ROOT / "tests" / "slurm_cluster.py"),
+                               str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    cluster = Cluster(directory, directory / "slurm.conf", script)
+    try:
+        started = script.stdout.readline().decode()
+        assert started.startswith(f"export SLURM_CONF={cluster.conf}"), started
+        yield cluster
+    finally:
+        cluster.stop()
+        assert leftover_processes(directory) == []
+
+
+def job_id_in(text: str) -> str:
+    return re.search(r"submitted slurm job (\d+)", text)[1]
+
+
+def job_fields(cluster, job_id: str) -> dict:
+    line = cluster.run("scontrol", "show", "job", "--oneliner", job_id).stdout
+    return dict(field.split("=", 1) for field in line.split() if "=" in field)
+
+
+def test_the_cluster_has_two_idle_nodes_and_runs_one_task_on_each(cluster):
+    assert cluster.run("sinfo", "--noheader", "--format=%D %t").stdout.split() == ["2", "idle"]
+    done = cluster.run("srun", "--nodes=2", "--ntasks-per-node=1", "bash", "-c",
+                       "echo $SLURM_NODEID $SLURMD_NODENAME")
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["0 n1", "1 n2"]
+
+
+def test_slurm_trains_2x2x2_with_the_1_process_losses(cluster, reference, tmp_path):
+    """The main job's layout on two Slurm nodes of 4 ranks: submitted, waited, rank 0's
+    progress shown, the same per-step losses as the 1-process run."""
+    done = run_train(tmp_path, "launcher=slurm", "launcher.nnodes=2",
+                     "launcher.nproc_per_node=4", "launcher.partition=debug",
+                     "launcher.time_min=30", env=cluster.env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "loss " in done.stdout and f"over {STEPS} steps" in done.stdout
+    assert "submitit " not in done.stdout  # submitit's own log lines stay in its files
+    assert_same_losses(losses_of(tmp_path), reference["untied"])
+    fields = job_fields(cluster, job_id_in(done.stdout))
+    assert fields["JobState"] == "COMPLETED" and fields["NodeList"] == "n[1-2]"
+    for node in ("node0", "node1"):  # each node's agent kept its workers' logs
+        assert (tmp_path / "nodes" / node / "workers").is_dir()
+
+
+def test_dry_run_prints_the_job_script_node_command_and_rank_table(tmp_path):
+    """No cluster needed: without sbatch on PATH, a submission would fail."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    done = subprocess.run([TRAIN, "launcher=slurm", "launcher.nnodes=2",
+                           "launcher.nproc_per_node=4", "launcher.partition=debug",
+                           "launcher.time_min=30", "launcher.dry_run=true",
+                           f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=4",
+                 "#SBATCH --partition=debug", "#SBATCH --time=30"):
+        assert line in out.splitlines(), line
+    assert re.search(rf"^\S*python\S* -m launch.slurm_node {tmp_path}$", out, re.M), out
+    assert "--kill-on-bad-exit=1" in out and "export HYBRID_RDZV_PORT=" in out
+    table = out.split("rank  node  dp  tp  pp\n", 1)[1].splitlines()[:8]
+    assert [row.split() for row in table] == [
+        ["0", "0", "0", "0", "0"], ["1", "0", "0", "1", "0"], ["2", "0", "1", "0", "0"],
+        ["3", "0", "1", "1", "0"], ["4", "1", "0", "0", "1"], ["5", "1", "0", "1", "1"],
+        ["6", "1", "1", "0", "1"], ["7", "1", "1", "1", "1"]]
+    assert (tmp_path / "config.json").exists() and not (tmp_path / "slurm").exists()
+
+
+@pytest.fixture(scope="module")
+def sweep(cluster, tmp_path_factory):
+    """hybrid-train -m over two layouts (1 and 2 ranks per node), each cell its own job."""
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    done = subprocess.run([TRAIN, "-m", *SMALL, "parallel.dp=2,4",
+                           f"hydra.sweep.dir={sweep_dir}"],
+                          capture_output=True, text=True, timeout=240, env=cluster.env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout, sweep_dir
+
+
+def test_a_sweep_runs_each_cell_as_its_own_slurm_job_side_by_side(cluster, sweep):
+    """Both jobs are submitted before either is waited for, they run at the same time, and
+    train the same losses (layout invariance across the cells)."""
+    stdout, sweep_dir = sweep
+    completed = re.findall(r"^job (\d+) parallel.dp=(\d): completed", stdout, re.M)
+    assert [dp for _, dp in completed] == ["2", "4"], stdout
+    first, second = (job_fields(cluster, job) for job, _ in completed)
+    assert second["StartTime"] <= first["EndTime"], (first, second)  # side by side
+    dp2, dp4 = losses_of(sweep_dir / "0"), losses_of(sweep_dir / "1")
+    assert len(dp2) == 4 and dp4 == pytest.approx(dp2, rel=1e-4)
+
+
+def test_the_plain_sbatch_template_trains_what_launcher_slurm_trains(cluster, sweep, tmp_path):
+    """docs' sbatch template, on a run directory prepared by a dry run, trains the sweep's
+    dp=2 cell again: the same losses."""
+    prepared = subprocess.run([TRAIN, *SMALL, "launcher.dry_run=true",
+                               f"hydra.run.dir={tmp_path / 'run'}"],
+                              capture_output=True, text=True, timeout=60, env=cluster.env)
+    assert prepared.returncode == 0, prepared.stderr
+    by_hand = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--cpus-per-task=1",
+                              str(TEMPLATE), str(tmp_path / "run")], cwd=tmp_path, text=True,
+                             capture_output=True, timeout=60,
+                             env={**cluster.env, "PYTHON": sys.executable})
+    assert by_hand.returncode == 0, by_hand.stderr
+    job = by_hand.stdout.strip()
+    _wait_for(lambda: job_fields(cluster, job)["JobState"] not in ("PENDING", "RUNNING"),
+              120, f"slurm job {job} to end")
+    assert job_fields(cluster, job)["JobState"] == "COMPLETED", "".join(
+        p.read_text() for p in tmp_path.glob("hybrid-*.out"))
+    assert losses_of(tmp_path / "run") == losses_of(sweep[1] / "0")
+
+
+def test_no_wait_prints_the_job_and_returns_while_it_is_queued_or_running(cluster, tmp_path):
+    done = subprocess.run([TRAIN, *SMALL, "launcher.wait=false", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60, env=cluster.env)
+    assert done.returncode == 0, done.stderr
+    job = job_id_in(done.stdout)
+    assert f"run directory: {tmp_path}" in done.stdout
+    assert job_fields(cluster, job)["JobState"] in ("PENDING", "RUNNING")
+    assert cluster.run("scancel", job).returncode == 0
+
+
+def test_a_cancelled_job_ends_hybrid_train_with_its_state(cluster, tmp_path):
+    """scancel while hybrid-train waits: exit 1, one line naming the job and its state."""
+    proc = subprocess.Popen([TRAIN, *SMALL, f"hydra.run.dir={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cluster.env)
+    try:
+        job = job_id_in(proc.stdout.readline())
+        _wait_for(lambda: job_fields(cluster, job)["JobState"] == "RUNNING", 60, "the job")
+        assert cluster.run("scancel", job).returncode == 0
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: slurm job {job} ended CANCELLED"), \
+        stderr
