@@ -16,8 +16,7 @@ from typing import Optional
 from hybrid.config import Config
 from hybrid.cost import human_bytes
 from hybrid.layout import LayoutError
-from hybrid.plan import build_plan
-from hybrid.validate import ranks_per_node, validate_config
+from hybrid.job import plan_job
 
 RUNTIME_BYTES_PER_PROCESS = 256 * 2**20
 """A worker's own footprint before any model: torch, megatron-core and gloo resident (this
@@ -37,13 +36,12 @@ class MemoryNeed:
 
 
 def memory_need(cfg: Config, device: str) -> MemoryNeed:
-    plan = build_plan(cfg)
-    by_pp = {m["pp_rank"]: m["total_bytes"] for m in plan["memory"]}
-    per_rank = [by_pp[r["pp"]] for r in plan["ranks"]]
+    plan = plan_job(cfg)
+    per_rank = [plan.memory_of(rank).total_bytes for rank in range(plan.world_size)]
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
     if device == "cuda":
         return MemoryNeed(worst, per_rank[worst], per_rank[worst])
-    per_node = ranks_per_node(cfg, validate_config(cfg))
+    per_node = plan.ranks_per_node
     node_totals = [sum(per_rank[i:i + per_node]) + per_node * RUNTIME_BYTES_PER_PROCESS
                    for i in range(0, len(per_rank), per_node)]
     return MemoryNeed(worst, per_rank[worst], max(node_totals))

@@ -1,4 +1,5 @@
-"""The plan of a job, as plain data: layout, rank table, groups, parameters, memory per rank.
+"""``hybrid-plan``'s view of a job's plan (``hybrid.job``): layout, rank table, groups,
+parameters, memory per rank, as plain data.
 
 ``build_plan(cfg)`` validates the config (raising ``LayoutError``) and returns a JSON-ready dict;
 ``format_plan`` renders it for a terminal. Pure: no torch.
@@ -7,34 +8,27 @@
 from __future__ import annotations
 
 from hybrid.config import Config
-from hybrid.cost import estimate_memory, human_bytes, param_count
-from hybrid.layout import Layout
-from hybrid.validate import microbatches, ranks_per_node, validate_config
+from hybrid.cost import human_bytes, param_count
+from hybrid.job import JobPlan, plan_job
+from hybrid.pipeline.partition import format_partition
 
 GROUP_KEYS = ("tp", "dp", "pp", "tp-pp", "embedding")
 
 
-def stage_blocks(cfg: Config) -> list[list[list[int]]]:
-    """Per pipeline rank, the block ids of each of its virtual chunks."""
-    from hybrid.pipeline.plan import partition_for_config
-
-    stages = partition_for_config(cfg)
-    pp = cfg.parallel.pp
-    return [[list(rng) for s, rng in enumerate(stages) if s % pp == rank] for rank in range(pp)]
-
-
 def build_plan(cfg: Config) -> dict:
-    layout = validate_config(cfg)
-    per_node = ranks_per_node(cfg, layout)
-    ranks = [{"rank": r, "node": layout.node_of(r, per_node), **layout.coords(r)}
+    """``plan_job(cfg)`` as JSON-ready data (``hybrid-plan format=json``)."""
+    return plan_dict(plan_job(cfg))
+
+
+def plan_dict(plan: JobPlan) -> dict:
+    cfg, layout, per_node = plan.cfg, plan.layout, plan.ranks_per_node
+    ranks = [{"rank": r, "node": plan.node_of(r), **layout.coords(r)}
              for r in range(layout.world_size)]
-    groups = {axis: layout.groups(axis) for axis in GROUP_KEYS}
-    crossing = {axis: layout.crossing_groups(axis, per_node) for axis in ("tp", "dp", "pp")}
+    sched = plan.schedule
     return {
         "world_size": layout.world_size,
         "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
-                   "order": layout.order, "nodes": -(-layout.world_size // per_node),
-                   "ranks_per_node": per_node,
+                   "order": layout.order, "nodes": plan.nodes, "ranks_per_node": per_node,
                    "nodes_given": cfg.launcher.nnodes > 1
                    or cfg.launcher.nproc_per_node is not None},
         "model": {"name": cfg.model.name, "layers": cfg.model.layers,
@@ -42,33 +36,24 @@ def build_plan(cfg: Config) -> dict:
                   "vocab": cfg.model.vocab, "padded_vocab": cfg.model.padded_vocab,
                   "seq_len": cfg.model.seq_len, "params": param_count(cfg.model)},
         "batch": {"global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
-                  "microbatches": microbatches(cfg)},
+                  "microbatches": sched.microbatches},
         "ranks": ranks,
-        "groups": groups,
-        "crossing_nodes": crossing,
+        "groups": {axis: layout.groups(axis) for axis in GROUP_KEYS},
+        "crossing_nodes": {axis: layout.crossing_groups(axis, per_node)
+                           for axis in ("tp", "dp", "pp")},
         "warnings": layout.placement_warnings(per_node),
-        **_pipeline_section(cfg, layout),
+        "stages": {"blocks": [list(st.blocks) for st in plan.stages],
+                   "lines": format_partition([st.blocks for st in plan.stages], layout.pp,
+                                             cfg.model.layers).splitlines()},
+        "schedule": {"name": sched.name, "microbatches": sched.microbatches,
+                     "bubble_fraction": sched.bubble_fraction,
+                     "bubble_fraction_per_rank": list(sched.bubble_per_rank),
+                     "peak_inflight": list(sched.peak_inflight)},
+        "memory": [{"pp_rank": r, "params": est.params, "param_bytes": est.param_bytes,
+                    "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
+                    "activation_bytes": est.activation_bytes, "total_bytes": est.total_bytes}
+                   for r, est in enumerate(plan.memory)],
     }
-
-
-def _pipeline_section(cfg: Config, layout: Layout) -> dict:
-    from hybrid.pipeline.plan import schedule_summary
-
-    blocks = stage_blocks(cfg)
-    summary = schedule_summary(cfg)
-    memory = []
-    for pp_rank, chunks in enumerate(blocks):
-        held = [b for chunk in chunks for b in chunk]
-        est = estimate_memory(
-            cfg.model, chunks, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
-            micro_batch=cfg.train.micro_batch, inflight=summary["schedule"]["peak_inflight"][pp_rank],
-            sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
-            embedding_copy=cfg.model.tie_embeddings and 0 not in held)
-        memory.append({"pp_rank": pp_rank, "params": est.params, "param_bytes": est.param_bytes,
-                       "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
-                       "activation_bytes": est.activation_bytes,
-                       "total_bytes": est.total_bytes})
-    return {"stages": summary["stages"], "schedule": summary["schedule"], "memory": memory}
 
 
 SUMMARY_ABOVE_RANKS = 64

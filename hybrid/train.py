@@ -30,12 +30,12 @@ from hybrid.config import Config
 from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
+from hybrid.job import plan_job
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model import build_blocks, lm_loss
 from hybrid.optim import lr_at
 from hybrid.pipeline.actions import Action
 from hybrid.pipeline.check import check_schedule
-from hybrid.pipeline.plan import partition_for_config
 from hybrid.pipeline.runtime import run_pipeline_step
 from hybrid.pipeline.schedules import add_communication, build_schedule
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
@@ -47,14 +47,11 @@ from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
 
 def build_chunks(cfg: Config, groups: ParallelGroups) -> dict[int, nn.Module]:
     """This pipeline rank's model chunks: virtual stage id -> ``nn.Sequential`` of blocks."""
-    stages = partition_for_config(cfg)
-    pp, vpp = groups.layout.pp, groups.layout.vpp
     chunks = {}
-    for chunk in range(vpp):
-        stage = chunk * pp + groups.pp_rank
-        blocks = build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=list(stages[stage]),
+    for stage in plan_job(cfg).stages_of(groups.pp_rank):
+        blocks = build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=list(stage.blocks),
                               sequence_parallel=cfg.parallel.sequence_parallel)
-        chunks[stage] = nn.Sequential(*blocks)
+        chunks[stage.index] = nn.Sequential(*blocks)
     return chunks
 
 

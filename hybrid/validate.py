@@ -69,16 +69,40 @@ def check_model_shape(m: ModelConfig, tp: int = 1) -> None:
 
 
 def validate_config(cfg: Config) -> Layout:
-    """Every check that can be made before launch; returns the job's ``Layout``."""
+    """Every check that can be made before launch; returns the job's ``Layout``, or raises
+    ``LayoutError`` with the first problem's line (and how many more there are)."""
+    problems = config_problems(cfg)
+    if problems:
+        more = len(problems) - 1
+        raise LayoutError(problems[0] + (f" ({more} more problem{'s' * (more > 1)}: "
+                                         f"hybrid-plan lists them all)" if more else ""))
     par = cfg.parallel
-    layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
-    _check_names(cfg)
-    _check_numbers(cfg)
-    _check_model(cfg, layout)
-    _check_schedule(cfg, layout)
-    _check_batch(cfg, layout)
-    _check_world(cfg, layout)
-    return layout
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """Every problem of ``cfg``, one line each (each check reports its first); the checks of
+    the layout's consequences run only once the sizes make a layout."""
+    problems = [p for p in (_problem(check, cfg) for check in (_check_names, _check_numbers))
+                if p]
+    par = cfg.parallel
+    try:
+        layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
+    except LayoutError as err:
+        return problems + [str(err)]
+    for check in (_check_model, _check_schedule, _check_batch, _check_world):
+        problem = _problem(check, cfg, layout)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _problem(check, *args) -> str | None:
+    try:
+        check(*args)
+    except LayoutError as err:
+        return str(err)
+    return None
 
 
 def _check_names(cfg: Config) -> None:

@@ -8,6 +8,7 @@ Takes the same overrides as ``hybrid-train`` plus ``format=json``::
 from __future__ import annotations
 
 import json
+import sys
 
 import hydra
 from omegaconf import DictConfig
@@ -16,15 +17,21 @@ from hybrid.config import PlanConfig
 from hybrid.layout import LayoutError
 from hybrid.memory import memory_verdict
 from hybrid.plan import build_plan, format_plan
+from hybrid.validate import config_problems
 from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan", version_base="1.3")
 def _plan(dict_cfg: DictConfig) -> None:
     cfg = to_dataclass(dict_cfg, PlanConfig)
+    if cfg.format not in ("text", "json"):
+        exit_user_error(f"format={cfg.format!r} is unknown; choose text or json")
+    problems = config_problems(cfg)
+    if len(problems) > 1:  # all of them, one line each
+        for problem in problems[:-1]:
+            print(f"error: {problem}", file=sys.stderr)
+        exit_user_error(problems[-1])
     try:
-        if cfg.format not in ("text", "json"):
-            raise LayoutError(f"format={cfg.format!r} is unknown; choose text or json")
         plan = build_plan(cfg)
     except (LayoutError, ValueError) as err:
         exit_user_error(err)

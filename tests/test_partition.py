@@ -5,8 +5,9 @@ import random
 
 import pytest
 
+from hybrid.pipeline.actions import rank_stages, stage_chunk, stage_rank
 from hybrid.pipeline.partition import (
-    PartitionError, format_partition, partition, stage_costs, stage_to_rank_chunk,
+    PartitionError, format_partition, partition, stage_costs,
 )
 
 
@@ -113,10 +114,16 @@ def test_errors_are_one_actionable_line(kwargs, match):
     assert isinstance(caught.value, ValueError)
 
 
-def test_stage_to_rank_chunk_is_megatron_placement():
-    assert [stage_to_rank_chunk(s, 4) for s in range(8)] == [
+def test_placement_is_megatron_interleaved_and_rank_stages_inverts_it():
+    assert [(stage_rank(s, 4), stage_chunk(s, 4)) for s in range(8)] == [
         (0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
-    assert stage_to_rank_chunk(5, 1) == (0, 5)
+    assert (stage_rank(5, 1), stage_chunk(5, 1)) == (0, 5)
+    for pp, vpp in ((1, 1), (2, 1), (4, 2), (3, 3)):
+        held = [rank_stages(r, pp, vpp) for r in range(pp)]
+        assert sorted(s for stages in held for s in stages) == list(range(pp * vpp))
+        assert all([stage_chunk(s, pp) for s in stages] == list(range(vpp))
+                   and {stage_rank(s, pp) for s in stages} == {r}
+                   for r, stages in enumerate(held))
 
 
 def test_format_partition_lines():

@@ -99,3 +99,21 @@ def test_the_fix_a_refused_model_is_told_makes_the_memory_check_pass():
     fix = refused.stdout.split("; ")[-1].split(" would need")[0].split()
     assert fix == ["model.recompute=true", "parallel.zero=1"]
     assert "memory check: fits: needs about" in plan(*big, *fix).stdout
+
+
+def test_every_problem_of_a_config_is_listed_and_hybrid_train_counts_the_rest(tmp_path):
+    bad = ("parallel.tp=3", "train.global_batch=7", "optim.lr=-1")
+    out = plan(*bad)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "error: optim.lr=-1.0 must be a finite number >= 0",
+        "error: parallel.tp=3 does not divide model.heads=4; choose tp in {1, 2, 4}",
+        "error: train.global_batch=7 is not divisible by parallel.dp=2 x train.micro_batch=2 "
+        "= 4; use global_batch in {4, 8, 12, 16, ...} or change micro_batch"]
+    train = subprocess.run([str(SCRIPT.parent / "hybrid-train"), *bad,
+                            f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                           timeout=60)
+    assert train.returncode == 2
+    assert train.stderr.splitlines() == [
+        "error: optim.lr=-1.0 must be a finite number >= 0 (2 more problems: hybrid-plan "
+        "lists them all)"]

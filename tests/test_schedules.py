@@ -248,7 +248,7 @@ def test_pure_modules_do_not_import_torch():
     modules = [f"pipeline.{name}" for name in
                ("actions", "schedules", "check", "replay", "simulate", "partition", "timeline")]
     modules += ["layout", "config", "validate", "params", "memory", "checkpoint.store",
-                "stall", "stragglers", "plan", "cost"]
+                "stall", "stragglers", "plan", "cost", "job"]
     code = ("import sys\n"
             + "".join(f"import hybrid.{name}\n" for name in modules)
             + "assert 'torch' not in sys.modules, 'torch was imported'\n")

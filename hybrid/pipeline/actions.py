@@ -89,6 +89,13 @@ def stage_chunk(stage: int, pp: int) -> int:
     return stage // pp
 
 
+def rank_stages(rank: int, pp: int, vpp: int) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` holds, by chunk (the inverse of
+    ``stage_rank`` and ``stage_chunk``)."""
+    return sorted((s for s in range(pp * vpp) if stage_rank(s, pp) == rank),
+                  key=lambda s: stage_chunk(s, pp))
+
+
 # ----- whole schedules as text and CSV -------------------------------------------------------
 def to_text(lists: list[list[Action]]) -> str:
     """One line per rank, ``rank 0: 0F0 0F1 0B0 ...``; read back with ``from_text``."""

@@ -4,7 +4,7 @@ The model is a list of blocks: ``n_special[0]`` leading blocks (the embedding), 
 transformer layers, then ``n_special[1]`` trailing blocks (the head: final norm, output layer
 and loss). With the default ``n_special=(1, 1)``: block 0 is the embedding, blocks 1..L the
 layers, block L+1 the head. ``partition`` returns one ``range`` of block indices per virtual
-stage ``s`` (model order); stage ``s`` runs on rank ``s % pp`` as chunk ``s // pp``.
+stage ``s`` (model order), placed by ``hybrid.pipeline.actions.stage_rank`` / ``stage_chunk``.
 
 Every stage gets at least one transformer layer; the leading blocks always go with stage 0 and
 the trailing blocks with the last stage.
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybrid.pipeline.actions import stage_chunk, stage_rank
+
 PARTITION_MODES = ("uniform", "balanced")
 
 
 class PartitionError(ValueError):
     """The blocks cannot be split as asked; one line with the fix."""
-
-
-def stage_to_rank_chunk(stage: int, pp: int) -> tuple[int, int]:
-    """Virtual stage -> (pipeline rank, chunk on that rank): Megatron's interleaved placement."""
-    return stage % pp, stage // pp
 
 
 def partition(costs: Sequence[float], pp: int, vpp: int = 1, mode: str = "uniform",
@@ -174,8 +171,8 @@ def format_partition(stages: list[range], pp: int, n_layers: int | None = None, 
         )
     names = block_names(n_blocks, n_special)
     lines = []
-    for stage in sorted(range(len(stages)), key=lambda s: stage_to_rank_chunk(s, pp)):
-        rank, chunk = stage_to_rank_chunk(stage, pp)
+    for stage in sorted(range(len(stages)), key=lambda s: (stage_rank(s, pp), stage_chunk(s, pp))):
+        rank, chunk = stage_rank(stage, pp), stage_chunk(stage, pp)
         blocks = stages[stage]
         span = f"{blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 else f"{blocks.start}"
         line = (f"rank {rank} chunk {chunk} (stage {stage}): blocks {span} "
