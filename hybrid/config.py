@@ -215,6 +215,16 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class CostConfig:
+    device: str = "cpu"
+    """What the cost model prices the job on: a preset (a100-80gb, h100-80gb, h200, cpu) or a
+    JSON file of a Device's fields (hybrid/devices.py)."""
+    gpus_per_node: int = 8
+    """Ranks per node for the cost model's links, unless the launcher places the nodes
+    (launcher.nnodes > 1 or launcher.nproc_per_node)."""
+
+
+@dataclass(kw_only=True)
 class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -223,13 +233,24 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     seed: int = 1234
     """Seeds weights, data order and generated data: the same seed gives the same run on any
     layout."""
 
 
 @dataclass(kw_only=True)
+class SearchConfig:
+    world: int = 0
+    """Search every layout of this many devices for the model and global batch (0: plan the
+    config as given)."""
+    top: int = 10
+    """How many of the best layouts to print."""
+
+
+@dataclass(kw_only=True)
 class PlanConfig(Config):
+    search: SearchConfig = field(default_factory=SearchConfig)
     format: str = "text"
     """Output of ``hybrid-plan``: text | json."""
     full: bool = False

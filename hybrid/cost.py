@@ -6,6 +6,7 @@ blocks 1..L = transformer layers, block L+1 = head (final norm + output layer).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hybrid.config import ModelConfig
@@ -43,12 +44,20 @@ def layer_params(m: ModelConfig) -> BlockParams:
 def block_params(m: ModelConfig, *, head_owns_embedding_copy: bool = False) -> list[BlockParams]:
     """Per-block parameters of the 1-process model, from the parameter specs (tied: the head
     owns no output matrix, unless ``head_owns_embedding_copy``, as on a last pipeline stage
-    without the embedding)."""
+    without the embedding). Cached by the model's fields: a layout search asks for the same
+    model's blocks thousands of times."""
+    key = tuple(vars(m).items())  # the fields, cheaply: they are plain values
+    return list(_block_params(key, head_owns_embedding_copy))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_params(model_key: tuple, head_owns_embedding_copy: bool) -> tuple[BlockParams, ...]:
+    m = ModelConfig(**dict(model_key))
     head_specs = block_param_specs(m, m.layers + 1).values()
     if m.tie_embeddings and not head_owns_embedding_copy:
         head_specs = [spec for spec in head_specs if spec.name != EMBEDDING_WEIGHT]
-    return ([_split(block_param_specs(m, 0).values())] + [layer_params(m)] * m.layers
-            + [_split(head_specs)])
+    return tuple([_split(block_param_specs(m, 0).values())] + [layer_params(m)] * m.layers
+                 + [_split(head_specs)])
 
 
 def param_count(m: ModelConfig) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hybrid.config import Config
 from hybrid.cost import MemoryEstimate, estimate_memory
 from hybrid.layout import Layout
-from hybrid.pipeline.actions import rank_stages, stage_chunk, stage_rank
+from hybrid.pipeline.actions import stage_chunk, stage_rank
 from hybrid.validate import microbatches, ranks_per_node, validate_config
 
 
@@ -37,6 +37,8 @@ class SchedulePlan:
 
     name: str
     microbatches: int
+    simulated: bool
+    """False: the closed forms of ``closed_form_schedule`` (searches of many layouts)."""
     bubble_fraction: float
     bubble_per_rank: tuple[float, ...]
     peak_inflight: tuple[int, ...]
@@ -52,6 +54,8 @@ class JobPlan:
     schedule: SchedulePlan
     memory: tuple[MemoryEstimate, ...]
     """Per pipeline rank (every rank of a pipeline rank holds the same shards)."""
+    by_rank: tuple[tuple[int, ...], ...]
+    """Per pipeline rank, the stages it runs by chunk."""
 
     @property
     def world_size(self) -> int:
@@ -66,32 +70,53 @@ class JobPlan:
 
     def stages_of(self, pp_rank: int) -> list[Stage]:
         """The stages ``pp_rank`` runs, by chunk."""
-        return [self.stages[s] for s in rank_stages(pp_rank, self.layout.pp, self.layout.vpp)]
+        return [self.stages[s] for s in self.by_rank[pp_rank]]
 
     def memory_of(self, rank: int) -> MemoryEstimate:
         return self.memory[self.layout.coords(rank)["pp"]]
 
 
-def plan_job(cfg: Config) -> JobPlan:
-    """Validate ``cfg`` (``LayoutError`` with one line) and plan it."""
-    from hybrid.pipeline.plan import partition_for_config, simulate_unit_costs
+def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
+    """Validate ``cfg`` (``LayoutError`` with one line) and plan it; ``simulated=False``
+    takes the schedule's shape from closed forms instead of simulating it."""
+    from hybrid.pipeline.plan import partition_for_config
 
     layout = validate_config(cfg)
     ranges = partition_for_config(cfg)
     pp = layout.pp
     stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp), chunk=stage_chunk(s, pp),
                          blocks=blocks) for s, blocks in enumerate(ranges))
-    m = microbatches(cfg)
-    sim = simulate_unit_costs(cfg.parallel.schedule, pp, m, layout.vpp)
-    schedule = SchedulePlan(name=cfg.parallel.schedule, microbatches=m,
-                            bubble_fraction=sim.bubble_fraction,
-                            bubble_per_rank=tuple(sim.bubble_per_rank),
-                            peak_inflight=tuple(sim.peak_inflight))
-    memory = tuple(_rank_memory(cfg, layout, [list(st.blocks) for st in stages
-                                              if st.pp_rank == r], sim.peak_inflight[r])
-                   for r in range(pp))
+    schedule = _schedule_plan(cfg.parallel.schedule, pp, microbatches(cfg), layout.vpp,
+                              simulated)
+    by_rank = _stages_by_rank(stages, pp)
+    memory = tuple(_rank_memory(cfg, layout, [list(stages[s].blocks) for s in by_rank[r]],
+                                schedule.peak_inflight[r]) for r in range(pp))
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=ranks_per_node(cfg, layout),
-                   stages=stages, schedule=schedule, memory=memory)
+                   stages=stages, schedule=schedule, memory=memory, by_rank=by_rank)
+
+
+def _stages_by_rank(stages: tuple[Stage, ...], pp: int) -> tuple[tuple[int, ...], ...]:
+    """``rank_stages`` for every rank in one pass (searches plan pp=128 layouts)."""
+    held: list[list[Stage]] = [[] for _ in range(pp)]
+    for stage in stages:
+        held[stage.pp_rank].append(stage)
+    return tuple(tuple(st.index for st in sorted(ranks, key=lambda st: st.chunk))
+                 for ranks in held)
+
+
+def _schedule_plan(name: str, pp: int, m: int, vpp: int, simulated: bool) -> SchedulePlan:
+    from hybrid.pipeline.plan import closed_form_schedule, simulate_unit_costs
+
+    if not simulated:
+        bubble, peak = closed_form_schedule(name, pp, m, vpp)
+        return SchedulePlan(name=name, microbatches=m, simulated=False,
+                            bubble_fraction=bubble, bubble_per_rank=(bubble,) * pp,
+                            peak_inflight=peak)
+    sim = simulate_unit_costs(name, pp, m, vpp)
+    return SchedulePlan(name=name, microbatches=m, simulated=True,
+                        bubble_fraction=sim.bubble_fraction,
+                        bubble_per_rank=tuple(sim.bubble_per_rank),
+                        peak_inflight=tuple(sim.peak_inflight))
 
 
 def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]],

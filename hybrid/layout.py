@@ -139,6 +139,16 @@ class Layout:
         return [g for g in self.groups(axis)
                 if len({self.node_of(r, ranks_per_node) for r in g}) > 1]
 
+    def crosses_nodes(self, axis: str, ranks_per_node: int) -> bool:
+        """Whether any group of ``axis`` spans nodes, without listing the groups: a group of n
+        ranks at stride S lies in one aligned block of n * S ranks, so no group crosses when
+        that block divides a node, and one does otherwise (``crossing_groups`` agrees; a search
+        asks this for thousands of layouts of thousands of ranks)."""
+        n = self.size(axis)
+        if n == 1 or self.world_size <= ranks_per_node:
+            return False
+        return ranks_per_node % (n * self._strides()[axis]) != 0
+
     def placement_warnings(self, ranks_per_node: int) -> list[str]:
         """Human-readable warnings about groups that cross nodes, worst (TP) first."""
         warnings = []

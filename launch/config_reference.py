@@ -18,7 +18,7 @@ from launch.app import CONF_DIR
 SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
             ("train", schema.TrainConfig), ("data", schema.DataConfig),
             ("optim", schema.OptimConfig), ("launcher", schema.LauncherConfig),
-            ("checkpoint", schema.CheckpointConfig)]
+            ("checkpoint", schema.CheckpointConfig), ("cost", schema.CostConfig)]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -72,7 +72,19 @@ def render() -> str:
             value = _show(defaults[name][f.name])
             lines.append(f"| `{name}.{f.name}` | {value} | {docs.get(f.name, '')} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _plan_only())
+
+
+def _plan_only() -> list[str]:
+    """The keys only ``hybrid-plan`` takes (``conf/plan.yaml``)."""
+    lines = ["## hybrid-plan only", "", "| key | default | meaning |", "| --- | --- | --- |"]
+    search, plan = field_docs(schema.SearchConfig), field_docs(schema.PlanConfig)
+    for f in dataclasses.fields(schema.SearchConfig):
+        lines.append(f"| `search.{f.name}` | {_show(f.default)} | {search.get(f.name, '')} |")
+    for name in ("format", "full"):
+        default = next(f.default for f in dataclasses.fields(schema.PlanConfig) if f.name == name)
+        lines.append(f"| `{name}` | {_show(default)} | {plan.get(name, '')} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """``hybrid-plan``: print what a config would run, without starting anything.
 
-Takes the same overrides as ``hybrid-train`` plus ``format=json``::
+Takes the same overrides as ``hybrid-train`` plus ``format=json``; ``search.world=N`` ranks
+every layout of N devices instead (``hybrid.search``)::
 
     hybrid-plan parallel.dp=2 parallel.tp=2 parallel.pp=2 format=json
+    hybrid-plan model=gpt-1t train.global_batch=3072 search.world=3072 cost.device=a100-80gb
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from omegaconf import DictConfig
 from hybrid.config import PlanConfig
 from hybrid.layout import LayoutError
 from hybrid.memory import memory_verdict
+from hybrid.devices import load_device
+from hybrid.job import plan_job
 from hybrid.plan import build_plan, format_plan
+from hybrid.search import format_search, search
+from hybrid.steptime import predict_step
 from hybrid.validate import config_problems
 from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
@@ -32,9 +38,14 @@ def _plan(dict_cfg: DictConfig) -> None:
             print(f"error: {problem}", file=sys.stderr)
         exit_user_error(problems[-1])
     try:
+        device = load_device(cfg.cost.device)
+        if cfg.search.world:
+            _search(cfg, device)
+            return
         plan = build_plan(cfg)
     except (LayoutError, ValueError) as err:
         exit_user_error(err)
+    plan["predicted"] = predict_step(plan_job(cfg), device).to_dict() | {"device": device.name}
     limit, device = available_memory(cfg)
     if limit is not None:
         plan["memory_check"] = memory_verdict(cfg, limit, device)
@@ -44,6 +55,21 @@ def _plan(dict_cfg: DictConfig) -> None:
         print(format_plan(plan, full=cfg.full))
         if "memory_check" in plan:
             print(f"\nmemory check: {plan['memory_check']['line']}")
+        print(f"\n{prediction_line(plan['predicted'])}")
+
+
+def prediction_line(p: dict) -> str:
+    return (f"predicted on {p['device']} (cost.device): step {p['step_time_s']:.4g} s "
+            f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
+            f"{p['dp_exposed_s']:.3g} s), {p['tflops_per_device']:.4g} TFLOP/s per device")
+
+
+def _search(cfg: PlanConfig, device) -> None:
+    if cfg.search.world < 1 or cfg.search.top < 1:
+        raise LayoutError(f"search.world={cfg.search.world} and search.top={cfg.search.top} "
+                          f"must be integers >= 1")
+    result = search(cfg, cfg.search.world, device, top=cfg.search.top)
+    print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result))
 
 
 def main() -> None:

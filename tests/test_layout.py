@@ -96,3 +96,17 @@ def test_bad_group_axis_and_rank():
         layout.coords(2)
     with pytest.raises(LayoutError, match="tp=1 is outside"):
         layout.rank(tp=1)
+
+
+def test_crosses_nodes_agrees_with_the_listed_crossing_groups():
+    checked = 0
+    for order in ("tp-dp-pp", "tp-pp-dp", "pp-dp-tp", "dp-tp-pp"):
+        for dp, tp, pp in itertools.product((1, 2, 3, 4), (1, 2, 4), (1, 2, 3)):
+            layout = Layout(dp=dp, tp=tp, pp=pp, order=order)
+            for per_node in range(1, layout.world_size + 1):
+                for axis in ("tp", "dp", "pp"):
+                    listed = bool(layout.crossing_groups(axis, per_node))
+                    assert layout.crosses_nodes(axis, per_node) == listed, \
+                        (order, dp, tp, pp, per_node, axis)
+                    checked += 1
+    assert checked > 1000

@@ -143,3 +143,16 @@ def test_format_partition_lines():
     ]
     with pytest.raises(PartitionError, match="cover 4 blocks, not 3 layers"):
         format_partition(partition([1] * 4, 2), 2, 3)
+
+
+def test_a_job_plans_stages_where_the_placement_function_puts_them():
+    from hybrid.config import Config
+    from hybrid.job import plan_job
+
+    cfg = Config()
+    cfg.model.layers, cfg.parallel.pp, cfg.parallel.vpp = 8, 4, 2
+    cfg.parallel.schedule, cfg.train.global_batch = "interleaved-1f1b", 32
+    plan = plan_job(cfg)
+    for rank in range(4):
+        assert [st.index for st in plan.stages_of(rank)] == rank_stages(rank, 4, 2)
+        assert all(st.pp_rank == stage_rank(st.index, 4) for st in plan.stages_of(rank))

@@ -248,7 +248,8 @@ def test_pure_modules_do_not_import_torch():
     modules = [f"pipeline.{name}" for name in
                ("actions", "schedules", "check", "replay", "simulate", "partition", "timeline")]
     modules += ["layout", "config", "validate", "params", "memory", "checkpoint.store",
-                "stall", "stragglers", "plan", "cost", "job"]
+                "stall", "stragglers", "plan", "cost", "job", "devices", "steptime",
+                "search"]
     code = ("import sys\n"
             + "".join(f"import hybrid.{name}\n" for name in modules)
             + "assert 'torch' not in sys.modules, 'torch was imported'\n")

@@ -10,7 +10,7 @@ from fractions import Fraction as Fr
 import pytest
 
 from hybrid.pipeline.actions import ScheduleError
-from hybrid.pipeline.schedules import add_communication, build_schedule
+from hybrid.pipeline.schedules import SCHEDULE_NAMES, add_communication, build_schedule
 from hybrid.pipeline.simulate import Costs, peak_inflight, simulate
 
 SIZES = [(p, m) for p in (2, 3, 4, 8) for m in sorted({p, 2 * p, 4 * p, 8})]
@@ -120,3 +120,24 @@ def test_simulate_checks_the_schedule_first():
     lists = build_schedule("1f1b", 2, 2)
     with pytest.raises(ScheduleError, match="missing"):
         simulate([lists[0][:-1], lists[1]], 2, 2)
+
+
+def test_closed_form_schedule_shapes_equal_the_simulation():
+    """What the layout search uses instead of simulating thousands of schedules."""
+    from hybrid.pipeline.plan import closed_form_schedule, simulate_unit_costs
+
+    checked = 0
+    for name in SCHEDULE_NAMES:
+        for pp in range(1, 7):
+            for vpp in ((2, 3) if name == "interleaved-1f1b" else (1,)):
+                for m in range(1, 13):
+                    try:
+                        sim = simulate_unit_costs(name, pp, m, vpp)
+                    except ScheduleError:
+                        continue  # not a valid shape for this schedule
+                    bubble, peak = closed_form_schedule(name, pp, m, vpp)
+                    assert peak == tuple(sim.peak_inflight), (name, pp, m, vpp)
+                    if name != "zb-h1" or m >= pp:
+                        assert bubble == pytest.approx(sim.bubble_fraction), (name, pp, m, vpp)
+                    checked += 1
+    assert checked > 150

@@ -31,3 +31,23 @@ def simulate_unit_costs(schedule: str, pp: int, m: int, vpp: int):
     """The schedule simulated with unit costs (F=1, B=2, I=W=1, no p2p time); one simulation
     per schedule shape, since the memory check's candidate layouts share most."""
     return simulate(build_schedule(schedule, pp, m, vpp=vpp), pp, m, vpp=vpp, costs=Costs())
+
+
+def closed_form_schedule(schedule: str, pp: int, m: int, vpp: int) -> tuple[float, tuple]:
+    """(bubble fraction, peak in-flight micro-batches per rank) with unit costs, without
+    simulating: what the simulator gives (tests/test_simulate.py checks them against it;
+    zb-h1's bubble for m >= pp), for searching thousands of layouts whose simulations would
+    take seconds each."""
+    if schedule == "gpipe":
+        peak = tuple([m] * pp)
+    elif schedule == "interleaved-1f1b":
+        peak = tuple(min(2 * (pp - r - 1) + (vpp - 1) * pp + 1, m * vpp) for r in range(pp))
+    elif schedule == "zb-h1":
+        peak = tuple([min(pp, m)] * pp)
+    else:
+        peak = tuple(min(pp - r, m) for r in range(pp))
+    if schedule == "zb-h1":
+        bubble = (pp - 1) / (3 * m + pp - 1)  # F=1 of each warm-up step stays idle
+    else:
+        bubble = (pp - 1) / (m * vpp + pp - 1)
+    return bubble, peak

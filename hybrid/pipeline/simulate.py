@@ -44,6 +44,21 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class StageCosts:
+    """Per-stage action times (one entry per virtual stage, model order): what the cost
+    model feeds the simulator when stages differ (the embedding, the head, uneven splits)."""
+
+    F: tuple[float, ...]
+    B: tuple[float, ...]
+    I: tuple[float, ...]  # noqa: E741 - the action's own letter
+    W: tuple[float, ...]
+    p2p: float = 0
+
+    def of(self, action: Action) -> float:
+        return getattr(self, action.kind)[action.stage] if action.is_compute else 0
+
+
+@dataclass(frozen=True)
 class SimResult:
     makespan: float
     """from the first action's start to the last action's end (all ranks start at 0)"""
@@ -62,7 +77,7 @@ class SimResult:
 
 
 def simulate(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
-             costs: Costs = Costs(F=1, B=2, I=1, W=1, p2p=0)) -> SimResult:
+             costs: Costs | StageCosts = Costs(F=1, B=2, I=1, W=1, p2p=0)) -> SimResult:
     """Check ``lists`` (compute-only or lowered), then time it with ``costs``."""
     check_schedule(lists, pp, m, vpp)
     timed = sorted(replay(lists, pp, vpp, costs.of, costs.p2p),

@@ -1,0 +1,143 @@
+"""Rank every layout of N devices before launch (pure: no torch): ``hybrid-plan search.world=N``.
+
+For the config's model and global batch, every (dp, tp, pp, vpp, schedule, micro-batch,
+zero, sequence parallelism, recompute) that ``validate_config`` accepts is planned
+(``plan_job`` with closed-form schedule shapes), dropped when its largest rank does not fit in
+the device's memory, and priced (``hybrid.steptime``); the best are priced again with the
+schedule simulated where that is cheap, and returned best first. Rejections are counted by
+reason. Tensor parallelism stays inside a node (``cost.gpus_per_node``), as every production
+recipe keeps it; gpipe is left out (1F1B's time with less memory).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from hybrid.config import Config
+from hybrid.devices import Device
+from hybrid.job import plan_job
+from hybrid.layout import LayoutError, valid_sizes
+from hybrid.steptime import StepPrediction, predict_step
+from hybrid.validate import valid_tp_sizes
+
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1))
+MICRO_BATCHES = (1, 2, 4, 8)
+SIMULATE_UP_TO = 4096
+"""Stage x micro-batch pairs up to which a finalist's schedule is simulated (about 0.1 s)."""
+OUT_OF_MEMORY = "does not fit in device memory"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    settings: dict
+    predicted: StepPrediction
+    simulated: bool
+
+    def to_dict(self) -> dict:
+        p = self.predicted
+        return {"settings": self.settings, "schedule_simulated": self.simulated,
+                "predicted": {"step_time_s": p.step_time_s,
+                              "tflops_per_device": p.tflops_per_device,
+                              "mem_bytes_per_rank": p.mem_bytes_per_rank,
+                              "bubble_s": p.bubble_s, "dp_exposed_s": p.dp_exposed_s}}
+
+
+def settings_of(cfg: Config) -> dict:
+    par = cfg.parallel
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "vpp": par.vpp, "schedule": par.schedule,
+            "micro_batch": cfg.train.micro_batch, "zero": par.zero,
+            "sequence_parallel": par.sequence_parallel, "recompute": cfg.model.recompute}
+
+
+def overrides_of(settings: dict) -> list[str]:
+    """The command-line overrides that select a candidate."""
+    names = {"micro_batch": "train.micro_batch", "recompute": "model.recompute"}
+    return [f"{names.get(key, 'parallel.' + key)}={str(value).lower()}"
+            for key, value in settings.items()]
+
+
+def candidates(cfg: Config, world: int) -> Iterator[Config]:
+    """Every combination of the searched settings for ``world`` devices."""
+    m, launcher = cfg.model, replace(cfg.launcher, nnodes=1, nproc_per_node=None, node_rank=0)
+    tps = [tp for tp in valid_tp_sizes(m) if world % tp == 0 and tp <= cfg.cost.gpus_per_node]
+    for tp in tps:
+        for pp in [p for p in valid_sizes(world // tp) if p <= m.layers]:
+            dp = world // (tp * pp)
+            for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp, tp):
+                yield replace(
+                    cfg, launcher=launcher,
+                    parallel=replace(cfg.parallel, dp=dp, tp=tp, pp=pp, vpp=vpp,
+                                     schedule=schedule, zero=zero, sequence_parallel=sp),
+                    train=replace(cfg.train, micro_batch=mb),
+                    model=replace(m, recompute=recompute))
+
+
+def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
+    schedules = [s for s in SCHEDULES if pp > 1 or s == ("1f1b", 1)]
+    for schedule in schedules:
+        for mb in MICRO_BATCHES:
+            for zero in ((0, 1) if dp > 1 else (0,)):
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for recompute in (False, True):
+                        yield schedule, mb, zero, sp, recompute
+
+
+def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
+    """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first."""
+    rejected: Counter = Counter()
+    priced = []
+    for candidate in candidates(cfg, world):
+        try:
+            plan = plan_job(candidate, simulated=False)
+        except LayoutError as err:
+            rejected[_reason(str(err))] += 1
+            continue
+        if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
+            rejected[OUT_OF_MEMORY] += 1
+            continue
+        priced.append((predict_step(plan, device, simulated=False), candidate))
+    priced.sort(key=lambda pair: pair[0].step_time_s)
+    best = [_final(candidate, device, first) for first, candidate in priced[:top]]
+    best.sort(key=lambda c: c.predicted.step_time_s)
+    considered = len(priced) + sum(rejected.values())
+    return {"world": world, "device": device.name, "considered": considered,
+            "candidates": [c.to_dict() for c in best], "rejected": dict(rejected)}
+
+
+def _final(cfg: Config, device: Device, closed_form: StepPrediction) -> Candidate:
+    par = cfg.parallel
+    m = cfg.train.global_batch // (par.dp * cfg.train.micro_batch)
+    if par.pp * par.vpp * m > SIMULATE_UP_TO:
+        return Candidate(settings_of(cfg), closed_form, simulated=False)
+    return Candidate(settings_of(cfg), predict_step(plan_job(cfg), device), simulated=True)
+
+
+def _reason(message: str) -> str:
+    """``parallel.tp=3 does not divide ...`` -> ``invalid parallel.tp``."""
+    field = re.match(r"([\w.]+)=", message)
+    return f"invalid {field[1]}" if field else message.split(";")[0]
+
+
+def format_search(result: dict) -> str:
+    """The table ``hybrid-plan search.world=N`` prints, best first."""
+    lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
+             f"{result['world']} devices ({result['device']}), by predicted step time:",
+             " #   dp  tp  pp vpp schedule          mb zero sp  recomp  step s   TFLOP/s "
+             "mem/rank GiB"]
+    for i, c in enumerate(result["candidates"], 1):
+        s, p = c["settings"], c["predicted"]
+        lines.append(
+            f"{i:>2} {s['dp']:>4} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} {s['schedule']:<17} "
+            f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
+            f"{'y' if s['recompute'] else 'n':>6} {p['step_time_s']:>7.3g} "
+            f"{p['tflops_per_device']:>9.4g} {p['mem_bytes_per_rank'] / 2**30:>12.1f}")
+    if result["rejected"]:
+        lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in
+                                              sorted(result["rejected"].items())))
+    if result["candidates"]:
+        lines.append("run the best: hybrid-train " + " ".join(
+            overrides_of(result["candidates"][0]["settings"])))
+    return "\n".join(lines)

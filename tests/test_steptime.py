@@ -1,0 +1,109 @@
+"""The cost model (hybrid/steptime.py, hybrid/search.py): pure arithmetic, checked against
+published formulas, against hybrid's own simulator, and for the orderings it must get right."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybrid.config import Config, ModelConfig, TrainConfig
+from hybrid.devices import PRESETS, Link, with_inter_bandwidth
+from hybrid.job import plan_job
+from hybrid.search import overrides_of, search
+from hybrid.steptime import (model_flops_per_step, predict_step, ring_all_reduce,
+                             ring_gather)
+
+PLAN = str(Path(sys.executable).parent / "hybrid-plan")
+GPT_175B = ModelConfig(name="gpt3-175b", layers=96, hidden=12288, heads=96, vocab=51200,
+                       vocab_pad_multiple=128, seq_len=2048, tie_embeddings=True)
+
+
+def config(model=GPT_175B, global_batch=1536, micro_batch=1, **parallel) -> Config:
+    cfg = Config(model=replace(model), train=TrainConfig(global_batch=global_batch,
+                                                         micro_batch=micro_batch,
+                                                         precision="bf16"))
+    cfg.parallel = replace(cfg.parallel, **parallel)
+    return cfg
+
+
+@pytest.mark.parametrize("recompute, factor", [(True, 96), (False, 72)])
+def test_model_flops_are_narayanan_eq_3(recompute, factor):
+    m = replace(GPT_175B, recompute=recompute)
+    b, s, l, h, v = 1536, m.seq_len, m.layers, m.hidden, m.padded_vocab
+    head = 6 * b * s * h * v  # the head's 3 passes, whether or not layers recompute
+    layers = factor * b * s * l * h * h * (1 + s / (6 * h))
+    assert model_flops_per_step(config(m)) == pytest.approx(layers + head, rel=1e-12)
+
+
+def test_ring_collectives():
+    link = Link(bandwidth=1e9, latency=1e-5)
+    assert ring_all_reduce(1e6, 1, link) == 0 == ring_gather(1e6, 1, link)
+    assert ring_all_reduce(8e6, 8, link) == pytest.approx(2 * ring_gather(8e6, 8, link))
+    assert ring_all_reduce(8e6, 8, link) == pytest.approx(2 * 7 / 8 * 8e-3 + 14e-5)
+
+
+def test_one_device_runs_the_model_flops_at_the_device_rate():
+    cfg = config(replace(GPT_175B, layers=4, hidden=1024, heads=16), global_batch=8)
+    device = PRESETS["h100-80gb"]
+    p = predict_step(plan_job(cfg), device)
+    assert p.step_time_s == pytest.approx(model_flops_per_step(cfg) / device.flops["bf16"])
+    assert p.tflops_per_device == pytest.approx(device.flops["bf16"] / 1e12)
+    assert p.tp_s == p.dp_s == p.pp_s == 0 and p.bubble_s == pytest.approx(0, abs=1e-12)
+
+
+def test_the_closed_form_bubble_is_close_to_the_simulated_one():
+    for schedule, vpp in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        cfg = config(replace(GPT_175B, layers=16, hidden=2048, heads=16), global_batch=32,
+                     pp=4, vpp=vpp, schedule=schedule)
+        simulated = predict_step(plan_job(cfg), PRESETS["a100-80gb"])
+        closed = predict_step(plan_job(cfg, simulated=False), PRESETS["a100-80gb"],
+                              simulated=False)
+        assert closed.step_time_s == pytest.approx(simulated.step_time_s, rel=0.05), schedule
+        assert 0 < simulated.bubble_s < 0.25 * simulated.step_time_s
+
+
+def test_dp_over_a_slow_network_is_exposed_and_stays_hidden_inside_a_node():
+    cfg = config(replace(GPT_175B, layers=8, hidden=2048, heads=16), global_batch=64, dp=16)
+    cfg.cost.gpus_per_node = 8
+    fast = predict_step(plan_job(cfg), PRESETS["h100-80gb"])
+    slow = predict_step(plan_job(cfg), with_inter_bandwidth(PRESETS["h100-80gb"], 10))
+    assert slow.dp_s > 10 * fast.dp_s and slow.dp_exposed_s > 0
+    cfg.parallel.dp, cfg.train.global_batch = 8, 32  # one node: the NICs carry nothing
+    inside = predict_step(plan_job(cfg), with_inter_bandwidth(PRESETS["h100-80gb"], 10))
+    assert inside.dp_s == pytest.approx(predict_step(plan_job(cfg), PRESETS["h100-80gb"]).dp_s)
+
+
+def test_search_of_gpt3_175b_on_1024_a100s_picks_what_megatron_runs():
+    """Narayanan et al. 2021 ran 175B on 1024 A100s at tp 8, pp 8 (interleaved) and 140
+    TFLOP/s per GPU; the search must keep TP inside a node, pipeline the model, fit it, and
+    predict a throughput of that order."""
+    result = search(config(), 1024, PRESETS["a100-80gb"], top=5)
+    best = result["candidates"]
+    times = [c["predicted"]["step_time_s"] for c in best]
+    assert times == sorted(times) and len(best) == 5
+    top = best[0]
+    assert top["settings"]["tp"] <= 8 and top["settings"]["pp"] > 1
+    assert 100 < top["predicted"]["tflops_per_device"] < 200
+    assert top["predicted"]["mem_bytes_per_rank"] <= PRESETS["a100-80gb"].memory_bytes
+    assert result["rejected"]["does not fit in device memory"] > 0
+    assert result["considered"] >= len(best) + sum(result["rejected"].values())
+
+
+def test_hybrid_plan_search_json_ranks_and_its_best_overrides_plan():
+    done = subprocess.run([PLAN, "model=gpt3-1.3b", "train.global_batch=64", "search.world=16",
+                           "search.top=3", "cost.device=h100-80gb", "format=json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result) >= {"candidates", "rejected"} and len(result["candidates"]) == 3
+    for c in result["candidates"]:
+        assert set(c["predicted"]) >= {"step_time_s", "tflops_per_device", "mem_bytes_per_rank"}
+    best = overrides_of(result["candidates"][0]["settings"])
+    planned = subprocess.run([PLAN, "model=gpt3-1.3b", "train.global_batch=64",
+                              "cost.device=h100-80gb", *best],
+                             capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    assert "predicted on h100-80gb (cost.device): step " in planned.stdout
