@@ -246,6 +246,11 @@ class SearchConfig:
     config as given)."""
     top: int = 10
     """How many of the best layouts to print."""
+    run: bool = False
+    """Then train each of them with hybrid-train, one after another, and write the sweep
+    report (sweep.csv, sweep.md, sweep.png) of measured beside predicted."""
+    dir: Optional[str] = None
+    """Where search.run puts its runs and report; None means multirun/search-<time>."""
 
 
 @dataclass(kw_only=True)

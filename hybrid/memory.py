@@ -36,7 +36,7 @@ class MemoryNeed:
 
 
 def memory_need(cfg: Config, device: str) -> MemoryNeed:
-    plan = plan_job(cfg)
+    plan = plan_job(cfg, simulated=False)  # peak in-flight in closed form: no simulation
     per_rank = [plan.memory_of(rank).total_bytes for rank in range(plan.world_size)]
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
     if device == "cuda":

@@ -10,7 +10,10 @@ every layout of N devices instead (``hybrid.search``)::
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -21,7 +24,7 @@ from hybrid.memory import memory_verdict
 from hybrid.devices import load_device
 from hybrid.job import plan_job
 from hybrid.plan import build_plan, format_plan
-from hybrid.search import format_search, search
+from hybrid.search import format_search, overrides_of, search
 from hybrid.steptime import predict_step
 from hybrid.validate import config_problems
 from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
@@ -69,7 +72,37 @@ def _search(cfg: PlanConfig, device) -> None:
         raise LayoutError(f"search.world={cfg.search.world} and search.top={cfg.search.top} "
                           f"must be integers >= 1")
     result = search(cfg, cfg.search.world, device, top=cfg.search.top)
-    print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result))
+    print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result),
+          flush=True)
+    if cfg.search.run:
+        run_as_sweep(cfg, [overrides_of(c["settings"]) for c in result["candidates"]])
+
+
+PLAN_ONLY_KEYS = ("search.", "format=", "full=")
+
+
+def run_as_sweep(cfg: PlanConfig, cells: list[list[str]]) -> None:
+    """Train every cell with ``hybrid-train`` (the user's overrides, then the cell's), one
+    after another, recording how each ended; then write the sweep report."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from launch.sweep_report import record_cell, write_report
+
+    shared = [o for o in HydraConfig.get().overrides.task if not o.startswith(PLAN_ONLY_KEYS)]
+    sweep_dir = Path(cfg.search.dir or f"multirun/search-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    train = str(Path(sys.executable).parent / "hybrid-train")
+    for i, cell in enumerate(cells):
+        run_dir = (sweep_dir / str(i)).resolve()
+        print(f"cell {i}: hybrid-train {' '.join(cell)}", flush=True)
+        done = subprocess.run([train, *shared, *cell, f"hydra.run.dir={run_dir}"],
+                              stderr=subprocess.PIPE, text=True)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        reason = errors[-1].removeprefix("error: ") if errors else ""
+        status = {0: "completed", 2: "skipped"}.get(done.returncode, "failed")
+        if done.returncode not in (0, 2) and not reason:
+            reason = f"hybrid-train exited {done.returncode}"
+        record_cell(run_dir, status, reason, shared + cell)
+    print(f"sweep report: {write_report(sweep_dir)}")
 
 
 def main() -> None:

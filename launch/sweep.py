@@ -1,4 +1,5 @@
-"""The end of a ``hybrid-train -m`` sweep: wait for the cells submitted to Slurm, report each.
+"""The end of a ``hybrid-train -m`` sweep: wait for the cells submitted to Slurm, then write
+the sweep's report (``launch.sweep_report``: sweep.csv, sweep.md, sweep.png).
 
 With ``launcher=slurm`` every cell of a multirun is its own job, submitted without waiting
 (``launch.slurm``), so that the cluster runs them side by side; this Hydra callback then waits
@@ -14,6 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from launch.slurm import SWEEP_JOBS, job_failure, wait_for
+from launch.sweep_report import record_cell, write_report
 
 
 def varying(cells: list[dict]) -> list[str]:
@@ -31,25 +33,42 @@ def cell_line(cell: dict, settings: str, outcomes: list, failure: str | None) ->
             f"{losses[-1]:.4f}; run directory: {cell['run_dir']}")
 
 
-class SlurmSweep(Callback):
-    """Registered in ``conf/config.yaml``; does nothing in sweeps that submitted no job."""
+def wait_for_slurm_cells(sweep_dir: Path) -> None:
+    """Wait for every cell this sweep submitted; record and print how each ended."""
+    from submitit import SlurmJob
+
+    path = sweep_dir / SWEEP_JOBS
+    if not path.exists():
+        return
+    cells = [json.loads(line) for line in path.read_text().splitlines() if line]
+    print(f"waiting for the sweep's {len(cells)} slurm jobs", flush=True)
+    for cell, settings in zip(cells, varying(cells)):
+        job = SlurmJob(folder=cell["folder"], job_id=cell["job_id"],
+                       tasks=tuple(range(cell["nodes"])))
+        outcomes = wait_for(job)
+        failure = job_failure(outcomes, job)
+        record_cell(Path(cell["run_dir"]), "failed" if failure else "completed",
+                    failure or "", cell["overrides"])
+        print(cell_line(cell, settings, outcomes, failure), flush=True)
+
+
+class SweepReport(Callback):
+    """Registered in ``conf/config.yaml``; runs at the end of every multirun."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from submitit import SlurmJob
+        from launch.sweep_report import cell_rows
 
-        path = Path(config.hydra.sweep.dir) / SWEEP_JOBS
-        if not path.exists():
+        sweep_dir = Path(config.hydra.sweep.dir)
+        wait_for_slurm_cells(sweep_dir)
+        report = write_report(sweep_dir)
+        if report is None:
             return
-        cells = [json.loads(line) for line in path.read_text().splitlines() if line]
-        print(f"waiting for the sweep's {len(cells)} slurm jobs", flush=True)
-        failed = 0
-        for cell, settings in zip(cells, varying(cells)):
-            job = SlurmJob(folder=cell["folder"], job_id=cell["job_id"],
-                           tasks=tuple(range(cell["nodes"])))
-            outcomes = wait_for(job)
-            failure = job_failure(outcomes, job)
-            failed += failure is not None
-            print(cell_line(cell, settings, outcomes, failure), flush=True)
-        if failed:
-            print(f"error: {failed} of {len(cells)} cells failed", file=sys.stderr)
+        rows = cell_rows(sweep_dir)
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("completed", "skipped",
+                                                                    "failed")}
+        print(f"sweep report: {report} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
+              flush=True)
+        if counts["failed"]:
+            print(f"error: {counts['failed']} of {len(rows)} cells failed; see {report}",
+                  file=sys.stderr)
             sys.exit(1)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hybrid.checkpoint.store import (
@@ -33,7 +34,8 @@ from hybrid.layout import Layout, LayoutError
 from hybrid.stall import FAILURE_FILE
 from hybrid.memory import check_memory
 from hybrid.validate import config_warnings, validate_config
-from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
+from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
+                        run_hydra_app, to_dataclass)
 
 WORKER_FAILED_EXIT = 1
 MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
@@ -191,26 +193,35 @@ def prepare(cfg: Config, run_dir: Path) -> Layout:
     return layout
 
 
-def run(cfg: Config, layout: Layout, run_dir: Path) -> None:
-    """Launch the workers; a failure ends in one line and the exit status that says why."""
+class RunFailed(Exception):
+    """The workers did not finish: ``line`` says why, ``code`` is the exit status."""
+
+    def __init__(self, line: str, code: int = WORKER_FAILED_EXIT):
+        super().__init__(line)
+        self.line, self.code = line, code
+
+
+def run(cfg: Config, layout: Layout, run_dir: Path) -> bool:
+    """Launch the workers; True when they trained here, False when they were left running
+    (a Slurm job). A failure raises ``RunFailed``; a signal exits with its status."""
     from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
 
     started = time.time()
     try:
         results = launch(cfg, layout, run_dir)
     except WorkerFailure as err:
-        print(f"error: {failure_line(err, run_dir, started)}", file=sys.stderr)
-        sys.exit(WORKER_FAILED_EXIT)
+        raise RunFailed(failure_line(err, run_dir, started)) from None
     except LaunchFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(WORKER_FAILED_EXIT)
+        raise RunFailed(str(err)) from None
     except LaunchInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)
         sys.exit(128 + err.signal_number)  # the shell's convention: 143 for SIGTERM
     except OSError as err:  # the launcher's own files (worker logs) on a full disk
-        exit_user_error(write_error(run_dir, err))
-    if results is not None:
-        report_results(results, run_dir)
+        raise RunFailed(str(write_error(run_dir, err)), USER_ERROR_EXIT) from None
+    if results is None:
+        return False
+    report_results(results, run_dir)
+    return True
 
 
 def report_results(results: list, run_dir: Path) -> None:
@@ -223,13 +234,34 @@ def report_results(results: list, run_dir: Path) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _train(dict_cfg: DictConfig) -> None:
+    """One run; in a sweep (``-m``) one cell, whose outcome is recorded for the sweep's
+    report (``launch.sweep_report``) instead of ending the sweep."""
     cfg = to_dataclass(dict_cfg, Config)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    cell = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        layout = prepare(cfg, run_dir)
+        trained = run(cfg, prepare(cfg, run_dir), run_dir)
     except (LayoutError, DataError, CheckpointError, RunDirError) as err:
-        exit_user_error(err)
-    run(cfg, layout, run_dir)
+        if not cell:
+            exit_user_error(err)
+        _record_cell(run_dir, "skipped", " ".join(str(err).split("\n")), hydra_cfg)
+    except RunFailed as err:
+        if not cell:
+            print(f"error: {err.line}", file=sys.stderr)
+            sys.exit(err.code)
+        _record_cell(run_dir, "failed", err.line, hydra_cfg)
+    else:
+        if cell:
+            _record_cell(run_dir, "completed" if trained else "submitted", "", hydra_cfg)
+
+
+def _record_cell(run_dir: Path, status: str, reason: str, hydra_cfg) -> None:
+    from launch.sweep_report import record_cell
+
+    if status in ("skipped", "failed"):
+        print(f"{status}: {reason}", file=sys.stderr)
+    record_cell(run_dir, status, reason, list(hydra_cfg.overrides.task))
 
 
 def main() -> None:

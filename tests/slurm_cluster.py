@@ -96,6 +96,7 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 SchedulerParameters=batch_sched_delay=0
 MinJobAge=3600
+KillWait=2
 ReturnToService=2
 MpiDefault=none
 {nodes}

@@ -131,16 +131,16 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_and_auto_picks_it(sa
 def test_a_killed_worker_is_restarted_and_the_run_finishes_with_the_same_losses(saved,
                                                                               tmp_path):
     env = {**os.environ, "HYBRID_TEST_FAULT": "die_at_step:5:3"}
-    done = run_train(tmp_path, *LAYOUTS["2x2x2"], "checkpoint.every=2",
+    done = run_train(tmp_path, *LAYOUTS["2x2x2-zero1"], "checkpoint.every=2",
                      "launcher.max_restarts=1", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]  # step 5 ran again after the restart
-    assert last_loss_per_step(tmp_path) == last_loss_per_step(saved("2x2x2"))
+    assert last_loss_per_step(tmp_path) == last_loss_per_step(saved("2x2x2-zero1"))
 
 
 def test_export_loads_into_the_one_process_model_with_the_parallel_loss(saved, tmp_path):
-    source = saved("2x2x2")
+    source = saved("2x2x2-zero1")
     out = tmp_path / "model.pt"
     done = subprocess.run([CKPT, "export", str(step_dir(source, 5)), str(out)],
                           capture_output=True, text=True, timeout=120)

@@ -1,0 +1,185 @@
+"""One report of a layout sweep: ``sweep.csv``, ``sweep.md`` and ``sweep.png`` in the sweep
+directory, one row per cell, best first.
+
+A cell is a run directory below the sweep directory (Hydra's ``0``, ``1``, ... of a multirun,
+or those ``hybrid-plan search.run=true`` fills). Each holds ``cell.json`` (status:
+completed, skipped or failed, and the reason) written by ``hybrid-train``, the resolved
+``config.json``, and for a run that trained, ``metrics.jsonl`` and ``timeline_bubble.json``.
+The report puts what was measured (tokens/s and step time: the median over the steps after
+the first; peak memory; the measured pipeline bubble; communication bytes per axis and step)
+beside what the cost model predicted for the same config (``cost.device``), and says how
+well the prediction ordered the layouts (Spearman's rank correlation of predicted and
+measured step times).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+CELL_FILE = "cell.json"
+COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",
+           "peak_mem_bytes", "bubble_measured", "comm_bytes_dp", "comm_bytes_tp",
+           "comm_bytes_pp", "predicted_step_time_s", "predicted_mem_bytes_per_rank")
+
+
+def record_cell(run_dir: Path, status: str, reason: str = "", settings: Optional[list] = None,
+                ) -> None:
+    from hybrid.files import write_text
+
+    write_text(run_dir / CELL_FILE, json.dumps({"status": status, "reason": reason,
+                                                "settings": settings or []}) + "\n")
+
+
+def cell_rows(sweep_dir: Path) -> list[dict]:
+    cells = sorted((p.parent for p in sweep_dir.glob(f"*/{CELL_FILE}")),
+                   key=lambda p: (len(p.name), p.name))
+    records = [json.loads((cell / CELL_FILE).read_text()) for cell in cells]
+    settings = _varying([r["settings"] for r in records])
+    return [_row(cell, record, shown) for cell, record, shown in zip(cells, records, settings)]
+
+
+def _varying(settings: list[list[str]]) -> list[str]:
+    if not settings:
+        return []
+    shared = set.intersection(*(set(s) for s in settings))
+    return [" ".join(o for o in s if o not in shared) or "(the shared config)" for s in settings]
+
+
+def _row(cell: Path, record: dict, settings: str) -> dict:
+    row = dict.fromkeys(COLUMNS, "")
+    row.update(cell=cell.name, settings=settings, status=record["status"],
+               reason=record["reason"])
+    if record["status"] == "completed":  # a failed run's first steps would mislead
+        row.update(_measured(cell))
+    row.update(_predicted(cell))
+    return row
+
+
+def _measured(cell: Path) -> dict:
+    path = cell / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    steady = records[1:] or records  # the first step pays for warm-up
+    out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+           "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+           "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+    for axis, nbytes in records[-1]["comm_bytes"].items():
+        out[f"comm_bytes_{axis}"] = nbytes
+    bubble = cell / "timeline_bubble.json"
+    if bubble.exists():
+        out["bubble_measured"] = json.loads(bubble.read_text())["measured"]
+    return out
+
+
+def _predicted(cell: Path) -> dict:
+    from hybrid.config import from_dict
+    from hybrid.devices import load_device
+    from hybrid.job import plan_job
+    from hybrid.layout import LayoutError
+    from hybrid.steptime import predict_step
+
+    path = cell / "config.json"
+    if not path.exists():
+        return {}
+    cfg = from_dict(json.loads(path.read_text()))
+    try:
+        p = predict_step(plan_job(cfg), load_device(cfg.cost.device))
+    except (LayoutError, ValueError):
+        return {}
+    return {"predicted_step_time_s": p.step_time_s,
+            "predicted_mem_bytes_per_rank": p.mem_bytes_per_rank}
+
+
+def best_first(rows: list[dict]) -> list[dict]:
+    """Completed cells by measured tokens/s (highest first), then the others in cell order."""
+    done = [r for r in rows if r["status"] == "completed" and r["tokens_per_s"] != ""]
+    rest = [r for r in rows if r not in done]
+    return sorted(done, key=lambda r: -r["tokens_per_s"]) + rest
+
+
+def spearman(xs: list[float], ys: list[float]) -> Optional[float]:
+    """Spearman's rank correlation (ties get their mean rank); None under 3 points."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else None
+
+
+def write_report(sweep_dir: Path) -> Optional[Path]:
+    """Write sweep.csv, sweep.md and sweep.png; the markdown's path, or None without cells."""
+    rows = best_first(cell_rows(sweep_dir))
+    if not rows:
+        return None
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    (sweep_dir / "sweep.csv").write_text(out.getvalue())
+    (sweep_dir / "sweep.md").write_text(markdown(rows))
+    _plot(rows, sweep_dir / "sweep.png")
+    return sweep_dir / "sweep.md"
+
+
+def _fmt(value, scale: float = 1, digits: str = ".3g") -> str:
+    return "" if value == "" else format(value / scale, digits)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["# Sweep", "", "| cell | settings | status | tokens/s | step s | predicted step s "
+             "| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB dp/tp/pp | reason |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        comm = "/".join(_fmt(r[f"comm_bytes_{a}"], 2**20) for a in ("dp", "tp", "pp"))
+        cells = [r["cell"], r["settings"], r["status"], _fmt(r["tokens_per_s"], 1, ",.0f"),
+                 _fmt(r["step_time_s"]), _fmt(r["predicted_step_time_s"]),
+                 _fmt(r["peak_mem_bytes"], 2**30), _fmt(r["predicted_mem_bytes_per_rank"], 2**30),
+                 _fmt(r["bubble_measured"], 1, ".1%"), comm if comm != "//" else "", r["reason"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    done = [r for r in rows if r["status"] == "completed" and r["predicted_step_time_s"] != ""]
+    rho = spearman([r["predicted_step_time_s"] for r in done], [r["step_time_s"] for r in done])
+    lines += ["", "Predicted vs measured order of step times: " +
+              (f"Spearman {rho:.2f} over {len(done)} cells" if rho is not None
+               else "fewer than 3 completed cells")]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    done = [r for r in rows if r["tokens_per_s"] != ""]
+    figure = Figure(figsize=(max(6, 1 + 0.9 * len(done)), 6))
+    FigureCanvasAgg(figure)
+    speed, memory = figure.subplots(2, 1, sharex=True)
+    labels = [r["settings"] or r["cell"] for r in done]
+    speed.bar(range(len(done)), [r["tokens_per_s"] for r in done], color="tab:blue")
+    speed.set_ylabel("tokens/s (measured)")
+    memory.bar(range(len(done)), [r["peak_mem_bytes"] / 2**30 for r in done], color="tab:orange")
+    memory.set_ylabel("peak memory GiB")
+    memory.set_xticks(range(len(done)), labels, rotation=30, ha="right", fontsize=8)
+    speed.set_title("sweep: each completed cell, best first")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
