@@ -28,7 +28,6 @@ LAYOUTS = {
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
     "pp2-zb-h1": ["parallel=single", "parallel.pp=2", "parallel.schedule=zb-h1"],
-    "2x2x2-zero1": ["parallel.zero=1"],
 }
 TIED = ["model.tie_embeddings=true"]
 
@@ -63,9 +62,10 @@ def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     assert "straggler" not in done.stderr  # an undisturbed run names no slow rank
 
 
-def test_tied_embeddings_with_sequence_parallel_on_2x2x2(reference, tmp_path):
-    """Tied embedding grads are summed over the first and last stage (embedding group)."""
-    done = run_train(tmp_path, *TIED, "parallel.sequence_parallel=true")
+def test_tied_embeddings_with_sequence_parallel_and_zero1_on_2x2x2(reference, tmp_path):
+    """Tied embedding grads are summed over the first and last stage (embedding group);
+    sequence parallelism and ZeRO-1's sharded optimizer in the same 8-rank run."""
+    done = run_train(tmp_path, *TIED, "parallel.sequence_parallel=true", "parallel.zero=1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses_of(tmp_path), reference["tied"])
     assert reference["tied"] != pytest.approx(reference["untied"], rel=1e-4)
