@@ -13,7 +13,7 @@ to rank layouts, which is what the search needs; absolute times need the machine
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 GIB = 2**30
@@ -86,7 +86,5 @@ def load_device(name: str) -> Device:
 
 def with_inter_bandwidth(device: Device, gbit_per_s: float) -> Device:
     """The same device on a network of ``gbit_per_s`` between nodes (what-if studies)."""
-    from dataclasses import replace
-
     return replace(device, inter=Link(bandwidth=gbit_per_s / 8 * 1e9 * ACHIEVED_LINK,
                                       latency=device.inter.latency))

@@ -21,7 +21,7 @@ from hybrid.devices import Device
 from hybrid.job import plan_job
 from hybrid.layout import LayoutError, valid_sizes
 from hybrid.steptime import StepPrediction, predict_step
-from hybrid.validate import valid_tp_sizes
+from hybrid.validate import microbatches, valid_tp_sizes
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1))
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -109,8 +109,7 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
 
 def _final(cfg: Config, device: Device, closed_form: StepPrediction) -> Candidate:
     par = cfg.parallel
-    m = cfg.train.global_batch // (par.dp * cfg.train.micro_batch)
-    if par.pp * par.vpp * m > SIMULATE_UP_TO:
+    if par.pp * par.vpp * microbatches(cfg) > SIMULATE_UP_TO:
         return Candidate(settings_of(cfg), closed_form, simulated=False)
     return Candidate(settings_of(cfg), predict_step(plan_job(cfg), device), simulated=True)
 

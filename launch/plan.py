@@ -23,7 +23,7 @@ from hybrid.layout import LayoutError
 from hybrid.memory import memory_verdict
 from hybrid.devices import load_device
 from hybrid.job import plan_job
-from hybrid.plan import build_plan, format_plan
+from hybrid.plan import format_plan, plan_dict
 from hybrid.search import format_search, overrides_of, search
 from hybrid.steptime import predict_step
 from hybrid.validate import config_problems
@@ -45,13 +45,14 @@ def _plan(dict_cfg: DictConfig) -> None:
         if cfg.search.world:
             _search(cfg, device)
             return
-        plan = build_plan(cfg)
+        job = plan_job(cfg)
     except (LayoutError, ValueError) as err:
         exit_user_error(err)
-    plan["predicted"] = predict_step(plan_job(cfg), device).to_dict() | {"device": device.name}
-    limit, device = available_memory(cfg)
+    plan = plan_dict(job)  # one plan, printed and priced
+    plan["predicted"] = predict_step(job, device).to_dict() | {"device": device.name}
+    limit, memory_kind = available_memory(cfg)
     if limit is not None:
-        plan["memory_check"] = memory_verdict(cfg, limit, device)
+        plan["memory_check"] = memory_verdict(cfg, limit, memory_kind)
     if cfg.format == "json":
         print(json.dumps(plan, indent=1))
     else:

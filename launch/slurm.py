@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hybrid.validate import ranks_per_node
 from launch.failures import LaunchFailed
 from launch.slurm_node import RDZV_PORT_ENV
 
@@ -46,13 +47,9 @@ STOPPED_BY_SLURM = ("BOOT_FAIL", "CANCELLED", "DEADLINE", "NODE_FAIL", "OUT_OF_M
                     "PREEMPTED", "TIMEOUT")
 
 
-def nproc_per_node(cfg, layout) -> int:
-    return cfg.launcher.nproc_per_node or layout.world_size // cfg.launcher.nnodes
-
-
 def sbatch_parameters(cfg, layout) -> dict[str, Any]:
     """The job's sbatch options, in submitit's names."""
-    launcher, nproc = cfg.launcher, nproc_per_node(cfg, layout)
+    launcher, nproc = cfg.launcher, ranks_per_node(cfg, layout)
     gpus = launcher.gpus_per_node
     if gpus is None and cfg.train.device == "cuda":
         gpus = nproc
@@ -84,7 +81,7 @@ def dry_run_text(cfg, layout, run_dir: Path) -> str:
     folder = run_dir / SLURM_DIR
     submit = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
     script = _make_sbatch_string(command=submit, folder=folder, **sbatch_parameters(cfg, layout))
-    nproc = nproc_per_node(cfg, layout)
+    nproc = ranks_per_node(cfg, layout)
     rows = [f"{r:>4}  {layout.node_of(r, nproc):>4}  {c['dp']:>2}  {c['tp']:>2}  {c['pp']:>2}"
             for r in range(layout.world_size) for c in [layout.coords(r)]]
     return "\n".join([
@@ -125,7 +122,7 @@ class SlurmLauncher:
         job = submit(cfg, layout, run_dir)
         sweep_dir = multirun_sweep_dir()
         print(f"submitted slurm job {job.job_id}: {cfg.launcher.nnodes} node(s) x "
-              f"{nproc_per_node(cfg, layout)} ranks; run directory: {run_dir}", flush=True)
+              f"{ranks_per_node(cfg, layout)} ranks; run directory: {run_dir}", flush=True)
         if sweep_dir is not None and cfg.launcher.wait:
             record_sweep_cell(sweep_dir, job, run_dir)
             return None

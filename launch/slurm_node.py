@@ -68,7 +68,9 @@ class SlurmNodeLauncher:
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
                run_dir: Path, **options: Any) -> list[Any]:
         logs = Path(run_dir) / "nodes" / f"node{self.rendezvous.node_rank}"
-        return run_agent(entrypoint, args, nproc=layout.world_size // cfg.launcher.nnodes,
+        from hybrid.validate import ranks_per_node
+
+        return run_agent(entrypoint, args, nproc=ranks_per_node(cfg, layout),
                          rendezvous=self.rendezvous, run_dir=logs, **options)
 
 

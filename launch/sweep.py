@@ -15,14 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from launch.slurm import SWEEP_JOBS, job_failure, wait_for
-from launch.sweep_report import record_cell, write_report
-
-
-def varying(cells: list[dict]) -> list[str]:
-    """Each cell's overrides that not every cell shares: what the sweep varies."""
-    shared = set.intersection(*(set(cell["overrides"]) for cell in cells))
-    return [" ".join(o for o in cell["overrides"] if o not in shared) or "(the shared config)"
-            for cell in cells]
+from launch.sweep_report import record_cell, varying, write_report
 
 
 def cell_line(cell: dict, settings: str, outcomes: list, failure: str | None) -> str:
@@ -42,7 +35,7 @@ def wait_for_slurm_cells(sweep_dir: Path) -> None:
         return
     cells = [json.loads(line) for line in path.read_text().splitlines() if line]
     print(f"waiting for the sweep's {len(cells)} slurm jobs", flush=True)
-    for cell, settings in zip(cells, varying(cells)):
+    for cell, settings in zip(cells, varying([c["overrides"] for c in cells])):
         job = SlurmJob(folder=cell["folder"], job_id=cell["job_id"],
                        tasks=tuple(range(cell["nodes"])))
         outcomes = wait_for(job)

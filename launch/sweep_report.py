@@ -39,11 +39,12 @@ def cell_rows(sweep_dir: Path) -> list[dict]:
     cells = sorted((p.parent for p in sweep_dir.glob(f"*/{CELL_FILE}")),
                    key=lambda p: (len(p.name), p.name))
     records = [json.loads((cell / CELL_FILE).read_text()) for cell in cells]
-    settings = _varying([r["settings"] for r in records])
+    settings = varying([r["settings"] for r in records])
     return [_row(cell, record, shown) for cell, record, shown in zip(cells, records, settings)]
 
 
-def _varying(settings: list[list[str]]) -> list[str]:
+def varying(settings: list[list[str]]) -> list[str]:
+    """Each cell's overrides that not every cell shares: what the sweep varies."""
     if not settings:
         return []
     shared = set.intersection(*(set(s) for s in settings))

@@ -47,6 +47,8 @@ class TorchrunLauncher:
 
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
                run_dir: Path, **options: Any) -> list[Any]:
-        nproc = cfg.launcher.nproc_per_node or layout.world_size // cfg.launcher.nnodes
+        from hybrid.validate import ranks_per_node
+
+        nproc = ranks_per_node(cfg, layout)
         return run_agent(entrypoint, args, nproc=nproc, rendezvous=self.rendezvous(cfg),
                          run_dir=run_dir, **options)
