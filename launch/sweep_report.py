@@ -9,7 +9,11 @@ The report puts what was measured (tokens/s and step time: the median over the s
 the first; peak memory; the measured pipeline bubble; communication bytes per axis and step)
 beside what the cost model predicted for the same config (``cost.device``), and says how
 well the prediction ordered the layouts (Spearman's rank correlation of predicted and
-measured step times).
+measured step times). Where the sweep holds a completed 1-process cell (dp = tp = pp = 1)
+whose config differs from a completed cell's in layout settings only (model, seed, data,
+optimizer and steps the same: ``launch.loss_compare.LAYOUT_ONLY``), that cell's
+``max_loss_dev`` is its largest relative difference in per-step loss from the 1-process cell
+(``hybrid-compare``'s comparison): layout invariance, checked for every cell.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from launch.compare import load_run
+from launch.loss_compare import CompareError, deviations_from_reference
+
 CELL_FILE = "cell.json"
 COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",
            "peak_mem_bytes", "bubble_measured", "comm_bytes_dp", "comm_bytes_tp",
-           "comm_bytes_pp", "predicted_step_time_s", "predicted_mem_bytes_per_rank")
+           "comm_bytes_pp", "predicted_step_time_s", "predicted_mem_bytes_per_rank",
+           "max_loss_dev", "loss_reference")
 
 
 def record_cell(run_dir: Path, status: str, reason: str = "", settings: Optional[list] = None,
@@ -40,7 +48,24 @@ def cell_rows(sweep_dir: Path) -> list[dict]:
                    key=lambda p: (len(p.name), p.name))
     records = [json.loads((cell / CELL_FILE).read_text()) for cell in cells]
     settings = varying([r["settings"] for r in records])
-    return [_row(cell, record, shown) for cell, record, shown in zip(cells, records, settings)]
+    rows = [_row(cell, record, shown) for cell, record, shown in zip(cells, records, settings)]
+    _add_loss_deviations(rows, cells)
+    return rows
+
+
+def _add_loss_deviations(rows: list[dict], cells: list[Path]) -> None:
+    """``max_loss_dev`` and ``loss_reference`` (the 1-process cell compared with), where a
+    completed cell has such a reference."""
+    runs = []
+    for row, cell in zip(rows, cells):
+        try:  # a cell without metrics just has no deviation: the report still gets written
+            runs.append(load_run(cell) if row["status"] == "completed" else None)
+        except (CompareError, OSError):
+            runs.append(None)
+    for row, deviation in zip(rows, deviations_from_reference(runs)):
+        if deviation is not None:
+            reference, largest = deviation
+            row.update(loss_reference=cells[reference].name, max_loss_dev=largest)
 
 
 def varying(settings: list[list[str]]) -> list[str]:
@@ -150,21 +175,34 @@ def _fmt(value, scale: float = 1, digits: str = ".3g") -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["# Sweep", "", "| cell | settings | status | tokens/s | step s | predicted step s "
-             "| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB dp/tp/pp | reason |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB dp/tp/pp | loss dev "
+             "| reason |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         comm = "/".join(_fmt(r[f"comm_bytes_{a}"], 2**20) for a in ("dp", "tp", "pp"))
         cells = [r["cell"], r["settings"], r["status"], _fmt(r["tokens_per_s"], 1, ",.0f"),
                  _fmt(r["step_time_s"]), _fmt(r["predicted_step_time_s"]),
                  _fmt(r["peak_mem_bytes"], 2**30), _fmt(r["predicted_mem_bytes_per_rank"], 2**30),
-                 _fmt(r["bubble_measured"], 1, ".1%"), comm if comm != "//" else "", r["reason"]]
+                 _fmt(r["bubble_measured"], 1, ".1%"), comm if comm != "//" else "",
+                 _fmt(r["max_loss_dev"], 1, ".2g"), r["reason"]]
         lines.append("| " + " | ".join(cells) + " |")
     done = [r for r in rows if r["status"] == "completed" and r["predicted_step_time_s"] != ""]
     rho = spearman([r["predicted_step_time_s"] for r in done], [r["step_time_s"] for r in done])
-    lines += ["", "Predicted vs measured order of step times: " +
+    lines += ["", _loss_note(rows), "", "Predicted vs measured order of step times: " +
               (f"Spearman {rho:.2f} over {len(done)} cells" if rho is not None
                else "fewer than 3 completed cells")]
     return "\n".join(lines) + "\n"
+
+
+def _loss_note(rows: list[dict]) -> str:
+    refs = sorted({r["loss_reference"] for r in rows if r["loss_reference"] != ""},
+                  key=lambda name: (len(name), name))
+    if not refs:
+        return ("Loss dev: no completed 1-process cell (parallel.dp=tp=pp=1) of the same "
+                "config to compare losses with; add one to check every layout against it.")
+    return (f"Loss dev: each cell's largest relative difference in per-step loss from the "
+            f"1-process cell{'s' if len(refs) > 1 else ''} {', '.join(refs)} (`hybrid-compare` "
+            f"shows every step); the layouts of an fp32 run stay within 1e-4.")
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -47,10 +47,17 @@ def test_a_sweep_runs_every_valid_cell_skips_the_others_and_reports(tmp_path):
         assert (float(row["comm_bytes_tp"]) > 0) == ("tp=2" in row["settings"])
         assert (float(row["comm_bytes_pp"]) > 0) == ("pp=2" in row["settings"])
         assert row["bubble_measured"] != ""  # every cell drew its step-2 timeline
+        # layout invariance, per cell: the 1-process cell is every cell's loss reference
+        assert rows[row["loss_reference"]]["settings"] == "parallel.tp=1 parallel.pp=1"
+        assert float(row["max_loss_dev"]) < 1e-4, row["settings"]
+    by_settings = {r["settings"]: r for r in rows.values()}
+    assert float(by_settings["parallel.tp=1 parallel.pp=1"]["max_loss_dev"]) == 0
+    assert all(r["max_loss_dev"] == "" for r in skipped)
     table = (tmp_path / "sweep.md").read_text().splitlines()
     speeds = [float(line.split(" | ")[3].replace(",", "")) for line in table[4:8]]
     assert speeds == sorted(speeds, reverse=True)  # best first
     assert "Spearman" in table[-1] and (tmp_path / "sweep.png").stat().st_size > 5000
+    assert table[-3].startswith("Loss dev: each cell's largest relative difference")
 
 
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):

@@ -1,0 +1,159 @@
+"""Do two runs train alike? The pure part of ``hybrid-compare`` (no files, no torch).
+
+A step stays within tolerance when ``|run - base| <= max(rtol * |base|, atol)``
+(pytest.approx's rule, which the layout tests use); the default is DESIGN's fp32 layout
+tolerance, relative 1e-4. ``numerics_differences`` says whether two resolved configs must
+train alike at all: they may differ in layout, micro-batch, recomputation and how the run is
+launched or watched, nothing else. ``launch/compare.py`` (the command) and the sweep report's
+``max_loss_dev`` column both use these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
+
+RTOL = 1e-4  # DESIGN: fp32 layouts agree to 1e-5 at step 1 and to 1e-4 over 20 steps
+Losses = Union[Sequence[float], Mapping[int, float]]
+"""Loss by step: a mapping, or a sequence whose first item is step 1."""
+
+# Settings that choose how a run is split, launched, saved or watched, not what it computes:
+# runs that differ only in these must train alike (DESIGN's layout invariance). A setting not
+# named here must match, so a new one errs towards "not comparable", never a false alarm.
+LAYOUT_ONLY = ("parallel.", "train.micro_batch", "model.recompute", "launcher.", "cost.",
+               "checkpoint.", "train.log_every", "train.timeline_step",
+               "train.collective_timeout_s", "train.straggler_ratio",
+               "train.skip_memory_check", "train.overwrite")
+
+
+class CompareError(Exception):
+    """Input that cannot be compared: a user error, reported as one line."""
+
+
+@dataclass(frozen=True)
+class StepDiff:
+    step: int
+    base: float
+    run: float
+    abs_diff: float
+    rel_diff: float
+    """``abs_diff / |base|``; inf where a loss is not finite, or the baseline's is 0 and the
+    run's is not."""
+    within: bool
+
+
+@dataclass(frozen=True)
+class LossComparison:
+    steps: tuple[StepDiff, ...]
+    """The steps both runs have, in order."""
+    rtol: float
+    atol: float
+    parted_at: Optional[StepDiff]
+    """The first step beyond tolerance; None when every step stays within it."""
+    largest: StepDiff
+    """The (first) step of the largest relative difference."""
+    base_only: tuple[int, ...]
+    run_only: tuple[int, ...]
+
+    @property
+    def same(self) -> bool:
+        return self.parted_at is None
+
+
+def compare_losses(base: Losses, run: Losses, *, rtol: float = RTOL,
+                   atol: float = 0.0) -> LossComparison:
+    """Compare ``run``'s loss with ``base``'s at every step both have."""
+    base, run = _by_step(base), _by_step(run)
+    common = sorted(base.keys() & run.keys())
+    if not common:
+        raise CompareError(f"no step in common: the baseline has steps {span(base)}, "
+                           f"the run {span(run)}")
+    diffs = tuple(_step_diff(step, base[step], run[step], rtol, atol) for step in common)
+    return LossComparison(steps=diffs, rtol=rtol, atol=atol,
+                          parted_at=next((d for d in diffs if not d.within), None),
+                          largest=max(diffs, key=lambda d: d.rel_diff),
+                          base_only=tuple(sorted(base.keys() - run.keys())),
+                          run_only=tuple(sorted(run.keys() - base.keys())))
+
+
+def _by_step(losses: Losses) -> dict[int, float]:
+    return dict(losses) if isinstance(losses, Mapping) else dict(enumerate(losses, 1))
+
+
+def span(losses: Mapping[int, float]) -> str:
+    """``1-10``: the first and last step."""
+    return f"{min(losses)}-{max(losses)}" if losses else "(none)"
+
+
+def _step_diff(step: int, base: float, run: float, rtol: float, atol: float) -> StepDiff:
+    diff = abs(run - base)
+    if not (math.isfinite(base) and math.isfinite(run)):
+        rel = math.inf
+    else:
+        rel = diff / abs(base) if base else (0.0 if diff == 0 else math.inf)
+    # written so that a NaN difference is never within tolerance
+    return StepDiff(step, base, run, diff, rel, within=diff <= max(rtol * abs(base), atol))
+
+
+def summary_line(name: str, base_name: str, c: LossComparison) -> str:
+    if c.same:
+        return (f"{name}: same as {base_name} over {len(c.steps)} steps (largest relative "
+                f"difference {c.largest.rel_diff:.3g} at step {c.largest.step})")
+    p = c.parted_at
+    excess = (f"relative difference {p.rel_diff:.3g} > rtol {c.rtol:g}" if c.atol == 0 else
+              f"difference {p.abs_diff:.3g} > max(rtol {c.rtol:g} x {abs(p.base):.4g}, "
+              f"atol {c.atol:g})")
+    return (f"{name}: parts from {base_name} at step {p.step} (loss {p.base:.9g} vs "
+            f"{p.run:.9g}, {excess})")
+
+
+def numerics_differences(base: dict, run: dict) -> list[str]:
+    """The settings of two resolved configs that differ and change what a run computes
+    (``seed: 7 vs 8``); empty when the runs must train alike."""
+    a, b = _flat(base), _flat(run)
+    return [f"{key}: {a.get(key, '(unset)')} vs {b.get(key, '(unset)')}"
+            for key in sorted(a.keys() | b.keys())
+            if not key.startswith(LAYOUT_ONLY) and a.get(key) != b.get(key)]
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def is_single_process(config: dict) -> bool:
+    parallel = config.get("parallel", {})
+    return parallel.get("dp") == parallel.get("tp") == parallel.get("pp") == 1
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    losses: dict[int, float]
+    config: Optional[dict]
+    """The resolved ``config.json`` beside the metrics; None where there is none."""
+
+
+def deviations_from_reference(runs: Sequence[Optional[Run]]) -> list[Optional[tuple]]:
+    """For each run, (index of its reference, largest relative loss difference from it): the
+    reference is the first 1-process run whose config computes the same (a sweep may vary the
+    seed or the model too). None where there is no run, no reference or no common step."""
+    singles = [i for i, r in enumerate(runs) if r and r.config and is_single_process(r.config)]
+    out = []
+    for run in runs:
+        ref = next((i for i in singles if run and run.config
+                    and not numerics_differences(runs[i].config, run.config)), None)
+        try:
+            out.append(None if ref is None else
+                       (ref, compare_losses(runs[ref].losses, run.losses).largest.rel_diff))
+        except CompareError:
+            out.append(None)
+    return out
+
+
