@@ -62,8 +62,10 @@ class ModelConfig:
     """Maximum sequence length (rows of the learned position table); also the training length."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer (GPT-2 style)."""
-    recompute: bool = False
-    """Recompute each transformer layer's activations in the backward pass."""
+    recompute: str = "none"
+    """none | selective (keep each layer's activations except the attention core's, which
+    the backward recomputes: Korthikanti et al. 2022) | full (keep only each transformer
+    layer's input and recompute the whole layer in the backward)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     norm_eps: float = 1e-5

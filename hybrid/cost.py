@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 from hybrid.config import ModelConfig
 from hybrid.params import EMBEDDING_WEIGHT, block_param_specs
+from hybrid.state_bytes import StateBytes
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -70,17 +72,48 @@ def param_count(m: ModelConfig) -> int:
 
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
-                               precision: str) -> float:
-    """Activations one layer keeps for backward, per micro-batch (Korthikanti et al. 2022,
-    eq. 2-4, no dropout masks: 34 -> 30 units of s·b·h with 16-bit values; doubled for fp32)."""
-    s, b, h, a = m.seq_len, micro_batch, m.hidden, m.heads
-    attention_scores = 5 * a * s / (h * tp)
-    if sp:
-        units = 30 / tp + attention_scores
-    else:
-        units = 10 + 20 / tp + attention_scores
-    scale = BYTES[precision] / 2
-    return s * b * h * units * scale
+                               precision: str, recompute: str = "none") -> int:
+    """Bytes one transformer layer keeps for backward per micro-batch, tensor by tensor as
+    hybrid's layer keeps them (``tests/test_model_tp.py`` checks this against saved-tensor
+    hooks, byte for byte). Unlike Korthikanti et al. 2022's eq. 2, no attention scores: the
+    fused attention kernel keeps only a log-sum-exp per head and token, so selective recompute
+    saves just that here (it pays off with an unfused attention).
+
+    fp32: the residual stream twice (the two norms' inputs; sharded by sequence parallelism)
+    and their statistics; the two normed inputs of the column-parallel matmuls, gathered to
+    the full sequence; the QKV output, the attention output, the MLP's two ``ffn``-wide
+    tensors (sharded by TP). bf16 autocast keeps the matmul inputs and outputs in bf16, plus a
+    bf16 copy of the layer's matmul weights per micro-batch. Full recompute keeps the input."""
+    s, b, h = m.seq_len, micro_batch, m.hidden
+    seq_shard = tp if sp else 1
+    stream = 4 * s * b * h // seq_shard
+    if recompute == "full":
+        return stream
+    low = BYTES[precision]
+    nbytes = 2 * stream + 2 * 2 * 4 * s * b // seq_shard  # + two norms' mean and rstd
+    nbytes += 2 * s * b * h * low  # the normed inputs of QKV and fc1
+    nbytes += (4 * h + 2 * m.ffn) * s * b // tp * low
+    if recompute == "none":
+        nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
+    if precision == "bf16":
+        nbytes += 2 * (4 * h * h + 2 * h * m.ffn) // tp
+    return nbytes
+
+
+def head_activation_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
+                          precision: str) -> int:
+    """What the head and loss keep per micro-batch: the final norm's input and statistics,
+    the gathered normed input of the output layer, the cross entropy's fp32 softmax over this
+    rank's vocabulary shard with its target mask and indices (and a bf16 copy of the output
+    weight under autocast)."""
+    s, b, h = m.seq_len, micro_batch, m.hidden
+    seq_shard = tp if sp else 1
+    low = BYTES[precision]
+    nbytes = (4 * s * b * h + 2 * 4 * s * b) // seq_shard + s * b * h * low
+    nbytes += 4 * s * b * m.padded_vocab // tp + s * b * (1 + 8)
+    if precision == "bf16":
+        nbytes += 2 * m.padded_vocab // tp * h
+    return nbytes
 
 
 @dataclass(frozen=True)
@@ -98,25 +131,32 @@ class MemoryEstimate:
 
 def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int, zero: int,
                     micro_batch: int, inflight: int, sp: bool, precision: str,
-                    embedding_copy: bool = False) -> MemoryEstimate:
+                    embedding_copy: bool = False, head_inflight: int = 1,
+                    state: Optional[StateBytes] = None) -> MemoryEstimate:
     """Bytes on one rank holding the blocks of ``chunks`` (one block list per virtual chunk):
     fp32 weights and gradients, AdamW's two fp32 moments (sharded over DP with ZeRO-1; bf16
     adds no master copy since weights stay fp32), and the activations of ``inflight``
     (chunk, micro-batch) pairs kept for backward, each holding one chunk's layers (the largest
-    chunk, to stay on the safe side). With ``m.recompute`` a layer keeps only its input, plus
-    one layer's full activations while it is recomputed."""
+    chunk, to stay on the safe side), plus the head's for ``head_inflight`` micro-batches on
+    the rank that holds it. Full recompute keeps each layer's input, plus one layer's
+    activations while it is recomputed. ``state``: the exact bytes of weights, gradients and
+    optimizer state (``hybrid.state_bytes``), else the closed form without bucket padding
+    and AdamW's step counts."""
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
     params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)
     optimizer = 2 * 4 * params // (dp if zero >= 1 else 1)
     layers = max((sum(1 for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
-    full_layer = activation_bytes_per_layer(m, micro_batch, tp, sp, precision)
-    if m.recompute:
-        layer_input = m.seq_len * micro_batch * m.hidden * BYTES[precision] / (tp if sp else 1)
-        act = layer_input * layers * inflight + (full_layer if layers else 0)
-    else:
-        act = full_layer * layers * inflight
-    return MemoryEstimate(params=params, param_bytes=4 * params, grad_bytes=4 * params,
-                          optimizer_bytes=optimizer, activation_bytes=int(act))
+    act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute)
+    act *= layers * inflight
+    if m.recompute == "full" and layers:
+        act += activation_bytes_per_layer(m, micro_batch, tp, sp, precision)
+    if any(m.layers + 1 in chunk for chunk in chunks):
+        act += head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision)
+    if state is None:
+        state = StateBytes(4 * params, 4 * params, optimizer)
+    return MemoryEstimate(params=params, param_bytes=state.param_bytes,
+                          grad_bytes=state.grad_bytes, optimizer_bytes=state.optimizer_bytes,
+                          activation_bytes=int(act))
 
 
 def human_bytes(n: float) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from hybrid.config import Config
 from hybrid.cost import MemoryEstimate, estimate_memory
+from hybrid.state_bytes import StateBytes, rank_tensors, state_bytes
 from hybrid.layout import Layout
 from hybrid.pipeline.actions import stage_chunk, stage_rank
 from hybrid.validate import microbatches, ranks_per_node, validate_config
@@ -78,7 +79,8 @@ class JobPlan:
 
 def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
     """Validate ``cfg`` (``LayoutError`` with one line) and plan it; ``simulated=False``
-    takes the schedule's shape from closed forms instead of simulating it."""
+    takes the schedule's shape and the ranks' state bytes from closed forms instead of
+    simulating the schedule and laying out the gradient buckets (what searches need)."""
     from hybrid.pipeline.plan import partition_for_config
 
     layout = validate_config(cfg)
@@ -90,7 +92,7 @@ def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
                               simulated)
     by_rank = _stages_by_rank(stages, pp)
     memory = tuple(_rank_memory(cfg, layout, [list(stages[s].blocks) for s in by_rank[r]],
-                                schedule.peak_inflight[r]) for r in range(pp))
+                                schedule.peak_inflight[r], exact=simulated) for r in range(pp))
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=ranks_per_node(cfg, layout),
                    stages=stages, schedule=schedule, memory=memory, by_rank=by_rank)
 
@@ -119,11 +121,27 @@ def _schedule_plan(name: str, pp: int, m: int, vpp: int, simulated: bool) -> Sch
                         peak_inflight=tuple(sim.peak_inflight))
 
 
-def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]],
-                 inflight: int) -> MemoryEstimate:
+def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight: int,
+                 exact: bool) -> MemoryEstimate:
+    """``exact``: weights, gradients and optimizer state byte for byte as the trainer
+    allocates them on DP rank 0 (``rank_state_bytes``), else in closed form (searches)."""
     held = [block for chunk in chunks for block in chunk]
+    state = rank_state_bytes(cfg, layout, held, dp_rank=0) if exact else None
     return estimate_memory(
         cfg.model, chunks, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
         micro_batch=cfg.train.micro_batch, inflight=inflight,
         sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
-        embedding_copy=cfg.model.tie_embeddings and 0 not in held)
+        embedding_copy=cfg.model.tie_embeddings and 0 not in held,
+        # GPipe runs every forward before any backward; the others end each micro-batch's
+        # last stage with its backward straight away.
+        head_inflight=microbatches(cfg) if cfg.parallel.schedule == "gpipe" else 1,
+        state=state)
+
+
+def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: int
+                     ) -> StateBytes:
+    """Bytes of weights, gradients and AdamW state on the rank holding ``blocks``."""
+    tensors = rank_tensors(cfg.model, blocks, tp=layout.tp,
+                           sp=cfg.parallel.sequence_parallel, pp=layout.pp)
+    return state_bytes(tensors, dp=layout.dp, dp_rank=dp_rank, zero=cfg.parallel.zero,
+                       bucket_mb=cfg.parallel.bucket_mb)

@@ -58,8 +58,8 @@ def _candidates(cfg: Config) -> list[tuple[str, Config]]:
 
     if cfg.parallel.zero == 0 and cfg.parallel.dp > 1:
         variant("parallel.zero=1", "parallel", "zero", 1)
-    if not cfg.model.recompute:
-        variant("model.recompute=true", "model", "recompute", True)
+    if cfg.model.recompute != "full":
+        variant("model.recompute=full", "model", "recompute", "full")
     if cfg.train.precision == "fp32":
         variant("train.precision=bf16", "train", "precision", "bf16")
     for axis in ("tp", "pp"):

@@ -21,7 +21,7 @@ from hybrid.devices import Device
 from hybrid.job import plan_job
 from hybrid.layout import LayoutError, valid_sizes
 from hybrid.steptime import StepPrediction, predict_step
-from hybrid.validate import microbatches, valid_tp_sizes
+from hybrid.validate import RECOMPUTE, microbatches, valid_tp_sizes
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1))
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -81,7 +81,7 @@ def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
         for mb in MICRO_BATCHES:
             for zero in ((0, 1) if dp > 1 else (0,)):
                 for sp in ((False, True) if tp > 1 else (False,)):
-                    for recompute in (False, True):
+                    for recompute in RECOMPUTE:
                         yield schedule, mb, zero, sp, recompute
 
 
@@ -124,14 +124,14 @@ def format_search(result: dict) -> str:
     """The table ``hybrid-plan search.world=N`` prints, best first."""
     lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
              f"{result['world']} devices ({result['device']}), by predicted step time:",
-             " #   dp  tp  pp vpp schedule          mb zero sp  recomp  step s   TFLOP/s "
+             " #   dp  tp  pp vpp schedule          mb zero sp  recompute  step s   TFLOP/s "
              "mem/rank GiB"]
     for i, c in enumerate(result["candidates"], 1):
         s, p = c["settings"], c["predicted"]
         lines.append(
             f"{i:>2} {s['dp']:>4} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} {s['schedule']:<17} "
             f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
-            f"{'y' if s['recompute'] else 'n':>6} {p['step_time_s']:>7.3g} "
+            f"{s['recompute']:>9} {p['step_time_s']:>7.3g} "
             f"{p['tflops_per_device']:>9.4g} {p['mem_bytes_per_rank'] / 2**30:>12.1f}")
     if result["rejected"]:
         lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in

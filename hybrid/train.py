@@ -31,7 +31,9 @@ from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
 from hybrid.job import plan_job
+from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
+from hybrid.model.activations import SavedTensors
 from hybrid.model import build_blocks, lm_loss
 from hybrid.optim import lr_at
 from hybrid.pipeline.actions import Action
@@ -232,7 +234,11 @@ class Trainer:
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
                 recorder = self._recorder_for(step)
-                report = self.step(step, recorder)
+                first = step == self.start_step + 1
+                with self._saved_tensors(first) as saved:
+                    report = self.step(step, recorder)
+                if first:
+                    self._check_memory(saved)
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
@@ -249,6 +255,18 @@ class Trainer:
             self.sync.close()
         return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir),
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
+
+    def _saved_tensors(self, on: bool):
+        """The first step counts what autograd keeps for backward (``memory_check.json``)."""
+        if not on:
+            return contextlib.nullcontext()
+        return SavedTensors(p for chunk in self.chunks.values() for p in chunk.parameters())
+
+    def _check_memory(self, saved: SavedTensors) -> None:
+        counted = counted_state_bytes(self.chunks.values(), self.sync)
+        per_rank = self._gather([*counted, saved.peak])
+        if dist.get_rank() == 0:
+            write_memory_check(self.run_dir, self.cfg, per_rank)
 
     def _times_log(self) -> RankTimesLog:
         pp_of_rank = [self.coords_of(r)["pp"] for r in range(dist.get_world_size())]

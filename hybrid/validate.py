@@ -14,6 +14,7 @@ from hybrid.layout import Layout, LayoutError, valid_sizes
 from hybrid.pipeline.schedules import SCHEDULE_NAMES
 
 PRECISIONS = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 PARTITIONS = ("uniform", "balanced")
 LAUNCHERS = ("local", "torchrun", "slurm")
@@ -110,6 +111,7 @@ def _check_names(cfg: Config) -> None:
     _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
     _choose("parallel.zero", cfg.parallel.zero, (0, 1))
     _choose("train.precision", cfg.train.precision, PRECISIONS)
+    _choose("model.recompute", cfg.model.recompute, RECOMPUTE)
     _choose("train.device", cfg.train.device, DEVICES)
     _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
     _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))

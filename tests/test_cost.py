@@ -43,7 +43,10 @@ def test_activations_scale_with_inflight_and_with_layers_per_chunk_not_per_rank(
 def test_recompute_and_sequence_parallel_shrink_activations():
     full = estimate([ALL], inflight=4, tp=2).activation_bytes
     assert estimate([ALL], inflight=4, tp=2, sp=True).activation_bytes < full
-    recomputed = estimate([ALL], inflight=4, tp=2, model=replace(MODEL, recompute=True))
+    recomputed = estimate([ALL], inflight=4, tp=2, model=replace(MODEL, recompute="full"))
     assert recomputed.activation_bytes < full / 4
-    assert estimate([ALL], precision="bf16").activation_bytes * 2 == \
-        pytest.approx(estimate([ALL]).activation_bytes, abs=2)
+    selective = estimate([ALL], inflight=4, tp=2, model=replace(MODEL, recompute="selective"))
+    assert recomputed.activation_bytes < selective.activation_bytes < full
+    # bf16 halves the matmuls' tensors; the residual stream and norms stay fp32
+    assert estimate([ALL]).activation_bytes / 2 < estimate([ALL], precision="bf16") \
+        .activation_bytes < estimate([ALL]).activation_bytes

@@ -7,19 +7,22 @@ rank stops both ranks promptly.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from hybrid.config import ModelConfig
+from hybrid.cost import activation_bytes_per_layer, head_activation_bytes
 from hybrid.groups import ParallelGroups
 from hybrid.layout import Layout, LayoutError
 from hybrid.model import (
     GPT, ModelInputError, allreduce_sequence_parallel_grads, build_blocks,
     gather_tp_param, num_blocks, validate_batch,
 )
+from hybrid.model.activations import SavedTensors
+from hybrid.model.gpt import lm_loss
 from hybrid.testing import spawn
 from hybrid.validate import check_model_shape
 
@@ -34,7 +37,7 @@ class Case:
     tp: int
     sp: bool = False
     tie: bool = False
-    recompute: bool = False
+    recompute: str = "none"
     bf16: bool = False
 
 
@@ -42,9 +45,12 @@ CASES = {
     "tp1": Case(1), "tp2": Case(2), "tp4": Case(4),
     "tp2-sp": Case(2, sp=True), "tp4-sp": Case(4, sp=True),
     "tp2-tied": Case(2, tie=True), "tp4-sp-tied": Case(4, sp=True, tie=True),
-    "tp2-recompute": Case(2, recompute=True),
-    "tp4-sp-tied-recompute": Case(4, sp=True, tie=True, recompute=True),
+    "tp2-recompute": Case(2, recompute="full"),
+    "tp4-sp-tied-recompute": Case(4, sp=True, tie=True, recompute="full"),
+    "tp1-selective": Case(1, recompute="selective"),
+    "tp2-sp-selective": Case(2, sp=True, recompute="selective"),
     "tp2-bf16": Case(2, bf16=True), "tp4-sp-tied-bf16": Case(4, sp=True, tie=True, bf16=True),
+    "tp2-sp-selective-bf16": Case(2, sp=True, recompute="selective", bf16=True),
 }
 FP32_CASES = [name for name, case in CASES.items() if not case.bf16]
 BF16_CASES = [name for name, case in CASES.items() if case.bf16]
@@ -76,19 +82,44 @@ def _compare(gathered: torch.Tensor, reference: torch.Tensor) -> dict:
 
 
 def _one_case(case: Case, reference_groups, groups) -> dict:
+    """The parallel model with the case's recompute against the 1-process model without."""
     cfg = _cfg(case)
-    reference = GPT(cfg, reference_groups, seed=SEED)
+    reference = GPT(replace(cfg, recompute="none"), reference_groups, seed=SEED)
     parallel = GPT(cfg, groups, seed=SEED, sequence_parallel=case.sp)
     ref_params = dict(reference.named_parameters())
     init_mismatch = [name for name, p in parallel.named_parameters()
                      if not torch.equal(gather_tp_param(p.detach(), p, groups), ref_params[name])]
     tokens, labels = _batch()
+    saved = _saved_bytes_per_block(parallel, case, tokens, labels)
     losses = (_loss_and_backward(parallel, case, tokens, labels),
               _loss_and_backward(reference, case, tokens, labels))
     grads = {name: _compare(gather_tp_param(p.grad, p, groups), ref_params[name].grad)
              for name, p in parallel.named_parameters()}
-    return {"init_mismatch": init_mismatch, "losses": losses, "grads": grads,
+    return {"init_mismatch": init_mismatch, "losses": losses, "grads": grads, "saved": saved,
             "names": sorted(ref_params) == sorted(dict(parallel.named_parameters()))}
+
+
+def _saved_bytes_per_block(model: GPT, case: Case, tokens, labels) -> dict:
+    """What each transformer layer, and the head with the loss, keeps for backward (measured
+    with saved-tensor hooks) beside what the cost model says."""
+    out = {"layer": [], "head": None}
+    hidden = tokens
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.bf16):
+        for block in model.blocks:
+            with SavedTensors(block.parameters()) as saved:
+                hidden = block(hidden)
+                if block is model.blocks[-1]:
+                    lm_loss(hidden, labels, model.groups)
+            if 1 <= block.block_id <= TINY["layers"]:
+                out["layer"].append(saved.total)
+            elif block.block_id == TINY["layers"] + 1:
+                out["head"] = saved.total
+    precision = "bf16" if case.bf16 else "fp32"
+    cfg, sp = _cfg(case), case.sp and case.tp > 1
+    out["predicted_layer"] = activation_bytes_per_layer(cfg, BATCH, case.tp, sp, precision,
+                                                        case.recompute)
+    out["predicted_head"] = head_activation_bytes(cfg, BATCH, case.tp, sp, precision)
+    return out
 
 
 def _block_independence(groups) -> dict:
@@ -189,6 +220,18 @@ def test_bf16_autocast_matches_the_reference_under_the_same_autocast(tp_results,
         bad = {p: e for p, e in results[name]["grads"].items()
                if e["norm_rel"] > BF16_GRAD_NORM_RTOL}
         assert not bad, (rank, name, bad)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_activation_bytes_are_the_cost_models_exactly(tp_results, name):
+    """Every layer keeps for backward exactly what ``activation_bytes_per_layer`` says, by
+    recompute mode, sequence parallelism, TP size and precision; the head what
+    ``head_activation_bytes`` says (with tied embeddings the head's shared weight is the
+    embedding's parameter, left out like any other)."""
+    for results in tp_results:
+        saved = results[name]["saved"]
+        assert saved["layer"] == [saved["predicted_layer"]] * TINY["layers"], name
+        assert saved["head"] == saved["predicted_head"], name
 
 
 def test_blocks_are_initialised_independently_of_the_other_blocks_built(tp_results):

@@ -97,7 +97,7 @@ def test_the_fix_a_refused_model_is_told_makes_the_memory_check_pass():
     refused = plan(*big)
     assert "memory check: the job needs about" in refused.stdout
     fix = refused.stdout.split("; ")[-1].split(" would need")[0].split()
-    assert fix == ["model.recompute=true", "parallel.zero=1"]
+    assert fix == ["model.recompute=full", "parallel.zero=1"]
     assert "memory check: fits: needs about" in plan(*big, *fix).stdout
 
 

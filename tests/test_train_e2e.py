@@ -42,6 +42,12 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 240,
 
 
 def losses_of(run_dir: Path) -> list[float]:
+    """The run's losses, after checking that every rank held exactly the weight, gradient
+    and optimizer bytes the cost model predicts for it (every test that reads a run's
+    losses checks its layout's memory this way)."""
+    check = json.loads((run_dir / "memory_check.json").read_text())
+    assert check["state_bytes_equal"], [r for r in check["ranks"]
+                                        if r["counted"] != r["predicted"]][:2]
     return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
 

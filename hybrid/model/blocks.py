@@ -86,6 +86,7 @@ class SelfAttention(nn.Module):
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.recompute_core = cfg.recompute == "selective"
         self.head_dim = cfg.hidden // cfg.heads
         self.local_heads = cfg.heads // tp_group.size()
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, tp_group=tp_group,
@@ -102,9 +103,20 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(hidden).view(seq, batch, self.local_heads, 3, self.head_dim)
         # [s, b, n, hd] -> [b, n, s, hd], the layout scaled_dot_product_attention expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        context = context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        if self.recompute_core and torch.is_grad_enabled():
+            # Selective recompute: the attention core keeps nothing for backward but its
+            # inputs (which the QKV projection's output already holds) and runs again there.
+            context = checkpoint(_attention_core, q, k, v, use_reentrant=False)
+        else:
+            context = _attention_core(q, k, v)
         return self.proj(context)
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``[b, n, s, hd]`` heads -> ``[s, b, n * hd]``."""
+    context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    batch, _, seq, _ = context.shape
+    return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
 class MLP(nn.Module):
@@ -133,7 +145,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
-        self.recompute = cfg.recompute
+        self.recompute = cfg.recompute == "full"
         self.input_norm = layer_norm(cfg)
         self.attention = SelfAttention(cfg, tp_group, generator=generator,
                                        sequence_parallel=sequence_parallel)

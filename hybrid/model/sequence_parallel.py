@@ -20,12 +20,17 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renames these (the old names warn); older releases have only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = group.size()
     if world == 1:
         return x
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather(out, x.contiguous(), group=group)
     return out
 
 
@@ -35,7 +40,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torc
         return x
     assert x.shape[0] % world == 0, f"sequence {x.shape[0]} not divisible by tp={world}"
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter(out, x.contiguous(), group=group)
     return out
 
 
@@ -44,7 +49,10 @@ def _split_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if world == 1:
         return x
     assert x.shape[0] % world == 0, f"sequence {x.shape[0]} not divisible by tp={world}"
-    return x.chunk(world, dim=0)[group.rank()].contiguous()
+    # A first-dimension chunk is already contiguous, so .contiguous() would return a view
+    # that keeps the whole replicated tensor alive for as long as the shard is saved for
+    # backward (by the first layer's norm): clone, to hold only the shard.
+    return x.chunk(world, dim=0)[group.rank()].clone()
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):

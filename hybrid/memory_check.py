@@ -1,0 +1,63 @@
+"""The bytes each rank really holds, beside the cost model's prediction: ``memory_check.json``.
+
+After its first step every rank counts the distinct storages of its parameters, of its
+gradient buffers (the buckets, and under ZeRO-1 the reduced shards) and of its optimizer
+state, and measures the activations its step kept for backward at their peak
+(``hybrid.model.activations.SavedTensors``). Rank 0 writes them with the plan's prediction for
+the same rank: weights, gradients and optimizer state must be equal byte for byte (the
+end-to-end tests assert it for every layout they run); activations are a model and the file
+shows how close (``bench/cost_vs_measured.py`` reports the error over many layouts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from hybrid.config import Config
+from hybrid.files import write_text
+
+FILE = "memory_check.json"
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
+    """[parameter, gradient, optimizer state] bytes this rank holds."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads = [b.grad for b in sync.buckets] + [s.grad for s in sync.shards]
+    state = [t for per_tensor in sync.optimizer.state.values() for t in per_tensor.values()
+             if isinstance(t, torch.Tensor)]
+    return [_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state)]
+
+
+def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) -> bool:
+    """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer,
+    activation peak]``; whether the state bytes all equal the prediction."""
+    from hybrid.job import plan_job, rank_state_bytes
+
+    plan = plan_job(cfg)
+    ranks, equal = [], True
+    for rank, (param, grad, optimizer, activations) in enumerate(per_rank):
+        coords = plan.layout.coords(rank % plan.world_size)
+        blocks = [b for s in plan.stages_of(coords["pp"]) for b in s.blocks]
+        predicted = rank_state_bytes(cfg, plan.layout, blocks, dp_rank=coords["dp"]).to_dict()
+        counted = {"param_bytes": int(param), "grad_bytes": int(grad),
+                   "optimizer_bytes": int(optimizer)}
+        equal &= counted == predicted
+        ranks.append({"rank": rank, **coords, "counted": counted, "predicted": predicted,
+                      "activation_peak_bytes": int(activations),
+                      "predicted_activation_bytes":
+                          plan.memory[coords["pp"]].activation_bytes})
+    write_text(run_dir / FILE, json.dumps({"state_bytes_equal": equal, "ranks": ranks},
+                                          indent=1) + "\n")
+    return equal

@@ -1,0 +1,105 @@
+"""Weights, gradients and optimizer state of one rank, in bytes, exactly as ``hybrid.dp``
+allocates them (pure: no torch).
+
+``GradSync`` puts a rank's parameters, in backward order, into fp32 gradient buckets of at
+least ``parallel.bucket_mb`` each, with the parameters whose gradients are partial sums over
+another group (sequence-parallel norms over TP, a tied embedding split over the pipeline) in
+buckets of their own at the end. Under ZeRO-1 each bucket is padded to a multiple of the DP
+size, the parameters become views of one flat (padded) buffer per bucket, each rank keeps a
+reduced gradient shard of ``1/dp`` of it, and AdamW keeps moments for the parameter slices in
+this rank's shard only. AdamW's state per tensor it steps: two fp32 moments and a 4-byte step
+count. The trainer counts the same bytes on every rank and checks them against this
+(``memory_check.json``; the end-to-end tests assert every layout they run).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from hybrid.config import ModelConfig
+from hybrid.params import block_param_specs
+
+MIB = 2**20
+FP32 = 4
+STEP_COUNT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes}
+
+
+@functools.lru_cache(maxsize=256)
+def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int
+                   ) -> tuple[tuple[int, str], ...]:
+    """(local numel, late bucket or "") of a block's parameters in registration order."""
+    m = ModelConfig(**dict(model_key))
+    out = []
+    for spec in block_param_specs(m, block_id, sequence_parallel=sp).values():
+        numel = spec.numel // tp if spec.tp_dim is not None else spec.numel
+        late = "tp" if spec.sequence_partial and tp > 1 else (
+            "embedding" if spec.tied and pp > 1 else "")
+        out.append((numel, late))
+    return tuple(out)
+
+
+def rank_tensors(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
+                 ) -> list[tuple[int, str]]:
+    """The distinct parameters a rank holding ``blocks`` (in chunk order) trains: with tied
+    embeddings on one stage the head uses the embedding's own weight."""
+    key = tuple(vars(m).items())
+    tensors = [t for block in blocks for t in _block_tensors(key, block, tp, sp and tp > 1, pp)]
+    if m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks:
+        tensors.pop(len(tensors) - 1)  # the head's alias of the embedding weight
+    return tensors
+
+
+def bucket_sizes(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[int]]:
+    """Numels per bucket, as ``GradSync._build_buckets`` groups them."""
+    limit = int(bucket_mb * MIB)
+    late: dict[str, list[int]] = {"tp": [], "embedding": []}
+    buckets, current, size = [], [], 0
+    for numel, axis in reversed(tensors):
+        if axis:
+            late[axis].append(numel)
+            continue
+        current.append(numel)
+        size += numel * FP32
+        if size >= limit:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets + [numels for numels in late.values() if numels]
+
+
+def state_bytes(tensors: list[tuple[int, str]], *, dp: int, dp_rank: int, zero: int,
+                bucket_mb: float) -> StateBytes:
+    """One rank's bytes of weights, gradients and AdamW state."""
+    if not tensors:
+        return StateBytes(0, 0, 0)
+    numels = [n for n, _ in tensors]
+    if not zero:
+        total = sum(numels)
+        return StateBytes(FP32 * total, FP32 * total,
+                          2 * FP32 * total + STEP_COUNT_BYTES * len(numels))
+    params = grads = optimizer = 0
+    for bucket in bucket_sizes(tensors, bucket_mb):
+        padded = -(-sum(bucket) // dp) * dp
+        shard = padded // dp
+        params += FP32 * padded
+        grads += FP32 * padded + (FP32 * shard if dp > 1 else 0)
+        start, end, offset = dp_rank * shard, (dp_rank + 1) * shard, 0
+        for numel in bucket:  # the slices of this bucket's parameters inside the shard
+            inside = min(end, offset + numel) - max(start, offset)
+            if inside > 0:
+                optimizer += 2 * FP32 * inside + STEP_COUNT_BYTES
+            offset += numel
+    return StateBytes(params, grads, optimizer)
