@@ -5,19 +5,24 @@ achieves (not the datasheet peak), its memory, and the links between ranks insid
 across nodes (the bandwidth a collective achieves per rank, and a per-message latency).
 ``cost.device`` names a preset or a JSON file of the same fields (``Device.to_dict``).
 
-The GPU presets are the datasheet peaks scaled by what large transformer runs achieve
-(about 55% of dense bf16 peak; NVLink and InfiniBand at about 80% of line rate): good enough
-to rank layouts, which is what the search needs; absolute times need the machine's own figures.
+The GPU presets are the datasheet peaks scaled by what large multiplies achieve (80% of the
+dense peak for wide ones, half of that at a weight width of 400: ``matmul_half_width``) and
+links at 80% of line rate (NVLink, and a 200/400 Gb/s NIC per GPU). The two compute figures
+were chosen so that the A100 preset reproduces the iteration times Korthikanti et al. 2022
+published for 22B-1T models (``hybrid/published.py``: all eight within 7%); the H100 and H200
+presets assume the same fractions. ``hybrid-plan calibrate`` measures a machine instead.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+import socket
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 GIB = 2**30
-ACHIEVED_COMPUTE = 0.55
+ACHIEVED_COMPUTE = 0.8
+MATMUL_HALF_WIDTH = 400.0
 ACHIEVED_LINK = 0.8
 
 
@@ -40,26 +45,76 @@ class Device:
     """Between ranks of one node (NVLink; shared memory for gloo on CPU)."""
     inter: Link
     """Between nodes (InfiniBand / Ethernet), per rank."""
+    matmul_half_width: float = 0.0
+    """Narrow work runs slower: a layer whose weights are ``k`` wide per rank achieves
+    ``flops * k / (k + matmul_half_width)`` (0: every width at ``flops``)."""
+    matmul_half_rows: float = 0.0
+    """Likewise for few tokens per micro-batch: ``rows / (rows + matmul_half_rows)``."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds of the AdamW step per parameter a rank updates (not overlapped)."""
+    cores: int = 0
+    """CPU cores the ranks of one node share (0: each rank has a device of its own). A rank
+    gets ``cores // ranks`` threads (``hybrid-train``'s default); with more ranks than cores
+    the node cannot finish before its cores have done every rank's work."""
+    thread_speedup: float = 1.0
+    """How much faster one rank computes with every core's thread than with one, on wide
+    work; less on few tokens: ``1 + (thread_speedup - 1) * rows / (rows + thread_half_rows)``."""
+    thread_half_rows: float = 0.0
+    collective_overhead_s: float = 0.0
+    """Seconds each tensor-parallel collective costs beyond its ring time: the framework's
+    own work per call (measured by ``hybrid-plan calibrate`` on a real 2-way TP layer)."""
+    collective_cpu_s: float = 0.0
+    """Of that, CPU work (the rest is waiting, which other ranks can fill on shared cores)."""
+    all_gather_factor: float = 1.0
+    """An all-gather's time over the ring formula's (gloo's is not a ring)."""
+    reduce_scatter_factor: float = 1.0
+    """A reduce-scatter's time over the ring formula's."""
+    group_links: dict = field(default_factory=dict)
+    """Measured links inside a node by group size (``"2"``, ``"4"``, ...), from
+    ``hybrid-plan calibrate``; other sizes use the nearest measured one, else ``intra``."""
+
+    def compute_rate(self, precision: str, width: float, rows: float,
+                     threads: int = 1) -> float:
+        """FLOP/s of layer work ``width`` wide per rank on ``rows`` tokens per micro-batch."""
+        rate = (self.flops[precision] * width / (width + self.matmul_half_width)
+                * rows / (rows + self.matmul_half_rows))
+        if self.cores > 1 and threads > 1:  # between one thread and every core's
+            speedup = (self.thread_speedup - 1) * rows / (rows + self.thread_half_rows)
+            rate *= 1 + speedup * (min(threads, self.cores) - 1) / (self.cores - 1)
+        return rate
+
+    def intra_for(self, group_size: int) -> Link:
+        """The link a collective among ``group_size`` ranks of one node runs at."""
+        if not self.group_links:
+            return self.intra
+        nearest = min(self.group_links, key=lambda n: (abs(int(n) - group_size), int(n)))
+        return self.group_links[nearest]
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+ADAMW_BYTES_PER_PARAM = 28
+"""Read weight, gradient and two moments, write weight and moments: 7 fp32 values."""
+
+
 def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
-         nvlink_gbs: float, nic_gbit: float) -> Device:
+         nvlink_gbs: float, nic_gbit: float, hbm_tbs: float) -> Device:
     return Device(
         name=name,
         flops={"bf16": bf16_peak * ACHIEVED_COMPUTE, "fp32": fp32_peak * ACHIEVED_COMPUTE},
         memory_bytes=int(memory_gib * GIB),
         intra=Link(bandwidth=nvlink_gbs * 1e9 * ACHIEVED_LINK, latency=5e-6),
-        inter=Link(bandwidth=nic_gbit / 8 * 1e9 * ACHIEVED_LINK, latency=10e-6))
+        inter=Link(bandwidth=nic_gbit / 8 * 1e9 * ACHIEVED_LINK, latency=10e-6),
+        matmul_half_width=MATMUL_HALF_WIDTH,
+        optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / (hbm_tbs * 1e12 * ACHIEVED_LINK))
 
 
 PRESETS = {
-    # bf16 dense peak, fp32 (TF32 tensor cores) peak, memory, NVLink per direction, NIC per GPU
-    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200),
-    "h100-80gb": _gpu("h100-80gb", 989e12, 494e12, 80, 450, 400),
-    "h200": _gpu("h200", 989e12, 494e12, 141e9 / GIB, 450, 400),
+    # bf16 dense peak, fp32 (TF32) peak, memory, NVLink per direction, NIC per GPU, HBM TB/s
+    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.0),
+    "h100-80gb": _gpu("h100-80gb", 989e12, 494e12, 80, 450, 400, 3.35),
+    "h200": _gpu("h200", 989e12, 494e12, 141e9 / GIB, 450, 400, 4.8),
     # One gloo rank with a core of its own on this project's 2-core machines: a 512x512
     # matmul on one thread runs at 62 GFLOP/s in fp32 and 1.2 in bf16 (no bf16 units); a
     # 2-rank all-reduce of 32-64 KiB takes about 0.5 ms (two ring steps); the bandwidth is a
@@ -70,18 +125,41 @@ PRESETS = {
 }
 
 
+def calibrated_path() -> Path:
+    """Where ``hybrid-plan calibrate`` writes this host's device file by default."""
+    return Path("~/.cache/hybrid").expanduser() / f"device-{socket.gethostname()}.json"
+
+
 def load_device(name: str) -> Device:
-    """A preset by name, or a JSON file of a ``Device``'s fields."""
+    """A preset by name, ``calibrated`` (this host's ``hybrid-plan calibrate`` file), or a JSON
+    file of a ``Device``'s fields."""
     if name in PRESETS:
         return PRESETS[name]
-    path = Path(name).expanduser()
+    if name == "calibrated":
+        path = calibrated_path()
+        if not path.is_file():
+            raise ValueError(f"cost.device=calibrated but {path} does not exist; run "
+                             f"hybrid-plan calibrate first")
+    else:
+        path = Path(name).expanduser()
     if not path.suffix == ".json" or not path.is_file():
-        raise ValueError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}) nor a "
-                         f"JSON file of a device's fields (hybrid/devices.py)")
+        raise ValueError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
+                         f"calibrated) nor a JSON file of a device's fields (hybrid/devices.py)")
     data = json.loads(path.read_text())
     return Device(name=data["name"], flops=dict(data["flops"]),
                   memory_bytes=int(data["memory_bytes"]), intra=Link(**data["intra"]),
-                  inter=Link(**data["inter"]))
+                  inter=Link(**data["inter"]),
+                  matmul_half_width=float(data.get("matmul_half_width", 0.0)),
+                  matmul_half_rows=float(data.get("matmul_half_rows", 0.0)),
+                  optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
+                  cores=int(data.get("cores", 0)),
+                  thread_speedup=float(data.get("thread_speedup", 1.0)),
+                  thread_half_rows=float(data.get("thread_half_rows", 0.0)),
+                  collective_overhead_s=float(data.get("collective_overhead_s", 0.0)),
+                  collective_cpu_s=float(data.get("collective_cpu_s", 0.0)),
+                  all_gather_factor=float(data.get("all_gather_factor", 1.0)),
+                  reduce_scatter_factor=float(data.get("reduce_scatter_factor", 1.0)),
+                  group_links={n: Link(**link) for n, link in data.get("group_links", {}).items()})
 
 
 def with_inter_bandwidth(device: Device, gbit_per_s: float) -> Device:

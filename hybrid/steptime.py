@@ -5,13 +5,17 @@ collectives, pipeline sends and the data-parallel gradient reduction from their 
 over the link they cross (inside a node or between nodes). The pipeline's makespan, bubbles
 included, is hybrid's own simulator run on those per-stage times; the DP reduction overlaps the
 last micro-batch's backward and only what sticks out counts (ZeRO-1's parameter all-gather
-after the step never overlaps).
+after the step never overlaps); the optimizer step follows. The achieved rate depends on the
+work's width per TP rank and its tokens per micro-batch, and on CPU on the threads each rank
+gets and the cores the node's ranks share (``hybrid.devices``).
 
 FLOPs per layer and micro-batch (forward, b sequences of s tokens, hidden h, MLP f):
 ``8bsh² + 4bs²h + 4bshf`` (QKV and output projections, scores and their use, the MLP); the
-head ``2bshV``; backward twice the forward; full recompute one more forward of the layers.
+head ``2bshV``; backward twice the forward; full recompute one more forward of the layers,
+selective recompute one more of their attention cores (``4bs²h``).
 ``tflops_per_device`` counts the model's FLOPs as Narayanan et al. 2021 do (their Eq. 3:
-with recompute the extra forward counts), so it compares with their tables.
+with full recompute the extra forward counts; selective recompute's is not counted, as
+Korthikanti et al. 2022's model FLOPs do not), so it compares with their tables.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class StepPrediction:
     dp_s: float
     """The DP gradient reduction's time, and below what of it is not hidden."""
     dp_exposed_s: float
+    optimizer_s: float
+    """The optimizer step of the rank where it is longest (after the reduction)."""
     tflops_per_device: float
     mem_bytes_per_rank: int
 
@@ -51,7 +57,12 @@ class StepPrediction:
 
 def layer_forward_flops(m: ModelConfig, b: int) -> float:
     s, h = m.seq_len, m.hidden
-    return 8 * b * s * h * h + 4 * b * s * s * h + 4 * b * s * h * m.ffn
+    return 8 * b * s * h * h + attention_core_flops(m, b) + 4 * b * s * h * m.ffn
+
+
+def attention_core_flops(m: ModelConfig, b: int) -> float:
+    """Scores and their use (``QK^T`` and ``softmax·V``): what selective recompute redoes."""
+    return 4 * b * m.seq_len * m.seq_len * m.hidden
 
 
 def head_forward_flops(m: ModelConfig, b: int) -> float:
@@ -60,9 +71,9 @@ def head_forward_flops(m: ModelConfig, b: int) -> float:
 
 def model_flops_per_step(cfg: Config) -> float:
     """Narayanan et al. 2021, Eq. 3 generalised to any MLP width: layers 3x forward (4x with
-    recompute), the head 3x."""
+    full recompute), the head 3x."""
     m, batch = cfg.model, cfg.train.global_batch
-    passes = 4 if m.recompute else 3
+    passes = 4 if m.recompute == "full" else 3
     return (passes * m.layers * layer_forward_flops(m, batch)
             + 3 * head_forward_flops(m, batch))
 
@@ -81,8 +92,10 @@ def ring_gather(nbytes: float, n: int, link: Link, messages: int = 1) -> float:
 
 
 def _link(plan: JobPlan, device: Device, axis: str) -> Link:
+    """Between nodes, or inside one: there, as measured with as many processes as the node
+    runs (on shared CPU cores the ranks that are not in the group still compete)."""
     crossing = plan.layout.crosses_nodes(axis, plan.ranks_per_node)
-    return device.inter if crossing else device.intra
+    return device.inter if crossing else device.intra_for(plan.ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -90,35 +103,60 @@ class _StageTimes:
     forward: float
     backward: float
     tp_comm: float
+    """TP collectives in both passes: their ring time and per-call overhead."""
+    tp_wire: float
+    """Of which waiting (ring time, and the calls' time that is not CPU work), which other
+    ranks can fill on shared cores."""
 
 
 def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
     """One micro-batch of one stage on one TP rank: forward and full backward seconds."""
     cfg, tp = plan.cfg, plan.layout.tp
     m, b = cfg.model, cfg.train.micro_batch
-    rate = device.flops[cfg.train.precision]
+    rate = device.compute_rate(cfg.train.precision, m.hidden / tp, b * m.seq_len,
+                               threads_per_rank(plan, device))
     act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision]
     tp_link = _link(plan, device, "tp")
     layers = sum(1 for block in blocks if 1 <= block <= m.layers)
     compute = layers * layer_forward_flops(m, b) / tp / rate
-    tp_fwd = layers * 2 * ring_all_reduce(act, tp, tp_link)  # after attention, after the MLP
+    # After attention and after the MLP: an all-reduce, or with sequence parallelism an
+    # all-gather before and a reduce-scatter after (the same ring volume, not the same time
+    # on every backend: hybrid.devices).
+    if cfg.parallel.sequence_parallel and tp > 1:
+        layer_wire = ring_gather(act, tp, tp_link) * (device.all_gather_factor
+                                                      + device.reduce_scatter_factor)
+        layer_calls = 2
+    else:
+        layer_wire, layer_calls = ring_all_reduce(act, tp, tp_link), 1
+    wire, calls = layers * 2 * layer_wire, layers * 2 * layer_calls
     if 0 in blocks:  # the vocabulary-parallel embedding sums its shards
-        tp_fwd += ring_all_reduce(act, tp, tp_link)
+        wire, calls = wire + ring_all_reduce(act, tp, tp_link), calls + 1
     if m.layers + 1 in blocks:
         compute += head_forward_flops(m, b) / tp / rate
-        tp_fwd += 3 * ring_all_reduce(4 * b * m.seq_len, tp, tp_link)  # cross entropy
-    forward = compute + tp_fwd
-    backward = 2 * compute + tp_fwd
-    if m.recompute:
-        backward += layers * (layer_forward_flops(m, b) / tp / rate
-                              + 2 * ring_all_reduce(act, tp, tp_link))
-    return _StageTimes(forward, backward, tp_fwd * 2)
+        wire += 3 * ring_all_reduce(4 * b * m.seq_len, tp, tp_link)  # cross entropy
+        calls += 3
+    call = device.collective_overhead_s if tp > 1 else 0.0
+    recompute_wire = recompute_calls = 0.0
+    extra = 0.0
+    if m.recompute == "full":
+        extra = layers * layer_forward_flops(m, b) / tp / rate
+        recompute_wire, recompute_calls = layers * 2 * layer_wire, layers * 2 * layer_calls
+    elif m.recompute == "selective":
+        extra = layers * attention_core_flops(m, b) / tp / rate
+    tp_fwd = wire + calls * call
+    recompute_comm = recompute_wire + recompute_calls * call
+    waiting = (device.collective_overhead_s - device.collective_cpu_s) if tp > 1 else 0.0
+    return _StageTimes(forward=compute + tp_fwd,
+                       backward=2 * compute + tp_fwd + extra + recompute_comm,
+                       tp_comm=2 * tp_fwd + recompute_comm,
+                       tp_wire=2 * wire + recompute_wire + (2 * calls + recompute_calls) * waiting)
 
 
 def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepPrediction:
     """The step time of ``plan`` on ``device``: the simulated pipeline (or, with
     ``simulated=False``, its closed-form bubble, for ranking many layouts fast) plus the DP
-    reduction that the backward does not hide."""
+    reduction that the backward does not hide and the optimizer step; on shared CPU cores, at
+    least the node's work over its cores."""
     plan = priced_placement(plan)
     cfg, layout = plan.cfg, plan.layout
     times = [_stage_times(plan, device, stage.blocks) for stage in plan.stages]
@@ -126,20 +164,48 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
     p2p = _p2p_time(plan, device)
     per_rank = [[times[st.index] for st in plan.stages_of(r)] for r in range(layout.pp)]
     busy = [m * sum(t.forward + t.backward for t in ts) for ts in per_rank]
+    cpu_busy = [m * sum(t.forward + t.backward - t.tp_wire for t in ts) for ts in per_rank]
+    wire = [m * sum(t.tp_wire for t in ts) for ts in per_rank]
     if simulated:
         makespan = _simulated_makespan(plan, times, p2p)
     else:
         makespan = max(busy) + _closed_form_bubble(plan, times, p2p)
     busiest = max(range(layout.pp), key=busy.__getitem__)
     dp_s, dp_exposed = _dp_times(plan, device, [sum(t.backward for t in ts) for ts in per_rank])
-    step = makespan + dp_exposed
+    optimizer = [est.optimizer_bytes / 8 * device.optimizer_s_per_param for est in plan.memory]
+    step = max(makespan + dp_exposed + max(optimizer),
+               _shared_cores_time(plan, device, [b + o for b, o in zip(cpu_busy, optimizer)],
+                                  max(wire)) + dp_exposed)
     world = layout.world_size
     return StepPrediction(
         step_time_s=step, compute_s=busy[busiest], bubble_s=makespan - busy[busiest],
         tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=p2p, dp_s=dp_s,
-        dp_exposed_s=dp_exposed,
+        dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
         tflops_per_device=model_flops_per_step(cfg) / step / world / 1e12 if step else 0.0,
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory))
+
+
+def threads_per_rank(plan: JobPlan, device: Device) -> int:
+    """The threads each rank computes with: ``launcher.omp_threads``, else the node's cores
+    shared out as ``hybrid-train`` does (one on a device of its own)."""
+    if not device.cores:
+        return 1
+    return plan.cfg.launcher.omp_threads or max(1, device.cores // plan.ranks_per_node)
+
+
+def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: float
+                       ) -> float:
+    """With more ranks on a node than cores (``device.cores``), the node cannot finish before
+    its cores have done every rank's work: each pipeline rank's compute, TP call overheads
+    and optimizer step (the same for all its DP and TP peers), over the cores. Waiting on a
+    TP ring is not work, but the ranks of one TP group wait together: only the node's other
+    TP groups can use the cores meanwhile, so ``wire / groups`` of it stays exposed."""
+    if not device.cores or plan.ranks_per_node <= device.cores:
+        return 0.0
+    layout = plan.layout
+    nodes = max(1, layout.world_size // plan.ranks_per_node)
+    groups = max(1, plan.ranks_per_node // layout.tp)
+    return layout.dp * layout.tp * sum(work) / nodes / device.cores + wire / groups
 
 
 def priced_placement(plan: JobPlan) -> JobPlan:
@@ -201,8 +267,9 @@ def _dp_times(plan: JobPlan, device: Device, last_backward: list[float]) -> tupl
         grads = 4 * est.params  # fp32 gradients, whatever the compute precision
         buckets = max(1, math.ceil(grads / BUCKET_BYTES))
         if plan.cfg.parallel.zero >= 1:
-            scatter = ring_gather(grads, layout.dp, link, buckets)
-            gather = ring_gather(4 * est.params, layout.dp, link, buckets)
+            scatter = ring_gather(grads, layout.dp, link, buckets) * device.reduce_scatter_factor
+            gather = ring_gather(4 * est.params, layout.dp, link, buckets) \
+                * device.all_gather_factor
             total, exposed = scatter + gather, max(0.0, scatter - last_backward[r]) + gather
         else:
             total = ring_all_reduce(grads, layout.dp, link, buckets)

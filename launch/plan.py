@@ -5,6 +5,7 @@ every layout of N devices instead (``hybrid.search``)::
 
     hybrid-plan parallel.dp=2 parallel.tp=2 parallel.pp=2 format=json
     hybrid-plan model=gpt-1t train.global_batch=3072 search.world=3072 cost.device=a100-80gb
+    hybrid-plan calibrate        # measure this machine (launch/calibrate.py)
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def run_as_sweep(cfg: PlanConfig, cells: list[list[str]]) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["calibrate"]:  # a measurement, not a plan: its own flags
+        from launch import calibrate
+
+        calibrate.main(sys.argv[2:])
+        return
     run_hydra_app(_plan)
 
 

@@ -1,0 +1,29 @@
+"""The cost model against published iteration times: Korthikanti et al. 2022, Table 5
+(22B-1T GPT on A100-80GB, full recompute, and sequence parallelism + selective recompute),
+predicted with the ``a100-80gb`` preset and the schedule simulated. Prints each run, the
+error, and ``ratio=<largest |error| / 15%>`` last (the issue's bound: at most 1).
+
+    .venv/bin/python bench/published_runs.py
+"""
+
+from __future__ import annotations
+
+from hybrid.published import compare_with_published
+
+BOUND = 0.15
+
+
+def main() -> None:
+    rows = compare_with_published(simulated=True)
+    print(f"{'run':>5} {'recompute':>9} {'published s':>11} {'predicted s':>11} {'error':>7}")
+    for r in rows:
+        print(f"{r['run']:>5} {r['recompute']:>9} {r['published_s']:>11.2f} "
+              f"{r['predicted_s']:>11.2f} {r['error']:>+7.1%}")
+    worst = max(abs(r["error"]) for r in rows)
+    mean = sum(abs(r["error"]) for r in rows) / len(rows)
+    print(f"mean_abs_error={mean:.1%} worst={worst:.1%} bound={BOUND:.0%} "
+          f"ratio={worst / BOUND:.3f}")
+
+
+if __name__ == "__main__":
+    main()

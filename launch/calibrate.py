@@ -1,0 +1,329 @@
+"""``hybrid-plan calibrate``: measure this machine for the cost model and write a device file.
+
+What it measures, the way training uses the machine (gloo between ranks; each rank with the
+threads ``hybrid-train`` gives it):
+
+- **Compute**: the forward and backward of hybrid's own transformer layer (so norms,
+  attention, GELU and the framework's per-operation cost are in the figure, not only the
+  matrix multiplies) for several widths ``h`` and token counts ``rows`` per micro-batch, on one
+  thread in every core's process at once (what a full node gets). ``rate = flops · h/(h +
+  half_width) · rows/(rows + half_rows)`` fitted to those gives the device's ``flops``,
+  ``matmul_half_width`` and ``matmul_half_rows``; bf16 at one small shape, scaled alike. The same
+  layer on every core in one process gives ``thread_speedup`` (a single rank's threads).
+- **After the backward**: seconds per parameter of the gradient norm, clipping, hybrid's
+  AdamW step and zeroing the gradients.
+- **Collectives**: a gloo all-reduce among 2, 4 and 8 processes (up to ``--max-ranks``) of a
+  few bytes (latency) and of a few MiB (bandwidth), read through the ring formula the cost
+  model uses, so a group of ``n`` ranks gets its own link (``group_links``): with more ranks
+  than cores, ranks wait for a core as well as for data. An all-gather and a reduce-scatter
+  of the same bytes give their time over the ring formula's (gloo's are not rings).
+- **Tensor parallelism**: the same layer split over 2 ranks; what it takes beyond its compute
+  and ring time, per collective, is ``collective_overhead_s`` (the framework's own cost).
+- **Cores** the ranks share, and host memory (one rank's share of what is available).
+
+Between nodes nothing can be measured from one machine: the ``cpu`` preset's link is kept.
+Later calls use the file with ``cost.device=calibrated`` (this host's default path) or
+``cost.device=PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hybrid.devices import PRESETS, Device, Link, calibrated_path
+from hybrid.steptime import ring_gather
+
+SHAPES = tuple(itertools.product((128, 256, 512), (256, 1024)))  # (hidden, rows)
+REFERENCE = (256, 1024)
+BF16_SHAPE = (128, 256)  # bf16 runs ~50x slower than fp32 on CPUs without bf16 units
+TP_SHAPE = (256, 256)  # few tokens: the per-call cost stands out from the ring time
+SEQ = 128
+OPTIMIZER_PARAMS = 2**21
+SMALL_BYTES, LARGE_BYTES = 8, 4 * 2**20
+
+
+def _layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, group) -> float:
+    """Seconds of one forward + backward of hybrid's transformer layer."""
+    import torch
+
+    from hybrid.config import ModelConfig
+    from hybrid.model.blocks import TransformerLayer
+
+    m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
+    layer = TransformerLayer(m, group, generator=torch.Generator().manual_seed(0),
+                             sequence_parallel=False)
+    x = torch.randn(SEQ, rows // SEQ, hidden, requires_grad=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16")
+
+    def once() -> None:
+        with autocast:
+            out = layer(x)
+        out.backward(torch.ones_like(out))
+
+    once()  # warm-up
+    times, started = [], time.perf_counter()
+    while time.perf_counter() - started < min_seconds or len(times) < 3:
+        begun = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - begun)
+    return statistics.median(times)  # a shared machine's bursts fall outside the median
+
+
+def layer_flops(hidden: int, rows: int) -> float:
+    """Forward + backward FLOPs of one layer (``hybrid.steptime``'s count)."""
+    from hybrid.config import ModelConfig
+    from hybrid.steptime import layer_forward_flops
+
+    m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
+    return 3 * layer_forward_flops(m, rows // SEQ)
+
+
+def _compute_rates(rank: int, world: int, min_seconds: float, threads: int,
+                   shapes=SHAPES) -> dict:
+    """FLOP/s of the layer by shape (fp32), bf16 at one shape, and the seconds per parameter
+    of the work after the backward, on ``threads`` threads while every rank runs the same."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes all
+    own = groups[rank]
+    dist.barrier()  # every core starts together
+    rates = {f"{h}x{rows}": layer_flops(h, rows) / _layer_seconds(h, rows, "fp32", min_seconds,
+                                                                    own)
+             for h, rows in shapes}
+    h, rows = BF16_SHAPE
+    rates["bf16"] = layer_flops(h, rows) / _layer_seconds(h, rows, "bf16", min_seconds, own)
+    rates["optimizer_s_per_param"] = _optimizer_seconds() / OPTIMIZER_PARAMS
+    return rates
+
+
+def _optimizer_seconds() -> float:
+    """A step's work per parameter after the backward: the gradient norm, clipping, AdamW and
+    zeroing the gradients (what ``GradSync.finish_step`` does besides communicating)."""
+    import torch
+
+    from hybrid.config import OptimConfig
+    from hybrid.optim import build_adamw
+
+    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4)) for _ in range(4)]
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    optimizer = build_adamw([(p, True) for p in params], OptimConfig())
+
+    def step() -> None:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        torch._foreach_mul_(grads, float(1.0 / max(1.0, norm.item())))
+        optimizer.step()
+        torch._foreach_zero_(grads)
+        torch._foreach_add_(grads, 1e-3)  # gradients again for the next step
+
+    step()  # creates the moments
+    started = time.perf_counter()
+    for _ in range(5):
+        step()
+    return (time.perf_counter() - started) / 5
+
+
+def _tp_layer_seconds(rank: int, world: int, min_seconds: float) -> tuple[float, ...]:
+    """Seconds of the layer's forward + backward alone on each rank, then (wall, CPU) split
+    over the ``world`` ranks as tensor parallelism (one thread each), at ``TP_SHAPE``:
+    alternately, so that the comparison sees the same machine."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    alone, split, cpu = [], [], []
+    for _ in range(3):  # alternate, so that both see the machine's same moods
+        dist.barrier()
+        alone.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, own))
+        dist.barrier()
+        cpu_started, started = time.process_time(), time.perf_counter()
+        split.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, dist.group.WORLD))
+        runs = round((time.perf_counter() - started) / split[-1])
+        cpu.append((time.process_time() - cpu_started) / max(runs, 1))
+    return statistics.median(alone), statistics.median(split), statistics.median(cpu)
+
+
+def tp_overhead(alone: float, split: float, cpu: float, device: Device) -> tuple[float, float]:
+    """(wall, CPU) seconds per TP collective beyond compute and ring time: what the 2-way
+    layer took over its share of the layer's time alone (scaled by the fitted rates of the
+    two widths), shared over its 4 all-reduces (2 forward, 2 backward); the CPU part is work,
+    the rest waiting."""
+    from hybrid.steptime import ring_all_reduce
+
+    h, rows = TP_SHAPE
+    compute = alone / 2 * device.compute_rate("fp32", h, rows) / device.compute_rate(
+        "fp32", h / 2, rows)
+    ring = ring_all_reduce(rows * h * 4, 2, device.intra_for(2))
+    per_call = max(0.0, (split - compute) / 4 - ring)
+    return per_call, min(per_call, max(0.0, (cpu - compute) / 4))
+
+
+def fit_rate(rates: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """(flops, half_width, half_rows) of ``flops·h/(h+k)·r/(r+q)`` closest to ``rates`` in
+    log space; a grid over ``k`` and ``q`` (the rate is then the geometric-mean fit)."""
+    best = (math.inf, 0.0, 0.0, 0.0)
+    for k in range(0, 2049, 8):
+        for q in range(0, 4097, 16):
+            logs = [math.log(rate * (h + k) / h * (r + q) / r) for (h, r), rate in rates.items()]
+            mean = statistics.mean(logs)
+            error = sum((v - mean) ** 2 for v in logs)
+            best = min(best, (error, math.exp(mean), float(k), float(q)))
+    return best[1], best[2], best[3]
+
+
+def _collective_times(rank: int, world: int, repeats: int) -> tuple[float, ...]:
+    """Median seconds of an all-reduce of SMALL_BYTES and of LARGE_BYTES, and of an
+    all-gather and a reduce-scatter of LARGE_BYTES in all."""
+    import torch
+    import torch.distributed as dist
+
+    def timed(collective) -> float:
+        collective()  # warm-up: connections, buffers
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            collective()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    small, whole = torch.ones(SMALL_BYTES // 4), torch.ones(LARGE_BYTES // 4)
+    shard = torch.ones(LARGE_BYTES // 4 // world)
+    return (timed(lambda: dist.all_reduce(small)), timed(lambda: dist.all_reduce(whole)),
+            timed(lambda: dist.all_gather_single(whole, shard)),
+            timed(lambda: dist.reduce_scatter_single(shard, whole)))
+
+
+def fit_speedup(speedups: dict[int, float]) -> tuple[float, float]:
+    """(speedup, half_rows) of ``1 + (speedup - 1) * rows / (rows + half_rows)`` through the
+    measured speedups by rows (the fewest and the most)."""
+    (few, at_few), (many, at_many) = sorted(speedups.items())[0], sorted(speedups.items())[-1]
+    a, b = at_few - 1, at_many - 1
+    if a <= 0 or b <= a or few == many:  # no threads gained, or no fall with fewer rows
+        return max(at_many, 1.0), 0.0
+    # b/a = many (few + q) / (few (many + q))  ->  solve for q
+    q = few * many * (b - a) / (a * many - b * few)
+    if q <= 0:
+        return at_many, 0.0
+    return 1 + b * (many + q) / many, q
+
+
+def ring_link(n: int, small_s: float, large_s: float) -> Link:
+    """The link whose ring all-reduce takes ``small_s`` for a few bytes and ``large_s`` for
+    LARGE_BYTES: ``2(n-1)`` latencies, ``2(n-1)/n`` of the bytes over the bandwidth."""
+    latency = small_s / (2 * (n - 1))
+    moved = 2 * (n - 1) / n * (LARGE_BYTES - SMALL_BYTES)
+    return Link(bandwidth=moved / max(large_s - small_s, 1e-9), latency=latency)
+
+
+def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device, dict]:
+    """The measured device and the raw figures behind it."""
+    from hybrid.testing import spawn
+
+    cores = len(os.sched_getaffinity(0))
+    loaded = spawn(_compute_rates, cores, min_seconds, 1, timeout=600)
+    by_shape = {shape: statistics.mean(r[f"{shape[0]}x{shape[1]}"] for r in loaded)
+                for shape in SHAPES}
+    flops, half_width, half_rows = fit_rate(by_shape)
+    h, rows = BF16_SHAPE
+    bf16_factor = h / (h + half_width) * rows / (rows + half_rows)
+    h, rows = REFERENCE
+    thread_shapes = ((REFERENCE[0], 256), REFERENCE)
+    threaded = spawn(_compute_rates, 1, min_seconds, cores, thread_shapes, timeout=600)[0]
+    speedups = {rows: threaded[f"{h}x{rows}"] / by_shape[(h, rows)] for h, rows in thread_shapes}
+    thread_speedup, thread_half_rows = fit_speedup(speedups)
+    links, raw_links, gather_factors = {}, {}, []
+    n = 2
+    while n <= max_ranks:
+        times = spawn(_collective_times, n, repeats, timeout=300)
+        small, large, gather, scatter = (max(t[i] for t in times) for i in range(4))
+        links[str(n)] = link = ring_link(n, small, large)
+        ring = ring_gather(LARGE_BYTES, n, link)
+        gather_factors.append((gather / ring, scatter / ring))
+        raw_links[n] = {"small_s": small, "large_s": large, "all_gather_s": gather,
+                        "reduce_scatter_s": scatter}
+        n *= 2
+    tp_times = spawn(_tp_layer_seconds, 2, 2 * min_seconds, timeout=300)
+    tp_alone = statistics.mean(t[0] for t in tp_times)
+    tp_wall, tp_cpu = max(t[1] for t in tp_times), statistics.mean(t[2] for t in tp_times)
+    preset = PRESETS["cpu"]
+    device = replace(
+        preset, name=f"calibrated:{os.uname().nodename}",
+        flops={"fp32": flops, "bf16": statistics.mean(r["bf16"] for r in loaded) / bf16_factor},
+        matmul_half_width=half_width, matmul_half_rows=half_rows, cores=cores,
+        thread_speedup=thread_speedup, thread_half_rows=thread_half_rows,
+        all_gather_factor=statistics.mean(g for g, _ in gather_factors),
+        reduce_scatter_factor=statistics.mean(r for _, r in gather_factors),
+        optimizer_s_per_param=statistics.mean(r["optimizer_s_per_param"] for r in loaded),
+        memory_bytes=_available_memory() // max(max_ranks, 1),
+        intra=links.get("2", preset.intra), group_links=links)
+    call_wall, call_cpu = tp_overhead(tp_alone, tp_wall, tp_cpu, device)
+    device = replace(device, collective_overhead_s=call_wall, collective_cpu_s=call_cpu)
+    raw = {"layer_loaded": by_shape, "thread_speedups": speedups, "tp2_layer_s": tp_wall,
+           "all_reduce": raw_links, "cores": cores}
+    return device, raw
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as handle:
+        fields = dict(line.split(":", 1) for line in handle)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="hybrid-plan calibrate", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("--out", default=str(calibrated_path()),
+                        help="device file to write (default: %(default)s)")
+    parser.add_argument("--max-ranks", type=int, default=8,
+                        help="largest gloo group to time (2, 4, ... up to this)")
+    parser.add_argument("--seconds", type=float, default=0.3,
+                        help="time per matmul width (longer: steadier figures)")
+    parser.add_argument("--repeats", type=int, default=20, help="all-reduces per size")
+    args = parser.parse_args(argv)
+    if args.max_ranks < 2 or args.seconds <= 0 or args.repeats < 1:
+        parser.error("--max-ranks must be >= 2, --seconds > 0 and --repeats >= 1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    device, raw = calibrate(args.max_ranks, args.seconds, args.repeats)
+    out = Path(args.out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(device.to_dict(), indent=1) + "\n")
+    print(_summary(device, raw))
+    default = str(out) == str(calibrated_path())
+    print(f"wrote {out}; use it with cost.device={'calibrated' if default else out}")
+
+
+def _summary(device: Device, raw: dict) -> str:
+    fit = [f"{h}x{rows}: {rate / 1e9:.1f} (fit {device.compute_rate('fp32', h, rows) / 1e9:.1f})"
+           for (h, rows), rate in raw["layer_loaded"].items()]
+    lines = [f"cores: {device.cores}",
+             "layer fp32 GFLOP/s by hidden x tokens, every core busy: " + ", ".join(fit),
+             f"fitted: {device.flops['fp32'] / 1e9:.1f} GFLOP/s, half of it at width "
+             f"{device.matmul_half_width:.0f} or {device.matmul_half_rows:.0f} tokens; bf16 "
+             f"{device.flops['bf16'] / 1e9:.2f} GFLOP/s; {device.cores} threads in one rank: "
+             f"x{device.thread_speedup:.2f}, half of the gain at "
+             f"{device.thread_half_rows:.0f} tokens",
+             f"all-gather / reduce-scatter over the ring formula: "
+             f"x{device.all_gather_factor:.2f} / x{device.reduce_scatter_factor:.2f}",
+             f"after the backward (norm, clip, AdamW, zero): "
+             f"{device.optimizer_s_per_param * 1e9:.2f} ns per parameter",
+             f"tensor parallelism: a 2-way layer ({TP_SHAPE[0]} wide, {TP_SHAPE[1]} tokens) "
+             f"took {raw['tp2_layer_s'] * 1e3:.1f} ms, "
+             f"{device.collective_overhead_s * 1e3:.2f} ms per collective beyond its ring "
+             f"time ({device.collective_cpu_s * 1e3:.2f} ms of it CPU work)"]
+    for n, link in device.group_links.items():
+        lines.append(f"gloo all-reduce, {n} ranks: latency {link.latency * 1e6:.0f} us per "
+                     f"ring step, {link.bandwidth / 1e9:.2f} GB/s")
+    return "\n".join(lines)

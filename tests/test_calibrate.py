@@ -1,0 +1,55 @@
+"""``hybrid-plan calibrate``: its fits recover known figures, and the command writes a device
+file that ``cost.device`` then uses."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.devices import load_device
+from launch.calibrate import LARGE_BYTES, SHAPES, fit_rate, ring_link
+
+PLAN = str(Path(sys.executable).parent / "hybrid-plan")
+
+
+def test_the_rate_fit_recovers_rate_and_half_sizes():
+    flops, width, rows = 80e9, 200.0, 512.0
+    rates = {(h, r): flops * h / (h + width) * r / (r + rows) for h, r in SHAPES}
+    assert fit_rate(rates) == pytest.approx((flops, width, rows), rel=1e-6)
+    flat = {shape: 50e9 for shape in SHAPES}  # no size effect seen: no half sizes
+    assert fit_rate(flat) == pytest.approx((50e9, 0.0, 0.0))
+
+
+def test_the_ring_link_inverts_the_ring_all_reduce_formula():
+    from hybrid.steptime import ring_all_reduce
+
+    link = ring_link(4, small_s=6e-4, large_s=0.02)
+    assert ring_all_reduce(8, 4, link) == pytest.approx(6e-4, rel=1e-3)
+    assert ring_all_reduce(LARGE_BYTES, 4, link) == pytest.approx(0.02, rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_writes_a_device_that_plans_use(tmp_path):
+    out = tmp_path / "device.json"
+    done = subprocess.run([PLAN, "calibrate", "--out", str(out), "--max-ranks", "2",
+                           "--seconds", "0.01", "--repeats", "3"],
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"use it with cost.device={out}" in done.stdout
+    device = load_device(str(out))
+    assert device.flops["fp32"] > 1e8 and device.cores >= 1
+    assert device.optimizer_s_per_param > 0 and device.thread_speedup > 0
+    assert set(device.group_links) == {"2"} and device.intra_for(8) == device.group_links["2"]
+    assert json.loads(out.read_text())["name"].startswith("calibrated:")
+    planned = subprocess.run([PLAN, "model=tiny", "parallel.tp=2", f"cost.device={out}"],
+                             capture_output=True, text=True, timeout=60)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "predicted on calibrated:" in planned.stdout
+
+
+def test_calibrate_refuses_bad_flags_in_one_line():
+    done = subprocess.run([PLAN, "calibrate", "--max-ranks", "1"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--max-ranks must be >= 2" in done.stderr
