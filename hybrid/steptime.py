@@ -226,7 +226,7 @@ def _p2p_time(plan: JobPlan, device: Device) -> float:
     if cfg.parallel.sequence_parallel:
         nbytes /= plan.layout.tp
     link = _link(plan, device, "pp")
-    return nbytes / link.bandwidth + link.latency
+    return nbytes / link.bandwidth + link.latency + device.collective_overhead_s
 
 
 def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
