@@ -283,14 +283,16 @@ def _available_memory() -> int:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hybrid-plan calibrate", description=__doc__.split(
-        "\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="hybrid-plan calibrate",
+        description="Measure this machine for the cost model and write a device file "
+                    "(launch/calibrate.py says what is measured and how).")
     parser.add_argument("--out", default=str(calibrated_path()),
                         help="device file to write (default: %(default)s)")
     parser.add_argument("--max-ranks", type=int, default=8,
                         help="largest gloo group to time (2, 4, ... up to this)")
     parser.add_argument("--seconds", type=float, default=0.3,
-                        help="time per matmul width (longer: steadier figures)")
+                        help="seconds per measured shape (longer: steadier figures)")
     parser.add_argument("--repeats", type=int, default=20, help="all-reduces per size")
     args = parser.parse_args(argv)
     if args.max_ranks < 2 or args.seconds <= 0 or args.repeats < 1:
