@@ -115,15 +115,18 @@ def block_param_specs(m: ModelConfig, block_id: int, *,
     ``hybrid.model.gpt``). ``sequence_parallel``: whether the model is built with it (tp > 1).
     """
     h, sp, last = m.hidden, sequence_parallel, m.layers + 1
+    # In the order the block's named_parameters() yields them (a module's own parameters
+    # before its submodules'): the gradient buckets, and so ZeRO's shards, follow it.
     if block_id == 0:
         position = ParamSpec(name="", shape=(m.seq_len, h))
-        return _named("embedding.", {"word_embeddings.weight": _vocab_matrix(m, m.tie_embeddings),
-                                     "position_embeddings": position})
+        return _named("embedding.", {"position_embeddings": position,
+                                     "word_embeddings.weight": _vocab_matrix(m, m.tie_embeddings)})
     if block_id == last:
-        specs = _named("", _norm("final_norm", h, sp))
+        specs = {}
         if m.tie_embeddings:
             specs[TIED_HEAD_ALIAS] = replace(_vocab_matrix(m, True), name=EMBEDDING_WEIGHT)
-        else:
+        specs.update(_named("", _norm("final_norm", h, sp)))
+        if not m.tie_embeddings:
             specs["output_layer.weight"] = replace(_vocab_matrix(m, False),
                                                    name="head.output_layer.weight")
         return specs

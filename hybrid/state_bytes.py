@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 
 from hybrid.config import ModelConfig
-from hybrid.params import block_param_specs
+from hybrid.params import TIED_HEAD_ALIAS, block_param_specs
 
 MIB = 2**20
 FP32 = 4
@@ -38,15 +38,16 @@ class StateBytes:
 
 @functools.lru_cache(maxsize=256)
 def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int
-                   ) -> tuple[tuple[int, str], ...]:
-    """(local numel, late bucket or "") of a block's parameters in registration order."""
+                   ) -> tuple[tuple[int, str, str], ...]:
+    """(local numel, late bucket or "", local name) of a block's parameters in the order
+    the block registers them (``attach_specs`` holds the spec table to that order)."""
     m = ModelConfig(**dict(model_key))
     out = []
-    for spec in block_param_specs(m, block_id, sequence_parallel=sp).values():
+    for local, spec in block_param_specs(m, block_id, sequence_parallel=sp).items():
         numel = spec.numel // tp if spec.tp_dim is not None else spec.numel
         late = "tp" if spec.sequence_partial and tp > 1 else (
             "embedding" if spec.tied and pp > 1 else "")
-        out.append((numel, late))
+        out.append((numel, late, local))
     return tuple(out)
 
 
@@ -55,10 +56,10 @@ def rank_tensors(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: in
     """The distinct parameters a rank holding ``blocks`` (in chunk order) trains: with tied
     embeddings on one stage the head uses the embedding's own weight."""
     key = tuple(vars(m).items())
-    tensors = [t for block in blocks for t in _block_tensors(key, block, tp, sp and tp > 1, pp)]
-    if m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks:
-        tensors.pop(len(tensors) - 1)  # the head's alias of the embedding weight
-    return tensors
+    shared_head = m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks
+    return [(numel, late) for block in blocks
+            for numel, late, local in _block_tensors(key, block, tp, sp and tp > 1, pp)
+            if not (shared_head and block == m.layers + 1 and local == TIED_HEAD_ALIAS)]
 
 
 def bucket_sizes(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[int]]:

@@ -6,6 +6,7 @@ run of layout A saves at step 5 and goes on to step 10; a second run resumes fro
 checkpoint on layout B and must give A's losses for steps 6-10.
 """
 
+import json
 import os
 import re
 import shutil
@@ -47,7 +48,12 @@ def run_train(run_dir: Path, *overrides: str, env=None, timeout: float = 240):
 
 
 def last_loss_per_step(run_dir: Path) -> dict[int, float]:
-    """The last record of each step (after an elastic restart a step may appear twice)."""
+    """The last record of each step (after an elastic restart a step may appear twice); and
+    every rank held exactly the weight, gradient and optimizer bytes the cost model predicts,
+    resumed or not."""
+    check = json.loads((run_dir / "memory_check.json").read_text())
+    assert check["state_bytes_equal"], [r for r in check["ranks"]
+                                        if r["counted"] != r["predicted"]][:2]
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
 

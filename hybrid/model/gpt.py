@@ -87,9 +87,9 @@ def attach_specs(block: nn.Module, specs: dict, tp: int) -> None:
     """Give every parameter of ``block`` its spec, checking that the block built exactly the
     parameters, with exactly the shard shapes, that the spec table describes."""
     named = dict(block.named_parameters(remove_duplicate=False))
-    if set(named) != set(specs):
-        raise AssertionError(f"block {block.block_id} has parameters {sorted(named)}, its "
-                             f"specs describe {sorted(specs)}")
+    if list(named) != list(specs):  # the order too: hybrid.state_bytes lays buckets out by it
+        raise AssertionError(f"block {block.block_id} has parameters {list(named)}, its "
+                             f"specs describe {list(specs)}")
     for local_name, param in named.items():
         spec = specs[local_name]
         if tuple(param.shape) != spec.local_shape(tp):
