@@ -53,18 +53,26 @@ LAYOUTS = {
 }
 
 
-def run_layout(name: str, overrides: list[str], device: str, steps: int, out: Path) -> dict:
-    run_dir = out / name.replace(" ", "_")
+def train(run_dir: Path, overrides: list[str]) -> tuple[list[dict], list[dict], object]:
+    """One ``hybrid-train`` run (one thread per rank): its metrics records, the ranks of its
+    ``memory_check.json`` and its resolved config."""
     done = subprocess.run(
-        [str(BIN / "hybrid-train"), *MODEL, *overrides, f"train.steps={steps}",
-         f"cost.device={device}", f"hydra.run.dir={run_dir}", "train.overwrite=true"],
+        [str(BIN / "hybrid-train"), *overrides, f"hydra.run.dir={run_dir}",
+         "train.overwrite=true"],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
-        raise SystemExit(f"{name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"{' '.join(overrides)} failed: "
+                         f"{done.stderr.strip().splitlines()[-1:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+    ranks = json.loads((run_dir / "memory_check.json").read_text())["ranks"]
+    return records, ranks, from_dict(json.loads((run_dir / "config.json").read_text()))
+
+
+def run_layout(name: str, overrides: list[str], device: str, steps: int, out: Path) -> dict:
+    records, check, cfg = train(out / name.replace(" ", "_"),
+                                [*MODEL, *overrides, f"train.steps={steps}",
+                                 f"cost.device={device}"])
     predicted = predict_step(plan_job(cfg), load_device(device))
-    check = json.loads((run_dir / "memory_check.json").read_text())["ranks"]
     return {
         "name": name,
         "measured_s": statistics.median(r["step_time_s"] for r in records[1:]),

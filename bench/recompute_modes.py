@@ -13,20 +13,15 @@ input (plus, not measured by the hooks, one layer's activations while it is reco
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from hybrid.config import from_dict
+from cost_vs_measured import train  # bench/ is on the path when a bench runs as a script
 from hybrid.devices import load_device
 from hybrid.job import plan_job
 from hybrid.steptime import predict_step
 
-BIN = Path(sys.executable).parent
 MODEL = ["model=small", "model.layers=8", "model.hidden=256", "model.heads=8",
          "model.seq_len=256", "train.global_batch=16", "train.micro_batch=4",
          "train.log_every=100", "train.timeline_step=0", "optim.warmup_steps=0"]
@@ -34,17 +29,8 @@ MODES = ("none", "selective", "full")
 
 
 def run_mode(mode: str, layout: list[str], steps: int, out: Path) -> dict:
-    run_dir = out / mode
-    done = subprocess.run(
-        [str(BIN / "hybrid-train"), *MODEL, *layout, f"model.recompute={mode}",
-         f"train.steps={steps}", f"hydra.run.dir={run_dir}", "train.overwrite=true"],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        raise SystemExit(f"recompute={mode} failed: {done.stderr.strip().splitlines()[-1:]}")
-    records = [json.loads(line) for line in
-               (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ranks = json.loads((run_dir / "memory_check.json").read_text())["ranks"]
-    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+    records, ranks, cfg = train(out / mode, [*MODEL, *layout, f"model.recompute={mode}",
+                                             f"train.steps={steps}"])
     return {"mode": mode, "step_s": statistics.median(r["step_time_s"] for r in records[1:]),
             "loss": records[-1]["loss"],
             "act_bytes": max(r["activation_peak_bytes"] for r in ranks),

@@ -40,9 +40,9 @@ def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
     return [_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state)]
 
 
-def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) -> bool:
+def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) -> None:
     """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer,
-    activation peak]``; whether the state bytes all equal the prediction."""
+    activation peak]``, with whether the state bytes all equal the prediction."""
     from hybrid.job import plan_job, rank_state_bytes
 
     plan = plan_job(cfg)
@@ -60,4 +60,3 @@ def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) 
                           plan.memory[coords["pp"]].activation_bytes})
     write_text(run_dir / FILE, json.dumps({"state_bytes_equal": equal, "ranks": ranks},
                                           indent=1) + "\n")
-    return equal
