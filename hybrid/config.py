@@ -32,13 +32,29 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1."""
     zero: int = 0
-    """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP."""
+    """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP,
+    2 = gradients sharded too (reduce-scattered every micro-batch, only the shard kept)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (Megatron's sequence parallel)."""
     partition: str = "uniform"
     """How blocks are split into stages: uniform (by layer count) | balanced (by parameters)."""
     bucket_mb: float = 25.0
     """Size of a gradient all-reduce bucket in MiB (torch DDP's default is 25)."""
+    dp_compress: str = "none"
+    """DP gradient compression: none (exact fp32) | bf16 (reduce bf16 copies) | powersgd
+    (rank-r factors with error feedback, Vogels et al. 2019). Lossy: docs/data-parallel.md."""
+    powersgd_rank: int = 2
+    """PowerSGD's approximation rank r (torch's matrix_approximation_rank)."""
+    powersgd_warmup: int = 10
+    """Steps reduced exactly before PowerSGD starts (torch's start_powerSGD_iter)."""
+    dp_sync_every: int = 1
+    """Local SGD: replicas step on their own gradients and average parameters every this
+    many steps; 1 = exact data parallelism."""
+    dp_sync_moments: bool = False
+    """With dp_sync_every > 1: average AdamW's moments at each sync too."""
+    dp_delay: int = 0
+    """1 = apply each step's DP gradient mean one step late, its all-reduce overlapping the
+    next step's compute (the first step takes no optimizer step); 0 = exact."""
 
 
 @dataclass(kw_only=True)
@@ -224,6 +240,9 @@ class CostConfig:
     gpus_per_node: int = 8
     """Ranks per node for the cost model's links, unless the launcher places the nodes
     (launcher.nnodes > 1 or launcher.nproc_per_node)."""
+    inter_node_gbit: Optional[float] = None
+    """The link between nodes in Gb/s instead of the device's (e.g. 10 for plain Ethernet):
+    what-if pricing, e.g. of the DP options hybrid-plan compares."""
 
 
 @dataclass(kw_only=True)

@@ -123,10 +123,13 @@ class MemoryEstimate:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    dp_state_bytes: int = 0
+    """What a DP option keeps besides (PowerSGD's error feedback, a delayed mean)."""
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + \
+            self.activation_bytes + self.dp_state_bytes
 
 
 def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int, zero: int,
@@ -134,7 +137,8 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
                     embedding_copy: bool = False, head_inflight: int = 1,
                     state: Optional[StateBytes] = None) -> MemoryEstimate:
     """Bytes on one rank holding the blocks of ``chunks`` (one block list per virtual chunk):
-    fp32 weights and gradients, AdamW's two fp32 moments (sharded over DP with ZeRO-1; bf16
+    fp32 weights and gradients (sharded over DP with ZeRO-2), AdamW's two fp32 moments
+    (sharded over DP with ZeRO-1 and 2; bf16
     adds no master copy since weights stay fp32), and the activations of ``inflight``
     (chunk, micro-batch) pairs kept for backward, each holding one chunk's layers (the largest
     chunk, to stay on the safe side), plus the head's for ``head_inflight`` micro-batches on
@@ -153,10 +157,10 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
     if any(m.layers + 1 in chunk for chunk in chunks):
         act += head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision)
     if state is None:
-        state = StateBytes(4 * params, 4 * params, optimizer)
+        state = StateBytes(4 * params, 4 * params // (dp if zero == 2 else 1), optimizer)
     return MemoryEstimate(params=params, param_bytes=state.param_bytes,
                           grad_bytes=state.grad_bytes, optimizer_bytes=state.optimizer_bytes,
-                          activation_bytes=int(act))
+                          activation_bytes=int(act), dp_state_bytes=state.dp_state_bytes)
 
 
 def human_bytes(n: float) -> str:

@@ -9,11 +9,14 @@ the cost model price are all read from this one object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from hybrid.config import Config
 from hybrid.cost import MemoryEstimate, estimate_memory
-from hybrid.state_bytes import StateBytes, rank_tensors, state_bytes
+from hybrid.dp_traffic import DpOptions, dp_state_bytes, step_bytes
+from hybrid.state_bytes import StateBytes, rank_shapes, state_bytes
 from hybrid.layout import Layout
 from hybrid.pipeline.actions import stage_chunk, stage_rank
 from hybrid.validate import microbatches, ranks_per_node, validate_config
@@ -127,7 +130,7 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight:
     allocates them on DP rank 0 (``rank_state_bytes``), else in closed form (searches)."""
     held = [block for chunk in chunks for block in chunk]
     state = rank_state_bytes(cfg, layout, held, dp_rank=0) if exact else None
-    return estimate_memory(
+    estimate = estimate_memory(
         cfg.model, chunks, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
         micro_batch=cfg.train.micro_batch, inflight=inflight,
         sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
@@ -136,12 +139,34 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight:
         # last stage with its backward straight away.
         head_inflight=microbatches(cfg) if cfg.parallel.schedule == "gpipe" else 1,
         state=state)
+    options = DpOptions.of(cfg.parallel)
+    if exact or options.exact:  # (searches plan exact options only: they stay fast)
+        return estimate
+    shapes = rank_shapes(cfg.model, held, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
+                         pp=layout.pp)
+    return replace(estimate, dp_state_bytes=dp_state_bytes(shapes, dp=layout.dp,
+                                                           options=options))
 
 
 def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: int
                      ) -> StateBytes:
     """Bytes of weights, gradients and AdamW state on the rank holding ``blocks``."""
-    tensors = rank_tensors(cfg.model, blocks, tp=layout.tp,
-                           sp=cfg.parallel.sequence_parallel, pp=layout.pp)
-    return state_bytes(tensors, dp=layout.dp, dp_rank=dp_rank, zero=cfg.parallel.zero,
+    shapes = rank_shapes(cfg.model, blocks, tp=layout.tp,
+                         sp=cfg.parallel.sequence_parallel, pp=layout.pp)
+    tensors = [(math.prod(shape), late) for shape, late in shapes]
+    held = state_bytes(tensors, dp=layout.dp, dp_rank=dp_rank, zero=cfg.parallel.zero,
                        bucket_mb=cfg.parallel.bucket_mb)
+    extra = dp_state_bytes(shapes, dp=layout.dp, options=DpOptions.of(cfg.parallel))
+    return replace(held, dp_state_bytes=extra)
+
+
+def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
+                  options: Optional[DpOptions] = None) -> float:
+    """Bytes a rank of pipeline rank ``pp_rank`` sends over DP in step ``step`` under
+    ``options`` (default: the config's), as ``hybrid.comm.CommCounter`` counts them."""
+    blocks = [b for stage in plan.stages_of(pp_rank) for b in stage.blocks]
+    shapes = rank_shapes(cfg.model, blocks, tp=plan.layout.tp,
+                         sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
+    return step_bytes(shapes, dp=plan.layout.dp, step=step, microbatches=microbatches(cfg),
+                      options=options or DpOptions.of(cfg.parallel),
+                      bucket_mb=cfg.parallel.bucket_mb)

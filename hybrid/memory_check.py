@@ -1,8 +1,8 @@
 """The bytes each rank really holds, beside the cost model's prediction: ``memory_check.json``.
 
 After its first step every rank counts the distinct storages of its parameters, of its
-gradient buffers (the buckets, and under ZeRO-1 the reduced shards) and of its optimizer
-state, and measures the activations its step kept for backward at their peak
+gradient buffers (the buckets, and under ZeRO the reduced shards), of its optimizer
+state and of what a DP option keeps (PowerSGD's error feedback, a delayed mean), and measures the activations its step kept for backward at their peak
 (``hybrid.model.activations.SavedTensors``). Rank 0 writes them with the plan's prediction for
 the same rank: weights, gradients and optimizer state must be equal byte for byte (the
 end-to-end tests assert it for every layout they run); activations are a model and the file
@@ -32,27 +32,27 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
-    """[parameter, gradient, optimizer state] bytes this rank holds."""
+    """[parameter, gradient, optimizer state, DP option state] bytes this rank holds."""
     params = [p for chunk in chunks for p in chunk.parameters()]
-    grads = [b.grad for b in sync.buckets] + [s.grad for s in sync.shards]
     state = [t for per_tensor in sync.optimizer.state.values() for t in per_tensor.values()
              if isinstance(t, torch.Tensor)]
-    return [_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state)]
+    return [_storage_bytes(params), _storage_bytes(sync.grad_tensors()), _storage_bytes(state),
+            _storage_bytes(sync.dp_state_tensors())]
 
 
 def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) -> None:
-    """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer,
-    activation peak]``, with whether the state bytes all equal the prediction."""
+    """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer, DP option
+    state, activation peak]``, with whether the state bytes all equal the prediction."""
     from hybrid.job import plan_job, rank_state_bytes
 
     plan = plan_job(cfg)
     ranks, equal = [], True
-    for rank, (param, grad, optimizer, activations) in enumerate(per_rank):
+    for rank, (param, grad, optimizer, dp_state, activations) in enumerate(per_rank):
         coords = plan.layout.coords(rank % plan.world_size)
         blocks = [b for s in plan.stages_of(coords["pp"]) for b in s.blocks]
         predicted = rank_state_bytes(cfg, plan.layout, blocks, dp_rank=coords["dp"]).to_dict()
         counted = {"param_bytes": int(param), "grad_bytes": int(grad),
-                   "optimizer_bytes": int(optimizer)}
+                   "optimizer_bytes": int(optimizer), "dp_state_bytes": int(dp_state)}
         equal &= counted == predicted
         ranks.append({"rank": rank, **coords, "counted": counted, "predicted": predicted,
                       "activation_peak_bytes": int(activations),

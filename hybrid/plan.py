@@ -51,7 +51,8 @@ def plan_dict(plan: JobPlan) -> dict:
                      "peak_inflight": list(sched.peak_inflight)},
         "memory": [{"pp_rank": r, "params": est.params, "param_bytes": est.param_bytes,
                     "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
-                    "activation_bytes": est.activation_bytes, "total_bytes": est.total_bytes}
+                    "activation_bytes": est.activation_bytes,
+                    "dp_state_bytes": est.dp_state_bytes, "total_bytes": est.total_bytes}
                    for r, est in enumerate(plan.memory)],
     }
 
@@ -123,4 +124,7 @@ def format_plan(plan: dict, full: bool = False) -> str:
                                              "activation_bytes", "total_bytes")]
         lines.append(f"  pp rank {m['pp_rank']:<17} {m['params']:<9,} " +
                      " ".join(f"{c:<9}" for c in cells))
+        if m["dp_state_bytes"]:
+            lines.append(f"    (total includes {human_bytes(m['dp_state_bytes'])} the DP "
+                         f"option keeps: error feedback or gradients in flight)")
     return "\n".join(lines)

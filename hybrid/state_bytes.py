@@ -7,7 +7,8 @@ another group (sequence-parallel norms over TP, a tied embedding split over the 
 buckets of their own at the end. Under ZeRO-1 each bucket is padded to a multiple of the DP
 size, the parameters become views of one flat (padded) buffer per bucket, each rank keeps a
 reduced gradient shard of ``1/dp`` of it, and AdamW keeps moments for the parameter slices in
-this rank's shard only. AdamW's state per tensor it steps: two fp32 moments and a 4-byte step
+this rank's shard only. ZeRO-2 keeps only the shard of the gradients between steps: a bucket's
+full gradients are staged per micro-batch and freed once reduce-scattered. AdamW's state per tensor it steps: two fp32 moments and a 4-byte step
 count. The trainer counts the same bytes on every rank and checks them against this
 (``memory_check.json``; the end-to-end tests assert every layout they run).
 """
@@ -15,6 +16,7 @@ count. The trainer counts the same bytes on every rank and checks them against t
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from hybrid.config import ModelConfig
@@ -30,36 +32,45 @@ class StateBytes:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    dp_state_bytes: int = 0
+    """What a DP option keeps besides (``hybrid.dp_traffic.dp_state_bytes``)."""
 
     def to_dict(self) -> dict:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
-                "optimizer_bytes": self.optimizer_bytes}
+                "optimizer_bytes": self.optimizer_bytes, "dp_state_bytes": self.dp_state_bytes}
 
 
 @functools.lru_cache(maxsize=256)
 def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int
-                   ) -> tuple[tuple[int, str, str], ...]:
-    """(local numel, late bucket or "", local name) of a block's parameters in the order
+                   ) -> tuple[tuple[tuple[int, ...], str, str], ...]:
+    """(local shape, late bucket or "", local name) of a block's parameters in the order
     the block registers them (``attach_specs`` holds the spec table to that order)."""
     m = ModelConfig(**dict(model_key))
     out = []
     for local, spec in block_param_specs(m, block_id, sequence_parallel=sp).items():
-        numel = spec.numel // tp if spec.tp_dim is not None else spec.numel
         late = "tp" if spec.sequence_partial and tp > 1 else (
             "embedding" if spec.tied and pp > 1 else "")
-        out.append((numel, late, local))
+        out.append((spec.local_shape(tp), late, local))
     return tuple(out)
+
+
+def rank_shapes(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
+                ) -> list[tuple[tuple[int, ...], str]]:
+    """(local shape, late bucket or "") of the distinct parameters a rank holding ``blocks``
+    (in chunk order) trains: with tied embeddings on one stage the head uses the embedding's
+    own weight."""
+    key = tuple(vars(m).items())
+    shared_head = m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks
+    return [(shape, late) for block in blocks
+            for shape, late, local in _block_tensors(key, block, tp, sp and tp > 1, pp)
+            if not (shared_head and block == m.layers + 1 and local == TIED_HEAD_ALIAS)]
 
 
 def rank_tensors(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
                  ) -> list[tuple[int, str]]:
-    """The distinct parameters a rank holding ``blocks`` (in chunk order) trains: with tied
-    embeddings on one stage the head uses the embedding's own weight."""
-    key = tuple(vars(m).items())
-    shared_head = m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks
-    return [(numel, late) for block in blocks
-            for numel, late, local in _block_tensors(key, block, tp, sp and tp > 1, pp)
-            if not (shared_head and block == m.layers + 1 and local == TIED_HEAD_ALIAS)]
+    """(numel, late bucket or "") of ``rank_shapes``."""
+    return [(math.prod(shape), late)
+            for shape, late in rank_shapes(m, blocks, tp=tp, sp=sp, pp=pp)]
 
 
 def bucket_sizes(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[int]]:
@@ -96,7 +107,10 @@ def state_bytes(tensors: list[tuple[int, str]], *, dp: int, dp_rank: int, zero: 
         padded = -(-sum(bucket) // dp) * dp
         shard = padded // dp
         params += FP32 * padded
-        grads += FP32 * padded + (FP32 * shard if dp > 1 else 0)
+        if zero == 2:  # only the shard: buckets are staged per micro-batch, then freed
+            grads += FP32 * shard
+        else:
+            grads += FP32 * padded + (FP32 * shard if dp > 1 else 0)
         start, end, offset = dp_rank * shard, (dp_rank + 1) * shard, 0
         for numel in bucket:  # the slices of this bucket's parameters inside the shard
             inside = min(end, offset + numel) - max(start, offset)

@@ -111,3 +111,29 @@ def _kill(procs: list) -> None:
             p.kill()
     for p in procs:
         p.join(timeout=10)
+
+
+def checked_records(run_dir) -> list[dict]:
+    """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
+    held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts
+    (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
+    ``hybrid.job.rank_dp_bytes`` predicts for its layout and DP options."""
+    import json
+    from pathlib import Path
+
+    from hybrid.config import from_dict
+    from hybrid.job import plan_job, rank_dp_bytes
+    from hybrid.metrics import read_metrics
+
+    run_dir = Path(run_dir)
+    check = json.loads((run_dir / "memory_check.json").read_text())
+    assert check["state_bytes_equal"], [r for r in check["ranks"]
+                                        if r["counted"] != r["predicted"]][:2]
+    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+    plan = plan_job(cfg, simulated=False)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    for record in records:
+        predicted = rank_dp_bytes(cfg, plan, 0, record["step"])
+        assert abs(record["comm_bytes"]["dp"] - predicted) <= 1e-9 * predicted, \
+            (record["step"], record["comm_bytes"]["dp"], predicted)
+    return records

@@ -30,7 +30,8 @@ from hybrid.config import Config
 from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
-from hybrid.job import plan_job
+from hybrid.dp_traffic import DpOptions
+from hybrid.job import plan_job, rank_dp_bytes
 from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model.activations import SavedTensors
@@ -126,6 +127,7 @@ class Trainer:
         self.act_shape = activation_shape(cfg, groups)
         self.checkpointer = Checkpointer(cfg, groups, self.chunks, self.sync, run_dir)
         self.start_step = self.checkpointer.resume()
+        self._plan = None  # rank 0's JobPlan, made when the first metrics record needs it
         """The step the run resumes after (0: a fresh run)."""
 
     def set_watching(self, on: bool) -> None:
@@ -161,7 +163,7 @@ class Trainer:
         start, cpu_start = time.perf_counter(), time.process_time()
         self.counter.reset()
         self.watch.start_step(step)
-        self.sync.start_step(self.m)
+        self.sync.start_step(self.m, step=step)
         try:
             with self.counter.track():
                 loss = self._forward_backward(step, data, recorder)
@@ -231,14 +233,15 @@ class Trainer:
                                 log_every=cfg.train.log_every, first_step=self.start_step + 1)
         times = self._times_log() if is_rank0 else None
         losses, norms = [], []
+        checking = True  # until the first step that updates (dp_delay's step 1 does not)
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
                 recorder = self._recorder_for(step)
-                first = step == self.start_step + 1
-                with self._saved_tensors(first) as saved:
+                with self._saved_tensors(checking) as saved:
                     report = self.step(step, recorder)
-                if first:
+                if checking and self.sync.optimizer.state:
                     self._check_memory(saved)
+                    checking = False
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
@@ -257,7 +260,8 @@ class Trainer:
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
 
     def _saved_tensors(self, on: bool):
-        """The first step counts what autograd keeps for backward (``memory_check.json``)."""
+        """The first updating step counts what autograd keeps for backward
+        (``memory_check.json``)."""
         if not on:
             return contextlib.nullcontext()
         return SavedTensors(p for chunk in self.chunks.values() for p in chunk.parameters())
@@ -287,9 +291,17 @@ class Trainer:
             "tokens_per_s": tokens_per_step / report.step_time_s,
             "step_time_s": report.step_time_s, "cpu_s": report.cpu_s,
             "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in axes},
+            "comm_bytes_dp_uncompressed": self._exact_dp_bytes(step),
             "comm_calls": {axis: report.comm[axis]["calls"] for axis in axes},
             "peak_mem_bytes": report.peak_mem_bytes, **summary,
         }
+
+    def _exact_dp_bytes(self, step: int) -> float:
+        """What rank 0 would send over DP this step with exact reduction (same ZeRO stage)."""
+        if self._plan is None:
+            self._plan = plan_job(self.cfg, simulated=False)
+        exact = DpOptions.of(self.cfg.parallel).uncompressed()
+        return rank_dp_bytes(self.cfg, self._plan, 0, step, exact)
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:

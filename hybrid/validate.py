@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from hybrid.config import Config, ModelConfig
+from hybrid.dp_traffic import DpOptions, option_problem
 from hybrid.layout import Layout, LayoutError, valid_sizes
 from hybrid.pipeline.schedules import SCHEDULE_NAMES
 
@@ -84,8 +85,8 @@ def validate_config(cfg: Config) -> Layout:
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of ``cfg``, one line each (each check reports its first); the checks of
     the layout's consequences run only once the sizes make a layout."""
-    problems = [p for p in (_problem(check, cfg) for check in (_check_names, _check_numbers))
-                if p]
+    problems = [p for p in (_problem(check, cfg) for check in (_check_names, _check_numbers,
+                                                                 _check_dp_options)) if p]
     par = cfg.parallel
     try:
         layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
@@ -109,13 +110,28 @@ def _problem(check, *args) -> str | None:
 def _check_names(cfg: Config) -> None:
     _choose("parallel.schedule", cfg.parallel.schedule, SCHEDULE_NAMES)
     _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
-    _choose("parallel.zero", cfg.parallel.zero, (0, 1))
     _choose("train.precision", cfg.train.precision, PRECISIONS)
     _choose("model.recompute", cfg.model.recompute, RECOMPUTE)
     _choose("train.device", cfg.train.device, DEVICES)
     _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
     _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
     _choose("optim.name", cfg.optim.name, ("adamw",))
+
+
+def _check_dp_options(cfg: Config) -> None:
+    par = cfg.parallel
+    problem = option_problem(DpOptions.of(par), par.dp)
+    if problem:
+        raise LayoutError(problem)
+    every, saves = par.dp_sync_every, cfg.checkpoint.every
+    if every > 1 and saves > 0 and not par.dp_sync_moments:
+        raise LayoutError(f"parallel.dp_sync_every={every} leaves each replica its own AdamW "
+                          f"moments, which a checkpoint cannot hold: set "
+                          f"parallel.dp_sync_moments=true or checkpoint.every=0")
+    if every > 1 and saves % every:
+        raise LayoutError(f"checkpoint.every={saves} is not a multiple of "
+                          f"parallel.dp_sync_every={every}: replicas agree only after a sync; "
+                          f"set checkpoint.every={every * max(1, saves // every)}")
 
 
 def _check_numbers(cfg: Config) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.metrics import read_metrics
+from hybrid.testing import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 CKPT = str(Path(sys.executable).parent / "hybrid-ckpt")
@@ -33,7 +34,12 @@ LAYOUTS = {
     "pp4-vpp2": SINGLE + ["parallel.pp=4", "parallel.vpp=2", "parallel.bucket_mb=0.01",
                           "parallel.schedule=interleaved-1f1b"],
     "dp2": SINGLE + ["parallel.dp=2"],
+    "dp2-zero2": SINGLE + ["parallel.dp=2", "parallel.zero=2"],
     "dp4-zero1": SINGLE + ["parallel.dp=4", "parallel.zero=1", "parallel.bucket_mb=0.02"],
+    # the DP options' own state (error feedback and Q; the mean in flight) is checkpointed
+    "dp2-powersgd": SINGLE + ["parallel.dp=2", "parallel.dp_compress=powersgd",
+                              "parallel.powersgd_warmup=3"],
+    "dp2-delay": SINGLE + ["parallel.dp=2", "parallel.dp_delay=1"],
 }
 
 SOURCE_EXTRA = {"tp2": ["checkpoint.async_save=true"]}
@@ -49,12 +55,9 @@ def run_train(run_dir: Path, *overrides: str, env=None, timeout: float = 240):
 
 def last_loss_per_step(run_dir: Path) -> dict[int, float]:
     """The last record of each step (after an elastic restart a step may appear twice); and
-    every rank held exactly the weight, gradient and optimizer bytes the cost model predicts,
-    resumed or not."""
-    check = json.loads((run_dir / "memory_check.json").read_text())
-    assert check["state_bytes_equal"], [r for r in check["ranks"]
-                                        if r["counted"] != r["predicted"]][:2]
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    every rank held exactly the state bytes and sent exactly the DP bytes the plan predicts,
+    resumed or not (``hybrid.testing.checked_records``)."""
+    return {r["step"]: r["loss"] for r in checked_records(run_dir)}
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -86,7 +89,7 @@ def resume(run_dir: Path, source: Path, layout: str, *extra: str):
     return last_loss_per_step(run_dir)
 
 
-@pytest.mark.parametrize("layout", ["2x2x2-zero1"])
+@pytest.mark.parametrize("layout", ["2x2x2-zero1", "dp2-powersgd", "dp2-delay"])
 def test_resume_on_the_same_layout_is_bitwise(layout, saved, tmp_path):
     source = saved(layout)
     resumed = resume(tmp_path, source, layout)
@@ -95,8 +98,8 @@ def test_resume_on_the_same_layout_is_bitwise(layout, saved, tmp_path):
     assert [resumed[s] for s in resumed] == [expected[s] for s in resumed]  # bitwise
 
 
-# Every axis changes in one of them: TP, PP (into interleaving), DP (with ZeRO-1 on both).
-RESHARD = [("2x2x2-zero1", "1"), ("tp2", "pp4-vpp2"), ("dp2", "dp4-zero1")]
+# Every axis changes in one of them: TP, PP (into interleaving), DP (ZeRO-2 to ZeRO-1).
+RESHARD = [("2x2x2-zero1", "1"), ("tp2", "pp4-vpp2"), ("dp2-zero2", "dp4-zero1")]
 
 
 @pytest.mark.parametrize("source_layout, target_layout", RESHARD,

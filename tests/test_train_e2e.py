@@ -15,6 +15,7 @@ import pytest
 
 from hybrid.config import Config, from_dict, to_dict
 from hybrid.metrics import REQUIRED_KEYS, read_metrics
+from hybrid.testing import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 STEPS = 10
@@ -22,7 +23,10 @@ STEPS = 10
 COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_batch=8",
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=2", "seed=7"]
 LAYOUTS = {
-    "dp2": ["parallel=single", "parallel.dp=2"],
+    # zero=2 reduce-scatters every micro-batch; plain dp2 runs inside 2x2x2 and torchrun
+    "dp2-zero2": ["parallel=single", "parallel.dp=2", "parallel.zero=2"],
+    "dp4-zero2": ["parallel=single", "parallel.dp=4", "parallel.zero=2",
+                  "parallel.bucket_mb=0.02"],
     "tp2": ["parallel=single", "parallel.tp=2"],
     "pp2-1f1b": ["parallel=single", "parallel.pp=2"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
@@ -42,13 +46,10 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 240,
 
 
 def losses_of(run_dir: Path) -> list[float]:
-    """The run's losses, after checking that every rank held exactly the weight, gradient
-    and optimizer bytes the cost model predicts for it (every test that reads a run's
-    losses checks its layout's memory this way)."""
-    check = json.loads((run_dir / "memory_check.json").read_text())
-    assert check["state_bytes_equal"], [r for r in check["ranks"]
-                                        if r["counted"] != r["predicted"]][:2]
-    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    """The run's losses, after checking that every rank held exactly the state bytes and
+    sent exactly the DP bytes the plan predicts (every test that reads a run's losses checks
+    its layout's accounting this way: ``hybrid.testing.checked_records``)."""
+    return [r["loss"] for r in checked_records(run_dir)]
 
 
 def assert_same_losses(losses: list[float], reference: list[float]) -> None:
@@ -68,10 +69,11 @@ def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     assert "straggler" not in done.stderr  # an undisturbed run names no slow rank
 
 
-def test_tied_embeddings_with_sequence_parallel_and_zero1_on_2x2x2(reference, tmp_path):
+def test_tied_embeddings_with_sequence_parallel_and_zero2_on_2x2x2(reference, tmp_path):
     """Tied embedding grads are summed over the first and last stage (embedding group);
-    sequence parallelism and ZeRO-1's sharded optimizer in the same 8-rank run."""
-    done = run_train(tmp_path, *TIED, "parallel.sequence_parallel=true", "parallel.zero=1")
+    sequence parallelism and ZeRO-2's sharded gradients and optimizer in the same 8-rank run
+    (the late buckets, summed over TP and the embedding group first, reduce-scatter once)."""
+    done = run_train(tmp_path, *TIED, "parallel.sequence_parallel=true", "parallel.zero=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses_of(tmp_path), reference["tied"])
     assert reference["tied"] != pytest.approx(reference["untied"], rel=1e-4)

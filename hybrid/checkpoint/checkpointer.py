@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +39,10 @@ from hybrid.checkpoint.store import (
     prune, read_manifest, resolve_resume, write_manifest,
 )
 from hybrid.config import to_dict
+from hybrid.dp.option_state import PREFIX as OPTION_PREFIX
+from hybrid.dp.option_state import (
+    load_option_state, option_state, option_targets, same_option_layout,
+)
 from hybrid.dp.state import MOMENTS
 from hybrid.files import RunDirError
 from hybrid.optim import unique_parameters
@@ -72,6 +77,7 @@ class Checkpointer:
             for key in MOMENTS:
                 state[f"optim.{name}.{key}"] = as_global(moments[key], self.specs[name], self.mesh)
             state[f"optim.{name}.step"] = moments["step"]
+        state.update(option_state(self.sync))
         state["train.step"] = torch.tensor(step, dtype=torch.int64)
         state["rng.cpu"] = torch.get_rng_state()
         return state
@@ -177,6 +183,12 @@ class Checkpointer:
         manifest = read_manifest(path)
         verify_files(path, manifest, self.rank, self.world)
         targets, moments = self._targets()
+        options = same_option_layout(manifest["config"], self.cfg)
+        if options:
+            targets.update(option_targets(self.sync))
+        elif self.rank == 0 and any(k.startswith(OPTION_PREFIX) for k in manifest["tensors"]):
+            print(f"note: {path} was saved on another layout or DP options; "
+                  f"parallel.dp_compress / dp_delay state starts afresh", file=sys.stderr)
         try:
             dcp.load(targets, storage_reader=SafeReader(path))
         except CheckpointException as err:
@@ -187,6 +199,8 @@ class Checkpointer:
                                   f"an older one") from None
         self._check_every_key_loaded(path, targets)
         self.sync.load_state_dict(moments)
+        if options:
+            load_option_state(self.sync, targets)
         torch.set_rng_state(targets["rng.cpu"])
         return int(targets["train.step"])
 
@@ -212,7 +226,9 @@ class Checkpointer:
         asked = [None] * self.world
         dist.all_gather_object(asked, sorted(targets))
         saved = set(read_metadata(path).state_dict_metadata)
-        unused = sorted(saved - set().union(*map(set, asked)))
+        # DP option state is left out on purpose where the layout changed (dp.option_state)
+        unused = sorted(key for key in saved - set().union(*map(set, asked))
+                        if not key.startswith(OPTION_PREFIX))
         if unused:
             raise CheckpointError(f"checkpoint {path} holds {len(unused)} tensors this model "
                                   f"has no place for (first: {unused[0]}); check the model "

@@ -81,20 +81,27 @@ class Bucket:
     accumulations: list[int] = field(default_factory=list)
     final_params: int = 0
     works: list = field(default_factory=list)
+    on_done: list = field(default_factory=list)
+    """Callables run once the bucket's collectives are done (e.g. copy a bf16 result back)."""
 
     @classmethod
     def allocate(cls, index: int, params: list[torch.nn.Parameter], *, pad_to: int,
-                 reduce_first: Optional[dist.ProcessGroup] = None) -> "Bucket":
+                 reduce_first: Optional[dist.ProcessGroup] = None,
+                 grad_buffer: bool = True) -> "Bucket":
+        """``grad_buffer=False`` (ZeRO-2): no persistent buffer, ``.grad`` stays autograd's
+        and ``hybrid.dp.zero2`` stages it per micro-batch."""
         offsets, total = [], 0
         for param in params:
             offsets.append(total)
             total += param.numel()
         numel = padded(total, pad_to)
-        grad = torch.zeros(numel, dtype=GRAD_DTYPE, device=params[0].device)
+        device = params[0].device
+        grad = torch.zeros(numel if grad_buffer else 0, dtype=GRAD_DTYPE, device=device)
         bucket = cls(index=index, params=params, offsets=offsets, numel=numel, grad=grad,
                      reduce_first=reduce_first)
-        for slot, param in enumerate(params):
-            param.grad = bucket.grad_view(slot)
+        if grad_buffer:
+            for slot, param in enumerate(params):
+                param.grad = bucket.grad_view(slot)
         return bucket
 
     @property
@@ -112,7 +119,7 @@ class Bucket:
     def flatten_params(self) -> None:
         """Move the parameters' values into one flat fp32 buffer and make them views of it
         (ZeRO-1: the all-gather of updated shards then updates the model in place)."""
-        self.data = torch.zeros(self.numel, dtype=GRAD_DTYPE, device=self.grad.device)
+        self.data = torch.zeros(self.numel, dtype=GRAD_DTYPE, device=self.params[0].device)
         for slot, param in enumerate(self.params):
             start, end = self.span(slot)
             self.data[start:end].copy_(param.detach().reshape(-1))
@@ -132,7 +139,10 @@ class Bucket:
         self.final_params = 0
 
     def wait(self, wait: Callable[[Any], None]) -> None:
-        """``wait(work)`` for each collective started on the bucket."""
+        """``wait(work)`` for each collective started on the bucket, then its ``on_done``."""
         for work in self.works:
             wait(work)
         self.works.clear()
+        for done in self.on_done:
+            done()
+        self.on_done.clear()

@@ -21,10 +21,15 @@ For power-of-two ``d`` the division is exact, so pre- and post-dividing agree bi
 
 Gradients are reduced in fp32 (the buffers are fp32; parameters stay fp32 master weights and
 bf16 compute runs under autocast, whose gradients arrive in the parameters' fp32).
+
+The DP options (``hybrid.dp_traffic``) plug in here: how a bucket becomes its mean
+(``dp.reduce``: exact or bf16; ``dp.powersgd``), ZeRO-2's per-micro-batch staging
+(``dp.zero2``), and local SGD or one-step-delayed gradients (``dp.replicas``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Iterable, Optional, Union
 
@@ -35,8 +40,13 @@ from torch import nn
 from hybrid.config import OptimConfig
 from hybrid.dp.buckets import Bucket, Piece, plan_buckets
 from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm, scale_grads_
+from hybrid.dp.powersgd import PowerSGD
+from hybrid.dp.reduce import Bf16Mean, ExactMean
+from hybrid.dp.replicas import DelayedMean, average_replicas
 from hybrid.dp.state import load_optimizer_state, optimizer_state
 from hybrid.dp.zero import Shard, all_gather_params
+from hybrid.dp.zero2 import StagedShards
+from hybrid.dp_traffic import DpOptions, option_problem
 from hybrid.params import ParamSpec
 from hybrid.optim import build_adamw, set_lr, spec_of, unique_parameters
 
@@ -64,27 +74,31 @@ def _plain_wait(work: dist.Work) -> None:
 
 
 class GradSync:
-    """Bucketed DP gradient sync, other-axis reductions, clipping, AdamW and ZeRO-1.
+    """Bucketed DP gradient sync, other-axis reductions, clipping, AdamW and ZeRO-1/2.
 
     ``model``: this rank's module, or its list of model chunks (pipeline stages). All its
-    trainable parameters must be fp32. ``bucket_mb``: bucket size in MiB. ``zero``: 0 or 1.
-    ``optimizer`` is the AdamW it builds (over shard slices under ZeRO-1).
+    trainable parameters must be fp32. ``bucket_mb``: bucket size in MiB. ``zero``: 0, 1 or
+    2. ``options``: the other DP options (``hybrid.dp_traffic.DpOptions``; default exact).
+    ``optimizer`` is the AdamW it builds (over shard slices under ZeRO).
     """
 
     def __init__(self, model: Union[nn.Module, Iterable[nn.Module]], groups,
                  optim: OptimConfig, *, bucket_mb: float = 25.0, zero: int = 0,
+                 options: Optional[DpOptions] = None,
                  wait: Optional[Callable[[dist.Work], None]] = None):
         """``wait(work)`` waits for each asynchronous DP collective (default ``work.wait()``;
         the trainer's ``RankWatch.wait_async`` times it and says what it was)."""
-        if zero not in (0, 1):
-            raise DataParallelConfigError(f"parallel.zero={zero} is not supported; use 0 or 1")
+        options = DpOptions(zero=zero) if options is None else replace(options, zero=zero)
+        problem = option_problem(options, groups.dp.size())
+        if problem:
+            raise DataParallelConfigError(problem)
         if not bucket_mb > 0:
             raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
                                           f"25 is torch DDP's default")
         modules = [model] if isinstance(model, nn.Module) else list(model)
         named = unique_parameters(modules)
         _check_fp32(named)
-        self.groups, self.zero = groups, zero
+        self.groups, self.zero, self.options = groups, zero, options
         self.wait = wait or _plain_wait
         self.dp_size, self.dp_rank = groups.dp.size(), groups.dp_rank
         self.specs = {id(p): spec for spec, p in named}
@@ -94,23 +108,25 @@ class GradSync:
             else []
         self.pieces_by_bucket = self._pieces_by_bucket()
         """What the optimizer steps, per bucket: parameters, or their slices in this shard."""
-        pieces_by_bucket = self.pieces_by_bucket
-        self.pieces = [piece for pieces in pieces_by_bucket for piece in pieces]
+        self.pieces = [piece for pieces in self.pieces_by_bucket for piece in pieces]
         self.optimizer = build_adamw([(p.tensor, p.decays) for p in self.pieces], optim)
-        self._norm_grads = self._grads_counted_in_norm(pieces_by_bucket)
+        self._norm_grads = self._grads_counted_in_norm(self.pieces_by_bucket)
+        self._build_strategies()
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._accumulated, b, i))
                        for b in self.buckets for i, param in enumerate(b.params)]
         self._microbatches: Union[int, None] = None
         self._next_launch = 0
+        self.step = 0
+        """The optimizer step being taken (1-based; ``start_step`` sets it)."""
         self.launched_in_backward = 0
         """Overlapped buckets whose collective started during the last step's backward."""
 
     @classmethod
     def from_config(cls, model: Union[nn.Module, Iterable[nn.Module]], groups,
                     cfg, wait: Optional[Callable[[dist.Work], None]] = None) -> "GradSync":
-        """From a ``hybrid.config.Config``: ``optim``, ``parallel.bucket_mb``, ``parallel.zero``."""
+        """From a ``hybrid.config.Config``: ``optim`` and ``parallel``'s DP options."""
         return cls(model, groups, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
-                   zero=cfg.parallel.zero, wait=wait)
+                   zero=cfg.parallel.zero, options=DpOptions.of(cfg.parallel), wait=wait)
 
     # ----- construction ----------------------------------------------------------------------
     def _build_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
@@ -121,7 +137,8 @@ class GradSync:
             axis = reduce_first_axis(param, self.groups)
             (late[axis] if axis else overlapped).append(param)
         pad_to = self.dp_size if self.zero else 1
-        buckets = [Bucket.allocate(i, ps, pad_to=pad_to)
+        staged = self.zero == 2  # no persistent gradient buffer: see dp.zero2
+        buckets = [Bucket.allocate(i, ps, pad_to=pad_to, grad_buffer=not staged)
                    for i, ps in enumerate(plan_buckets(overlapped, int(bucket_mb * MIB)))]
         self.num_overlapped = len(buckets)
         # Kept out of the overlapped buckets (simplest correct way): summed over their own
@@ -129,11 +146,24 @@ class GradSync:
         for axis, ps in late.items():
             if ps:
                 buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
-                                               reduce_first=self.groups.group[axis]))
+                                               reduce_first=self.groups.group[axis],
+                                               grad_buffer=not staged))
         if self.zero:
             for bucket in buckets:
                 bucket.flatten_params()
         return buckets
+
+    def _build_strategies(self) -> None:
+        options, dp = self.options, self.groups.dp
+        if options.compress == "powersgd" and self.dp_size > 1:
+            self.reducer = PowerSGD(dp, self.buckets, rank=options.powersgd_rank,
+                                    warmup=options.powersgd_warmup)
+        else:
+            self.reducer = Bf16Mean(dp) if options.compress == "bf16" else ExactMean(dp)
+        self.staged = StagedShards(self.shards, dp, self.wait) if self.zero == 2 else None
+        self.delayed = DelayedMean(dp, self.buckets) if options.delay and self.dp_size > 1 \
+            else None
+        self.averages_each_step = options.sync_every == 1 and not options.delay
 
     def _decays(self, param: torch.Tensor) -> bool:
         return self.specs[id(param)].weight_decay
@@ -161,10 +191,22 @@ class GradSync:
         """The buffers that hold this rank's reduced gradients (what clipping scales)."""
         return [s.grad for s in self.shards] if self.zero else [b.grad for b in self.buckets]
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient buffer this rank keeps between steps."""
+        return [b.grad for b in self.buckets if b.grad.numel()] + \
+            [s.grad for s in self.shards if s.grad.numel()]
+
+    def dp_state_tensors(self) -> list[torch.Tensor]:
+        """What the DP options keep between steps (PowerSGD's, the delayed mean)."""
+        if isinstance(self.reducer, PowerSGD):
+            return self.reducer.state_tensors()
+        return self.delayed.state_tensors() if self.delayed else []
+
     # ----- the step ----------------------------------------------------------------------
-    def start_step(self, num_microbatches: int) -> None:
+    def start_step(self, num_microbatches: int, step: Optional[int] = None) -> None:
         """Declare the step's micro-batch count: after that many accumulations per parameter
-        its gradient is final. Call before the step's first backward."""
+        its gradient is final. Call before the step's first backward. ``step``: the optimizer
+        step's number, 1-based (default: one more than the last)."""
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
                 or num_microbatches < 1:
             raise DataParallelConfigError(
@@ -176,6 +218,8 @@ class GradSync:
         self._next_launch = 0
         self.launched_in_backward = 0
         self._microbatches = num_microbatches
+        self.step = self.step + 1 if step is None else step
+        self.reducer.start_step(self.step)
 
     def _accumulated(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook of ``bucket.params[slot]``."""
@@ -189,6 +233,9 @@ class GradSync:
                                f"in a step declared with {expected} micro-batches; pass the "
                                f"true count to start_step()")
         bucket.accumulations[slot] = count
+        if self.staged is not None:
+            self.staged.accumulated(bucket, slot, param)
+            return
         if count == expected:
             bucket.check_grad_is_view(slot)
             bucket.final_params += 1
@@ -205,15 +252,10 @@ class GradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        """Start the bucket's DP mean: pre-divide by d, then an async sum over ``groups.dp``."""
-        if self.dp_size == 1:
+        """Start the bucket's DP mean (unless this step does not average gradients)."""
+        if self.dp_size == 1 or not self.averages_each_step:
             return
-        bucket.grad.mul_(1.0 / self.dp_size)
-        if self.zero:
-            self.shards[bucket.index].launch_reduce_scatter(self.groups.dp)
-        else:
-            bucket.works.append(dist.all_reduce(bucket.grad, group=self.groups.dp,
-                                                async_op=True))
+        self.reducer.launch(bucket, self.shards[bucket.index] if self.zero else None)
 
     def reduce_gradients(self) -> None:
         """Finish the step's gradient sync: start whatever did not start during backward
@@ -222,14 +264,16 @@ class GradSync:
         if self._microbatches is None:
             raise RuntimeError("gradients reduced without start_step(); call "
                                "GradSync.start_step(num_microbatches) before the backward")
+        self._microbatches = None
+        if self.staged is not None:
+            self.staged.flush()
+            return
         self._launch_ready_in_order(in_backward=False)
         for bucket in self.buckets[self.num_overlapped:]:
             if bucket.reduce_first.size() > 1:
                 dist.all_reduce(bucket.grad, group=bucket.reduce_first)
             self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.wait(self.wait)
-        self._microbatches = None
+        self.reducer.finish(self.buckets, self.wait)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global gradient norm (before clipping); scales gradients to ``max_norm`` when
@@ -239,7 +283,7 @@ class GradSync:
         return norm
 
     def optimizer_step(self, lr: float) -> None:
-        """AdamW step at ``lr``; under ZeRO-1 then all-gather the updated parameters."""
+        """AdamW step at ``lr``; under ZeRO then all-gather the updated parameters."""
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.zero:
@@ -247,26 +291,33 @@ class GradSync:
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (``.grad`` stays a view of them)."""
-        for bucket in self.buckets:
-            bucket.grad.zero_()
+        for grad in self.grad_tensors():
+            grad.zero_()
 
     def finish_step(self, *, lr: float, max_norm: float,
                     check: Optional[Callable[[float], None]] = None) -> float:
         """Reduce, clip, step, zero; returns the global gradient norm before clipping.
 
         ``check(norm)`` runs after the norm is known and before the optimizer step: it may
-        raise to stop a step whose update must not be applied (a non-finite norm)."""
+        raise to stop a step whose update must not be applied (a non-finite norm). With
+        ``dp_delay`` the norm is that of the mean applied (step 1 applies none: 0.0)."""
         self.reduce_gradients()
-        norm = self.clip_grad_norm_(max_norm)
+        apply = self.delayed.swap(self.wait) if self.delayed else True
+        norm = self.clip_grad_norm_(max_norm) if apply else 0.0
         if check is not None:
             check(norm)
-        self.optimizer_step(lr)
+        if apply:
+            self.optimizer_step(lr)
+        every = self.options.sync_every
+        if every > 1 and self.step % every == 0:
+            average_replicas(self.buckets, self.optimizer, self.groups.dp, self.wait,
+                             moments=self.options.sync_moments)
         self.zero_grad()
         return norm
 
     def state_dict(self) -> dict:
         """AdamW's state per global parameter name (see ``hybrid.dp.state``); collective over
-        DP under ZeRO-1."""
+        DP under ZeRO."""
         return optimizer_state(self)
 
     def load_state_dict(self, states: dict) -> None:

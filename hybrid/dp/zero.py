@@ -1,4 +1,4 @@
-"""ZeRO-1: optimizer state sharded over the DP group.
+"""ZeRO-1 (and the shards ZeRO-2 shares): optimizer state sharded over the DP group.
 
 Every bucket (see ``dp.buckets``) is padded to a multiple of the DP size ``d`` and cut into
 ``d`` equal, contiguous shards; DP rank ``r`` owns shard ``r`` of every bucket. Per step:
@@ -48,8 +48,12 @@ class Shard:
         assert bucket.data is not None, "a ZeRO bucket needs flat parameters"
         size = bucket.numel // dp_size
         start = dp_rank * size
-        # With one DP rank there is nothing to scatter: the shard is the whole buffer.
-        grad = bucket.grad if dp_size == 1 else torch.zeros_like(bucket.grad[:size])
+        # With one DP rank there is nothing to scatter: the shard is the whole buffer (unless
+        # ZeRO-2 keeps no full buffer).
+        if dp_size == 1 and bucket.grad.numel():
+            grad = bucket.grad
+        else:
+            grad = torch.zeros(size, dtype=bucket.data.dtype, device=bucket.data.device)
         return cls(bucket=bucket, start=start, end=start + size, grad=grad)
 
     def pieces(self, decays: Callable[[torch.Tensor], bool],

@@ -1,0 +1,83 @@
+"""Data parallelism that does not average every step's gradients at once.
+
+``average_replicas`` (``parallel.dp_sync_every=H``, local SGD): each DP replica steps on its
+own gradients; every H-th step the replicas' parameters, and with ``dp_sync_moments`` AdamW's
+two moments, are averaged over DP, one flat all-reduce per bucket and kind.
+
+``DelayedMean`` (``parallel.dp_delay=1``): at the end of step ``t`` the gradients' DP mean is
+started asynchronously and the optimizer applies step ``t-1``'s mean, so the all-reduce runs
+while step ``t+1`` computes. Step 1 has nothing to apply: it takes no optimizer step. The mean
+in flight is one fp32 copy of the gradients; it is part of a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybrid.dp.buckets import Bucket
+
+
+def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer,
+                     group: dist.ProcessGroup, wait: Callable, *, moments: bool) -> None:
+    """Replace every parameter (and its moments) by its mean over the DP group."""
+    d = group.size()
+    if d == 1:
+        return
+    pending = []
+    for bucket in buckets:
+        kinds = [[p.detach() for p in bucket.params]]
+        if moments:
+            kinds += [[optimizer.state[p][key] for p in bucket.params]
+                      for key in ("exp_avg", "exp_avg_sq")]
+        for tensors in kinds:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, tensors))
+    for work, flat, tensors in pending:
+        wait(work)
+        flat.mul_(1.0 / d)
+        start = 0
+        for tensor in tensors:
+            tensor.copy_(flat[start:start + tensor.numel()].view_as(tensor))
+            start += tensor.numel()
+
+
+class DelayedMean:
+    """The gradients' DP mean applied one step late (see module doc)."""
+
+    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket]):
+        self.group, self.buckets = group, list(buckets)
+        self.in_flight: Optional[list[torch.Tensor]] = None
+        """Per bucket, the previous step's mean (being reduced until ``works`` are done)."""
+        self.works: list = []
+
+    def swap(self, wait: Callable) -> bool:
+        """Put the previous step's mean into the gradient buffers and start this step's;
+        returns whether there was a previous step's mean to apply."""
+        for work in self.works:
+            wait(work)
+        d = self.group.size()
+        started = [b.grad.mul(1.0 / d) for b in self.buckets]
+        ready = self.in_flight is not None
+        for bucket, previous in zip(self.buckets, self.in_flight or []):
+            bucket.grad.copy_(previous)
+        self.works = [dist.all_reduce(t, group=self.group, async_op=True) for t in started]
+        self.in_flight = started
+        return ready
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The mean in flight (``memory_check.json`` counts it): allocated after step 1."""
+        return list(self.in_flight or [])
+
+    def settled(self, wait: Callable) -> list[torch.Tensor]:
+        """The mean in flight, once its all-reduce is done (to save it)."""
+        for work in self.works:
+            wait(work)
+        self.works = []
+        return self.state_tensors()
+
+    def load(self, means: list[torch.Tensor]) -> None:
+        self.works = []
+        self.in_flight = [m.clone() for m in means]

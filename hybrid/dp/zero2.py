@@ -1,0 +1,83 @@
+"""ZeRO-2: between steps a rank keeps only its shard of the gradients.
+
+As DeepSpeed's stage 2 under gradient accumulation: a bucket's gradients are not accumulated
+over the step's micro-batches in a full buffer. Each time every parameter of a bucket has
+delivered its gradient (once per micro-batch), the bucket's gradients are copied into a flat
+staging buffer, autograd's ``.grad`` is dropped, and the staging buffer is reduce-scattered
+over DP and added into this rank's shard gradient. At most ``MAX_IN_FLIGHT`` staging buffers
+wait for their reduce-scatter at a time. The buckets kept out of the overlap (partial sums over
+TP or the embedding group) are staged for the whole step, summed over their group, then
+reduce-scattered once. The price: the overlapped buckets' reduce-scatter runs once per
+micro-batch instead of once per step. Optimizer shards and the parameter all-gather are
+ZeRO-1's (``hybrid.dp.zero``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybrid.dp.buckets import GRAD_DTYPE, Bucket
+from hybrid.dp.zero import Shard, _reduce_scatter
+
+MAX_IN_FLIGHT = 2
+
+
+class StagedShards:
+    """Per-micro-batch staging and reduce-scatter of every bucket into its shard."""
+
+    def __init__(self, shards: Sequence[Shard], group: dist.ProcessGroup, wait: Callable):
+        self.shards, self.group, self.wait = list(shards), group, wait
+        self.d = group.size()
+        self.staging: dict[int, torch.Tensor] = {}
+        self.arrived: dict[int, set] = {s.bucket.index: set() for s in self.shards}
+        self.pending: deque = deque()
+
+    def accumulated(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: move ``param``'s gradient into the bucket's staging."""
+        staging = self.staging.get(bucket.index)
+        if staging is None:
+            staging = self.staging[bucket.index] = torch.zeros(
+                bucket.numel, dtype=GRAD_DTYPE, device=param.device)
+        begin, end = bucket.span(slot)
+        staging[begin:end].add_(param.grad.reshape(-1))
+        param.grad = None
+        arrived = self.arrived[bucket.index]
+        arrived.add(slot)
+        if not bucket.late and len(arrived) == len(bucket.params):
+            self._launch(self.shards[bucket.index])
+
+    def _launch(self, shard: Shard) -> None:
+        index = shard.bucket.index
+        staging = self.staging.pop(index)
+        self.arrived[index] = set()
+        staging.mul_(1.0 / self.d)
+        if self.d == 1:
+            shard.grad.add_(staging)
+            return
+        out = torch.empty_like(shard.grad)
+        work = _reduce_scatter(out, staging, group=self.group, async_op=True)
+        self.pending.append((work, out, shard))
+        while len(self.pending) > MAX_IN_FLIGHT:
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        work, out, shard = self.pending.popleft()
+        self.wait(work)
+        shard.grad.add_(out)
+
+    def flush(self) -> None:
+        """End of the step's backward: reduce what is still staged (the late buckets, after
+        their own group's sum; any bucket a parameter sent no gradient to) and settle all."""
+        for shard in self.shards:
+            bucket = shard.bucket
+            if bucket.index not in self.staging:
+                continue
+            if bucket.late and bucket.reduce_first.size() > 1:
+                dist.all_reduce(self.staging[bucket.index], group=bucket.reduce_first)
+            self._launch(shard)
+        while self.pending:
+            self._settle_oldest()
