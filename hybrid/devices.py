@@ -166,3 +166,13 @@ def with_inter_bandwidth(device: Device, gbit_per_s: float) -> Device:
     """The same device on a network of ``gbit_per_s`` between nodes (what-if studies)."""
     return replace(device, inter=Link(bandwidth=gbit_per_s / 8 * 1e9 * ACHIEVED_LINK,
                                       latency=device.inter.latency))
+
+
+def device_for(cost) -> Device:
+    """The device a config's ``cost`` section prices on (``cost.inter_node_gbit`` applied)."""
+    device = load_device(cost.device)
+    if cost.inter_node_gbit is not None:
+        if not cost.inter_node_gbit > 0:
+            raise ValueError(f"cost.inter_node_gbit={cost.inter_node_gbit} must be > 0 (Gb/s)")
+        device = with_inter_bandwidth(device, cost.inter_node_gbit)
+    return device

@@ -20,7 +20,6 @@ Korthikanti et al. 2022's model FLOPs do not), so it compares with their tables.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 from hybrid.config import Config, ModelConfig
@@ -171,7 +170,10 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
     else:
         makespan = max(busy) + _closed_form_bubble(plan, times, p2p)
     busiest = max(range(layout.pp), key=busy.__getitem__)
-    dp_s, dp_exposed = _dp_times(plan, device, [sum(t.backward for t in ts) for ts in per_rank])
+    from hybrid.dp_time import dp_times  # it prices with this module's ring formulas
+
+    dp_s, dp_exposed = dp_times(plan, device, _link(plan, device, "dp"),
+                                [sum(t.backward for t in ts) for ts in per_rank], makespan)
     optimizer = [est.optimizer_bytes / 8 * device.optimizer_s_per_param for est in plan.memory]
     step = max(makespan + dp_exposed + max(optimizer),
                _shared_cores_time(plan, device, [b + o for b, o in zip(cpu_busy, optimizer)],
@@ -253,26 +255,3 @@ def _closed_form_bubble(plan: JobPlan, times: list[_StageTimes], p2p: float) -> 
     else:
         per_step = (slowest.forward + slowest.backward) / plan.layout.vpp
     return (pp - 1) * (per_step + 2 * p2p)
-
-
-def _dp_times(plan: JobPlan, device: Device, last_backward: list[float]) -> tuple[float, float]:
-    """(time of the DP reduction, the part of it not hidden behind the last micro-batch's
-    backward) for the pipeline rank where that is largest."""
-    layout = plan.layout
-    if layout.dp == 1:
-        return 0.0, 0.0
-    link = _link(plan, device, "dp")
-    worst = (0.0, 0.0)
-    for r, est in enumerate(plan.memory):
-        grads = 4 * est.params  # fp32 gradients, whatever the compute precision
-        buckets = max(1, math.ceil(grads / BUCKET_BYTES))
-        if plan.cfg.parallel.zero >= 1:
-            scatter = ring_gather(grads, layout.dp, link, buckets) * device.reduce_scatter_factor
-            gather = ring_gather(4 * est.params, layout.dp, link, buckets) \
-                * device.all_gather_factor
-            total, exposed = scatter + gather, max(0.0, scatter - last_backward[r]) + gather
-        else:
-            total = ring_all_reduce(grads, layout.dp, link, buckets)
-            exposed = max(0.0, total - last_backward[r])
-        worst = max(worst, (total, exposed), key=lambda pair: pair[1])
-    return worst

@@ -22,7 +22,9 @@ from omegaconf import DictConfig
 from hybrid.config import PlanConfig
 from hybrid.layout import LayoutError
 from hybrid.memory import memory_verdict
-from hybrid.devices import load_device
+from hybrid.cost import human_bytes
+from hybrid.devices import device_for
+from hybrid.dp_time import compare_dp_options
 from hybrid.job import plan_job
 from hybrid.plan import format_plan, plan_dict
 from hybrid.search import format_search, overrides_of, search
@@ -42,7 +44,7 @@ def _plan(dict_cfg: DictConfig) -> None:
             print(f"error: {problem}", file=sys.stderr)
         exit_user_error(problems[-1])
     try:
-        device = load_device(cfg.cost.device)
+        device = device_for(cfg.cost)
         if cfg.search.world:
             _search(cfg, device)
             return
@@ -51,6 +53,8 @@ def _plan(dict_cfg: DictConfig) -> None:
         exit_user_error(err)
     plan = plan_dict(job)  # one plan, printed and priced
     plan["predicted"] = predict_step(job, device).to_dict() | {"device": device.name}
+    if job.layout.dp > 1:
+        plan["dp_options"] = compare_dp_options(cfg, device)
     limit, memory_kind = available_memory(cfg)
     if limit is not None:
         plan["memory_check"] = memory_verdict(cfg, limit, memory_kind)
@@ -61,6 +65,21 @@ def _plan(dict_cfg: DictConfig) -> None:
         if "memory_check" in plan:
             print(f"\nmemory check: {plan['memory_check']['line']}")
         print(f"\n{prediction_line(plan['predicted'])}")
+        if "dp_options" in plan:
+            print("\n" + format_dp_options(plan["dp_options"]))
+
+
+def format_dp_options(rows: list[dict]) -> str:
+    """The DP options priced on this layout, one line each (docs/data-parallel.md)."""
+    lines = ["data-parallel options on this layout (predicted, and the lossy ones change the "
+             "loss: docs/data-parallel.md):",
+             "  option          step s    DP shown s  DP bytes/step  memory/rank"]
+    for row in rows:
+        lines.append(f"  {row['option']:<15} {row['step_time_s']:<9.4g} "
+                     f"{row['dp_exposed_s']:<11.3g} {human_bytes(row['dp_bytes_per_step']):<14} "
+                     f"{human_bytes(row['mem_bytes_per_rank'])}"
+                     f"{'' if row['exact'] else '  (lossy)'}")
+    return "\n".join(lines)
 
 
 def prediction_line(p: dict) -> str:

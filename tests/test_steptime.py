@@ -80,6 +80,41 @@ def test_dp_over_a_slow_network_is_exposed_and_stays_hidden_inside_a_node():
     assert inside.dp_s == pytest.approx(predict_step(plan_job(cfg), PRESETS["h100-80gb"]).dp_s)
 
 
+def test_dp_options_pay_where_the_network_is_slow():
+    """DP over two nodes at 10 Gb/s: compression and fewer syncs cut the exposed DP time in
+    proportion to the bytes they save, and cost the memory they keep; inside one node at
+    NVLink speed they buy far less. hybrid-plan prints the same table."""
+    from hybrid.dp_time import compare_dp_options
+
+    cfg = config(replace(GPT_175B, layers=8, hidden=2048, heads=16), global_batch=64, dp=16)
+    slow = {r["option"]: r for r in compare_dp_options(cfg, with_inter_bandwidth(
+        PRESETS["h100-80gb"], 10))}
+    exact = slow["exact"]
+    assert exact["dp_exposed_s"] > 0.5 * exact["step_time_s"]
+    assert slow["bf16"]["dp_bytes_per_step"] == pytest.approx(exact["dp_bytes_per_step"] / 2,
+                                                              rel=0.01)
+    assert slow["powersgd r1"]["step_time_s"] < slow["bf16"]["step_time_s"] \
+        < exact["step_time_s"]
+    assert slow["sync_every 8"]["step_time_s"] < slow["sync_every 2"]["step_time_s"]
+    assert slow["zero=2"]["mem_bytes_per_rank"] < slow["zero=1"]["mem_bytes_per_rank"] \
+        < exact["mem_bytes_per_rank"] < slow["powersgd r4"]["mem_bytes_per_rank"]
+    assert [r["option"] for r in slow.values() if r["exact"]] == ["exact", "zero=1", "zero=2"]
+    cfg.parallel.dp, cfg.train.global_batch = 8, 32  # one node
+    inside = {r["option"]: r for r in compare_dp_options(cfg, PRESETS["h100-80gb"])}
+    def saved(rows):  # the share of the exact step that PowerSGD r1 saves
+        return 1 - rows["powersgd r1"]["step_time_s"] / rows["exact"]["step_time_s"]
+    assert saved(inside) < saved(slow) / 3
+    done = subprocess.run([PLAN, "model=gpt3-1.3b", "parallel=single", "parallel.dp=16",
+                           "train.global_batch=64", "train.micro_batch=4",
+                           "cost.device=h100-80gb", "cost.inter_node_gbit=10"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    table = done.stdout.split("data-parallel options on this layout")[1].splitlines()
+    assert [line.split()[0] for line in table[2:]] == [
+        "exact", "zero=1", "zero=2", "bf16", "powersgd", "powersgd", "powersgd", "sync_every",
+        "sync_every", "sync_every", "delay"]
+
+
 def test_search_of_gpt3_175b_on_1024_a100s_picks_what_megatron_runs():
     """Narayanan et al. 2021 ran 175B on 1024 A100s at tp 8, pp 8 (interleaved) and 140
     TFLOP/s per GPU; the search must keep TP inside a node, pipeline the model, fit it, and
