@@ -40,7 +40,8 @@ def test_text_plan_names_groups_and_crossing_nodes():
     assert out.returncode == 0, out.stderr
     assert "rank  node  dp  tp  pp" in out.stdout
     assert "warning: 4 tp group(s) cross nodes, e.g. [0, 4]" in out.stdout
-    assert "pipeline stages:" in out.stdout and "memory per rank" in out.stdout
+    assert "pipeline stages (partition=uniform, by layer count):" in out.stdout
+    assert "memory per rank" in out.stdout
 
 
 @pytest.mark.parametrize("overrides, needle", [
