@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from hybrid.config import Config
 from hybrid.groups import ParallelGroups
-from hybrid.model import build_blocks, lm_loss
 from hybrid.pipeline.block_costs import FILE_NAME, calibration_record, write_calibration
 from hybrid.pipeline.partition import format_partition, partition
 
@@ -69,6 +68,8 @@ def forward_backward_seconds(forward: Callable[[], torch.Tensor], device: torch.
 def measure_block_kinds(cfg: Config, groups: ParallelGroups,
                         runs: int = RUNS) -> tuple[list[float], list[float]]:
     """(forward, backward) seconds of the embedding, one layer and the head on this rank."""
+    from hybrid.model import build_blocks, lm_loss  # megatron: only where blocks are built
+
     m, b = cfg.model, cfg.train.micro_batch
     sp = cfg.parallel.sequence_parallel and groups.layout.tp > 1
     seq = m.seq_len // groups.layout.tp if sp else m.seq_len
