@@ -81,3 +81,18 @@ def test_the_timer_returns_the_median_forward_and_backward():
     f, b = forward_backward_seconds(lambda: layer(x), torch.device("cpu"), runs=1,
                                     grad=torch.ones(32, 64), precision="bf16")
     assert f > 0 and b > 0
+
+
+def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu_here():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: bench/gpu_check.py would run its checks")
+    script = Path(__file__).parents[1] / "bench" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.count("\n") == 1
+    assert done.stdout.startswith("gpu_check: CUDA is not available here")
