@@ -37,7 +37,16 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (Megatron's sequence parallel)."""
     partition: str = "uniform"
-    """How blocks are split into stages: uniform (by layer count) | balanced (by parameters)."""
+    """How blocks are split into stages: uniform (by layer count) | balanced (by parameters)
+    | measured (by each block's forward + backward seconds, timed on the ranks before training
+    or read from ``partition_file``; the largest stage is made as small as it can be)."""
+    partition_file: Optional[str] = None
+    """partition=measured: a file of measured block costs. If it exists (and was measured for
+    the same model, micro-batch, precision, TP and device) it is read instead of measuring;
+    else the ranks measure and write it. None: they measure and write RUN_DIR/block_costs.json."""
+    block_costs: Optional[List[float]] = None
+    """partition=measured: seconds of forward + backward per block (embedding, each layer,
+    head), filled in from the measurement or partition_file; set by hand to pin a partition."""
     bucket_mb: float = 25.0
     """Size of a gradient all-reduce bucket in MiB (torch DDP's default is 25)."""
     dp_compress: str = "none"

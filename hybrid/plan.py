@@ -10,6 +10,7 @@ from __future__ import annotations
 from hybrid.config import Config
 from hybrid.cost import human_bytes, param_count
 from hybrid.job import JobPlan, plan_job
+from hybrid.pipeline.block_costs import partition_basis
 from hybrid.pipeline.partition import format_partition
 
 GROUP_KEYS = ("tp", "dp", "pp", "tp-pp", "embedding")
@@ -42,7 +43,8 @@ def plan_dict(plan: JobPlan) -> dict:
         "crossing_nodes": {axis: layout.crossing_groups(axis, per_node)
                            for axis in ("tp", "dp", "pp")},
         "warnings": layout.placement_warnings(per_node),
-        "stages": {"blocks": [list(st.blocks) for st in plan.stages],
+        "stages": {"partition": cfg.parallel.partition, "split_by": partition_basis(cfg),
+                   "blocks": [list(st.blocks) for st in plan.stages],
                    "lines": format_partition([st.blocks for st in plan.stages], layout.pp,
                                              cfg.model.layers).splitlines()},
         "schedule": {"name": sched.name, "microbatches": sched.microbatches,
@@ -113,7 +115,9 @@ def format_plan(plan: dict, full: bool = False) -> str:
                      + _group_line(groups, full, plan["world_size"]))
     lines.append("")
     lines += _node_lines(plan)
-    lines += ["", "pipeline stages:"] + [f"  {s}" for s in plan["stages"]["lines"]]
+    stages = plan["stages"]
+    lines += ["", f"pipeline stages (partition={stages['partition']}, by {stages['split_by']}):"]
+    lines += [f"  {s}" for s in stages["lines"]]
     sched = plan["schedule"]
     lines += ["", f"schedule {sched['name']}: simulated bubble {sched['bubble_fraction']:.1%}, "
                   f"peak in-flight micro-batches per pp rank {sched['peak_inflight']}"]

@@ -17,7 +17,7 @@ from hybrid.pipeline.schedules import SCHEDULE_NAMES
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
-PARTITIONS = ("uniform", "balanced")
+PARTITIONS = ("uniform", "balanced", "measured")
 LAUNCHERS = ("local", "torchrun", "slurm")
 
 
@@ -92,7 +92,7 @@ def config_problems(cfg: Config) -> list[str]:
         layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
     except LayoutError as err:
         return problems + [str(err)]
-    for check in (_check_model, _check_schedule, _check_batch, _check_world):
+    for check in (_check_model, _check_partition, _check_schedule, _check_batch, _check_world):
         problem = _problem(check, cfg, layout)
         if problem:
             problems.append(problem)
@@ -198,6 +198,24 @@ def _check_model(cfg: Config, layout: Layout) -> None:
         raise LayoutError(
             f"parallel.pp={layout.pp} x parallel.vpp={layout.vpp} = {stages} stages exceeds "
             f"model.layers={m.layers}; every stage needs a layer: lower pp/vpp or add layers")
+
+
+def _check_partition(cfg: Config, layout: Layout) -> None:
+    """Measured costs go with partition=measured only, one finite cost >= 0 per block."""
+    par, n_blocks = cfg.parallel, cfg.model.layers + 2
+    if par.partition != "measured":
+        for name in ("partition_file", "block_costs"):
+            if getattr(par, name) is not None:
+                raise LayoutError(f"parallel.{name} is set but parallel.partition="
+                                  f"{par.partition} ignores it; set parallel.partition=measured "
+                                  f"or drop parallel.{name}")
+        return
+    costs = par.block_costs
+    if costs is not None and (len(costs) != n_blocks or not all(
+            math.isfinite(c) and c >= 0 for c in costs)):
+        raise LayoutError(f"parallel.block_costs has {len(costs)} values, needs {n_blocks} "
+                          f"finite seconds >= 0 (embedding, model.layers={cfg.model.layers} "
+                          f"layers, head); drop it to measure them")
 
 
 def _check_schedule(cfg: Config, layout: Layout) -> None:

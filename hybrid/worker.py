@@ -59,6 +59,7 @@ def init_distributed(backend: str, timeout: timedelta) -> dist.Store:
 
 def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     """Train on this rank; returns a summary (losses are known on every rank)."""
+    from hybrid.pipeline.calibrate import settle_measured_partition
     from hybrid.train import train
 
     cfg = from_dict(cfg_dict)
@@ -74,6 +75,7 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     store = init_distributed(backend_for(device), timeout)
     try:
         groups = ParallelGroups.create(layout, device, timeout)
+        cfg = settle_measured_partition(cfg, groups, Path(run_dir))
         return train(cfg, groups, Path(run_dir), store)
     finally:
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ from hybrid.cost import human_bytes
 from hybrid.devices import device_for
 from hybrid.dp_time import compare_dp_options
 from hybrid.job import plan_job
+from hybrid.pipeline.block_costs import resolve_block_costs
 from hybrid.plan import format_plan, plan_dict
 from hybrid.search import format_search, overrides_of, search
 from hybrid.steptime import predict_step
@@ -48,6 +49,7 @@ def _plan(dict_cfg: DictConfig) -> None:
         if cfg.search.world:
             _search(cfg, device)
             return
+        resolve_block_costs(cfg)  # partition=measured: plan with an existing calibration file
         job = plan_job(cfg)
     except (LayoutError, ValueError) as err:
         exit_user_error(err)

@@ -33,6 +33,7 @@ from hybrid.files import RunDirError, write_error, write_text
 from hybrid.layout import Layout, LayoutError
 from hybrid.stall import FAILURE_FILE
 from hybrid.memory import check_memory
+from hybrid.pipeline.block_costs import resolve_block_costs
 from hybrid.validate import config_warnings, validate_config
 from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
@@ -182,6 +183,7 @@ def launch(cfg: Config, layout: Layout, run_dir: Path, launcher=None) -> Optiona
 def prepare(cfg: Config, run_dir: Path) -> Layout:
     """Every check that can be made before a worker starts; writes ``config.json``."""
     layout = validate_config(cfg)
+    resolve_block_costs(cfg)  # partition=measured: an earlier run's calibration file
     check_launchable(cfg, layout)
     check_fits(cfg)
     validate_data(cfg.data, cfg.model, cfg.train)

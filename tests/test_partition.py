@@ -17,7 +17,7 @@ def _layers_per_stage(stages, n_special=(1, 1)):
     return [len(layer_blocks.intersection(stage)) for stage in stages]
 
 
-@pytest.mark.parametrize("mode", ["uniform", "balanced"])
+@pytest.mark.parametrize("mode", ["uniform", "balanced", "measured"])
 def test_stages_cover_every_block_once_in_order(mode):
     rng = random.Random(0)
     for n_layers, pp, vpp in itertools.product((1, 2, 5, 7, 12, 24), (1, 2, 3, 4, 8), (1, 2, 3)):
@@ -76,6 +76,39 @@ def test_balanced_finds_the_optimum_of_small_cases():
         costs = [rng.randint(0, 30) for _ in range(n_layers + 2)]
         stages = partition(costs, n_stages, 1, "balanced")
         assert max(stage_costs(stages, costs)) == _brute_force_smallest_max(costs, n_stages)
+
+
+def test_measured_split_never_drops_or_duplicates_a_block():
+    """Measured seconds: floats, zeros, a head up to 60 layers heavy; any stage count."""
+    rng = random.Random(3)
+    for _ in range(400):
+        n_layers = rng.randint(1, 30)
+        pp, vpp = rng.randint(1, 8), rng.randint(1, 3)
+        if pp * vpp > n_layers:
+            continue
+        layer = rng.lognormvariate(-5, 1)
+        costs = ([rng.choice([0.0, layer * rng.random()])]
+                 + [layer * rng.uniform(0.8, 1.2) for _ in range(n_layers)]
+                 + [layer * rng.uniform(0, 60)])
+        stages = partition(costs, pp, vpp, "measured")
+        assert len(stages) == pp * vpp
+        assert [block for stage in stages for block in stage] == list(range(n_layers + 2))
+        assert min(_layers_per_stage(stages)) >= 1
+        largest = max(stage_costs(stages, costs))
+        assert largest <= max(stage_costs(partition(costs, pp, vpp), costs)) * (1 + 1e-12)
+        assert largest == pytest.approx(max(stage_costs(partition(costs, pp, vpp, "balanced"),
+                                                        costs)))
+
+
+def test_measured_finds_the_optimum_of_small_float_cases():
+    rng = random.Random(4)
+    for _ in range(40):
+        n_layers, n_stages = rng.randint(2, 8), rng.randint(1, 4)
+        if n_stages > n_layers:
+            continue
+        costs = [rng.uniform(0, 0.05) for _ in range(n_layers + 2)]
+        largest = max(stage_costs(partition(costs, n_stages, 1, "measured"), costs))
+        assert largest == pytest.approx(_brute_force_smallest_max(costs, n_stages), rel=1e-9)
 
 
 def test_balanced_moves_layers_away_from_a_heavy_head():

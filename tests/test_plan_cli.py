@@ -40,7 +40,8 @@ def test_text_plan_names_groups_and_crossing_nodes():
     assert out.returncode == 0, out.stderr
     assert "rank  node  dp  tp  pp" in out.stdout
     assert "warning: 4 tp group(s) cross nodes, e.g. [0, 4]" in out.stdout
-    assert "pipeline stages:" in out.stdout and "memory per rank" in out.stdout
+    assert "pipeline stages (partition=uniform, by layer count):" in out.stdout
+    assert "memory per rank" in out.stdout
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -117,3 +118,26 @@ def test_every_problem_of_a_config_is_listed_and_hybrid_train_counts_the_rest(tm
     assert train.stderr.splitlines() == [
         "error: optim.lr=-1.0 must be a finite number >= 0 (2 more problems: hybrid-plan "
         "lists them all)"]
+
+
+def test_plan_splits_by_an_existing_calibration_file(tmp_path):
+    from hybrid.config import Config
+    from hybrid.pipeline.block_costs import calibration_record, write_calibration
+
+    shape = {"layers": 6, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 16384,
+             "seq_len": 32, "tie_embeddings": False, "recompute": "none"}
+    cfg = Config()
+    for key, value in shape.items():
+        setattr(cfg.model, key, value)
+    cfg.train.micro_batch = 2
+    path = tmp_path / "costs.json"  # a head as heavy as 5 layers
+    write_calibration(path, calibration_record(cfg, [0.0] + [0.01] * 6 + [0.05], [0.0] * 8,
+                                               ranks=2, how="test"))
+    out = plan("parallel=single", "parallel.pp=2", "parallel.partition=measured",
+               f"parallel.partition_file={path}", "train.micro_batch=2", "train.precision=fp32",
+               "train.device=auto", *(f"model.{k}={str(v).lower()}" for k, v in shape.items()),
+               "format=json")
+    assert out.returncode == 0, out.stderr
+    stages = json.loads(out.stdout)["stages"]
+    assert stages["partition"] == "measured" and stages["split_by"] == "measured seconds"
+    assert stages["blocks"] == [list(range(0, 6)), [6, 7]]

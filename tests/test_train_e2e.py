@@ -28,7 +28,8 @@ LAYOUTS = {
     "dp4-zero2": ["parallel=single", "parallel.dp=4", "parallel.zero=2",
                   "parallel.bucket_mb=0.02"],
     "tp2": ["parallel=single", "parallel.tp=2"],
-    "pp2-1f1b": ["parallel=single", "parallel.pp=2"],
+    # measured: the ranks time the blocks before training; any partition trains the same
+    "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.partition=measured"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
     "pp2-zb-h1": ["parallel=single", "parallel.pp=2", "parallel.schedule=zb-h1"],
@@ -67,6 +68,10 @@ def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     assert_same_losses(losses_of(tmp_path), reference["untied"])
     assert "run directory: " + str(tmp_path) in done.stdout
     assert "straggler" not in done.stderr  # an undisturbed run names no slow rank
+    if "parallel.partition=measured" in LAYOUTS[name]:
+        costs = json.loads((tmp_path / "block_costs.json").read_text())["cost_s"]
+        assert len(costs) == 10 and min(costs) > 0
+        assert "measured block costs" in done.stdout
 
 
 def test_tied_embeddings_with_sequence_parallel_and_zero2_on_2x2x2(reference, tmp_path):

@@ -59,6 +59,13 @@ BAD = [
                                           "starts 4 processes"),
     ({"launcher": {"nnodes": 3}}, "cannot be spread evenly over launcher.nnodes=3"),
     ({"parallel": {"partition": "greedy"}}, "parallel.partition='greedy' is unknown"),
+    ({"parallel": {"partition_file": "costs.json"}},
+     "parallel.partition_file is set but parallel.partition=uniform ignores it; set "
+     "parallel.partition=measured"),
+    ({"parallel": {"partition": "measured", "block_costs": [1.0, 2.0]}},
+     "parallel.block_costs has 2 values, needs 6 finite seconds >= 0"),
+    ({"parallel": {"partition": "measured", "block_costs": [1.0] * 5 + [float("nan")]}},
+     "parallel.block_costs has 6 values, needs 6 finite seconds >= 0"),
     ({"launcher": {"name": "torchrun", "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}},
      "launcher.node_rank=2 must be in 0..1 for launcher.nnodes=2"),
     ({"launcher": {"name": "torchrun", "nnodes": 2}},
@@ -81,6 +88,12 @@ def test_bad_configs_raise_one_line_with_the_fix(overrides, expected):
     message = str(err.value)
     assert expected in message
     assert "\n" not in message
+
+
+def test_measured_partition_is_a_valid_choice_with_or_without_costs():
+    validate_config(make({"partition": "measured"}))
+    validate_config(make({"partition": "measured", "partition_file": "x.json",
+                          "block_costs": [0.0, 1.0, 1.0, 1.0, 1.0, 5.0]}))
 
 
 def test_messages_say_what_to_change():

@@ -8,14 +8,20 @@ import functools
 
 from hybrid.config import Config
 from hybrid.cost import block_params
+from hybrid.pipeline.block_costs import predicted_block_costs
 from hybrid.pipeline.partition import partition
 from hybrid.pipeline.schedules import build_schedule
 from hybrid.pipeline.simulate import Costs, simulate
 
 
 def block_costs(cfg: Config) -> list[float]:
-    """Per-block cost for the balanced partitioner: parameters on one TP rank (the head's
-    output matrix counts even when tied, since the last stage computes with it)."""
+    """Per-block cost for the partitioner. balanced: parameters on one TP rank (the head's
+    output matrix counts even when tied, since the last stage computes with it). measured:
+    the measured seconds of forward + backward, or the cost model's FLOPs until measured."""
+    if cfg.parallel.partition == "measured":
+        if cfg.parallel.block_costs is not None:
+            return list(cfg.parallel.block_costs)
+        return predicted_block_costs(cfg)
     m = cfg.model
     return [float(b.total) for b in block_params(m, head_owns_embedding_copy=True)]
 
