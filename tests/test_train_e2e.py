@@ -61,11 +61,31 @@ def assert_same_losses(losses: list[float], reference: list[float]) -> None:
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
+def assert_zero2_holds_one_dp_share(run_dir: Path) -> None:
+    """ZeRO-2: each rank's counted gradient and optimizer bytes are 1/d of what the same
+    layout holds with zero=0 (up to bucket padding and AdamW's 4-byte step counts)."""
+    from dataclasses import replace
+
+    from hybrid.job import plan_job, rank_state_bytes
+
+    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+    unsharded = replace(cfg, parallel=replace(cfg.parallel, zero=0))
+    plan = plan_job(unsharded)
+    for rank in json.loads((run_dir / "memory_check.json").read_text())["ranks"]:
+        blocks = [b for st in plan.stages_of(rank["pp"]) for b in st.blocks]
+        whole = rank_state_bytes(unsharded, plan.layout, blocks, dp_rank=rank["dp"])
+        held = rank["counted"]["grad_bytes"] + rank["counted"]["optimizer_bytes"]
+        assert held == pytest.approx((whole.grad_bytes + whole.optimizer_bytes)
+                                     / plan.layout.dp, rel=0.01), rank
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     done = run_train(tmp_path, *LAYOUTS[name])
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses_of(tmp_path), reference["untied"])
+    if "zero2" in name:
+        assert_zero2_holds_one_dp_share(tmp_path)
     assert "run directory: " + str(tmp_path) in done.stdout
     assert "straggler" not in done.stderr  # an undisturbed run names no slow rank
     if "parallel.partition=measured" in LAYOUTS[name]:
