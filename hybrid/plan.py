@@ -43,8 +43,9 @@ def plan_dict(plan: JobPlan) -> dict:
                            for axis in ("tp", "dp", "pp")},
         "warnings": layout.placement_warnings(per_node),
         "stages": {"blocks": [list(st.blocks) for st in plan.stages],
-                   "lines": format_partition([st.blocks for st in plan.stages], layout.pp,
-                                             cfg.model.layers).splitlines()},
+                   "lines": format_partition(
+                       [st.blocks for st in plan.stages], layout.pp, cfg.model.layers,
+                       placement=layout.stage_placement).splitlines()},
         "schedule": {"name": sched.name, "microbatches": sched.microbatches,
                      "bubble_fraction": sched.bubble_fraction,
                      "bubble_fraction_per_rank": list(sched.bubble_per_rank),
