@@ -191,6 +191,13 @@ def _check_schedule(cfg: Config, layout: Layout) -> None:
     if schedule == "interleaved-1f1b" and vpp < 2:
         raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.vpp >= 2; "
                           "set parallel.vpp=2 or use schedule=1f1b")
+    if schedule == "zb-v" and cfg.train.device == "cuda":
+        # gloo pairs messages by tag; NCCL pairs a rank pair's messages in posting order,
+        # which zb-v's lists do not keep (p2p.fifo_mismatches), so same-shaped activations
+        # and gradients could be swapped silently.
+        raise LayoutError(f"parallel.schedule=zb-v runs on train.device=cpu only (got "
+                          f"{cfg.train.device}): its messages are matched by tag; use "
+                          f"schedule=zb-h1 on {cfg.train.device}")
     if schedule == "zb-v" and vpp != 2:
         raise LayoutError(f"parallel.schedule=zb-v runs exactly 2 chunks per rank, got "
                           f"parallel.vpp={vpp}; set parallel.vpp=2 or use schedule=zb-h1")

@@ -190,7 +190,8 @@ class GradSync:
         count = bucket.accumulations[slot] + 1
         if count > expected:
             raise RuntimeError(f"parameter {self.specs[id(param)].name} accumulated {count} gradients "
-                               f"in a step expecting {expected} ({self._microbatches} micro-batches); pass the "
+                               f"in a step declared with {self._microbatches} micro-batches (x "
+                               f"{self.uses[id(param)]} chunks using it); pass the "
                                f"true count to start_step()")
         bucket.accumulations[slot] = count
         if count == expected:

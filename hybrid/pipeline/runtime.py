@@ -36,7 +36,7 @@ from hybrid.groups import ParallelGroups
 from hybrid.pipeline import p2p
 from hybrid.pipeline.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F,
-    Action, stage_rank,
+    Action, ScheduleError, stage_rank,
 )
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.pipeline.rank_check import check_rank_actions, lower_rank_actions
@@ -93,6 +93,10 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
     """
     m = len(microbatches)
     actions = list(actions)
+    if placement != LOOP and pp > 1 and dist.get_backend(groups.pp) != "gloo":
+        raise ScheduleError(f"the {placement} placement's messages are matched by tag, which "
+                            f"only gloo does; use a loop-placed schedule (zb-h1) on "
+                            f"{dist.get_backend(groups.pp)}")
     if pp > 1 and not any(action.is_comm for action in actions):
         actions = lower_rank_actions(actions, groups.pp_rank, pp, vpp, placement)
     check_rank_actions(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
