@@ -13,7 +13,8 @@ together, median); the last line is ``ratio=<hybrid/torch>`` of the summed media
 (lower is better), after the same ratio of the minima, which a busy machine disturbs less.
 
 Pairs: 1f1b / Schedule1F1B, interleaved-1f1b (vpp=2) / ScheduleInterleaved1F1B,
-zb-h1 / ScheduleInterleavedZeroBubble with one stage per rank (ZB1P).
+zb-h1 / ScheduleInterleavedZeroBubble with one stage per rank (ZB1P), zb-v (vpp=2, V placed:
+rank r holds stages r and 2*pp-1-r) / ScheduleZBVZeroBubble. ``--schedules`` runs a subset.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from hybrid.pipeline.partition import partition  # noqa: E402
 from hybrid.pipeline.rank_check import rank_stages  # noqa: E402
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline  # noqa: E402
 from hybrid.pipeline.runtime import run_pipeline_step  # noqa: E402
-from hybrid.pipeline.schedules import add_communication, build_schedule  # noqa: E402
+from hybrid.pipeline.schedules import (  # noqa: E402
+    add_communication, build_schedule, schedule_placement,
+)
 from hybrid.testing import spawn  # noqa: E402
 
 PAIRS = [("1f1b", 1, "Schedule1F1B"), ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
-         ("zb-h1", 1, "ScheduleInterleavedZeroBubble")]
+         ("zb-h1", 1, "ScheduleInterleavedZeroBubble"), ("zb-v", 2, "ScheduleZBVZeroBubble")]
 
 
 def _torch_schedule(name, stages, m, loss_fn):
@@ -55,7 +58,8 @@ def _torch_schedule(name, stages, m, loss_fn):
 
 def _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch, recorder=None):
     pp, m = args.pp, args.microbatches
-    lists = add_communication(build_schedule(name, pp, m, vpp=vpp), pp, vpp)
+    placement = schedule_placement(name)
+    lists = add_communication(build_schedule(name, pp, m, vpp=vpp), pp, vpp, placement)
     tokens, labels = batch
     micro = list(zip(tokens.split(args.micro_batch), labels.split(args.micro_batch)))
     loss_fn = functools.partial(lm_loss, groups=groups)
@@ -64,7 +68,7 @@ def _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch, recorder=None):
         return run_pipeline_step(
             lists[groups.pp_rank], chunks, micro, groups=groups, pp=pp, vpp=vpp,
             loss_fn=loss_fn, act_shape=(cfg.seq_len, args.micro_batch, cfg.hidden),
-            act_dtype=torch.float32, recorder=recorder)
+            act_dtype=torch.float32, recorder=recorder, placement=placement)
     return step, lists
 
 
@@ -94,11 +98,13 @@ def _timed(step, groups, chunks):
     wall, cpu = time.perf_counter(), time.process_time()
     loss = step()
     spans = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu])
+    held = torch.tensor([0.0 if loss is None else loss])  # the last stage's rank has it
+    dist.all_reduce(held, group=groups.pp)
     dist.barrier(group=groups.pp)
     wall_max = spans[:1].clone()
     dist.all_reduce(wall_max, op=dist.ReduceOp.MAX, group=groups.pp)
     dist.all_reduce(spans, group=groups.pp)
-    return loss, wall_max.item(), spans[1].item()
+    return held.item(), wall_max.item(), spans[1].item()
 
 
 def _bench_rank(rank, world, args):
@@ -110,10 +116,11 @@ def _bench_rank(rank, world, args):
     batch = (torch.randint(0, cfg.vocab, shape, generator=gen),
              torch.randint(0, cfg.vocab, shape, generator=gen))
     rows = []
-    for name, vpp, torch_name in PAIRS:
+    for name, vpp, torch_name in [p for p in PAIRS if p[0] in args.schedules]:
         stages = partition([1.0] * num_blocks(cfg), args.pp, vpp)
+        held = rank_stages(groups.pp_rank, args.pp, vpp, schedule_placement(name))
         chunks = {s: nn.Sequential(*build_blocks(cfg, groups, seed=1, block_ids=list(stages[s])))
-                  for s in rank_stages(groups.pp_rank, args.pp, vpp)}
+                  for s in held}
         hybrid_step, lists = _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch)
         torch_step = _torch_runner(args, groups, chunks, torch_name, batch)
         times = {"hybrid": [], "torch": []}
@@ -125,7 +132,7 @@ def _bench_rank(rank, world, args):
         rows.append((name, torch_name, times))
         if args.timeline:
             _draw(args, cfg, groups, chunks, name, vpp, batch)
-    return rows if groups.pp_rank == args.pp - 1 else None
+    return rows if groups.pp_rank == 0 else None  # every rank has the reduced figures
 
 
 def _draw(args, cfg, groups, chunks, name, vpp, batch):
@@ -137,6 +144,7 @@ def _draw(args, cfg, groups, chunks, name, vpp, batch):
     if events is not None:
         prefix = Path(args.timeline) / f"timeline_{name}_pp{args.pp}"
         report = write_timeline(events, lists, prefix, pp=args.pp, m=args.microbatches,
+                                placement=schedule_placement(name),
                                 vpp=vpp, title=f"hybrid {name}, pp={args.pp}, m="
                                                f"{args.microbatches}")
         print(f"{prefix}.png: measured bubble {report['measured']:.1%}, simulated with the "
@@ -154,6 +162,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--timeline", default="", help="folder for hybrid's timeline PNGs")
+    parser.add_argument("--schedules", nargs="+", default=[p[0] for p in PAIRS],
+                        choices=[p[0] for p in PAIRS], help="hybrid schedules to pair")
     args = parser.parse_args()
     print(f"pp={args.pp} gloo processes, {args.layers} layers, hidden {args.hidden}, seq "
           f"{args.seq}, micro-batch {args.micro_batch} x {args.microbatches}, "
@@ -161,14 +171,18 @@ def main() -> None:
     rows = next(r for r in spawn(_bench_rank, args.pp, args, timeout=3600) if r is not None)
     totals = {"hybrid": [0.0, 0.0], "torch": [0.0, 0.0]}  # sums of medians, of minima
     for name, torch_name, times in rows:
+        pair = {}
         for side, label in (("hybrid", f"hybrid {name}"), ("torch", f"torch {torch_name}")):
             walls = [t[0] for t in times[side]]
             wall, fastest = statistics.median(walls), min(walls)
             cpu = statistics.median(t[1] for t in times[side])
             totals[side][0] += wall
             totals[side][1] += fastest
+            pair[side] = (wall, fastest)
             print(f"{label:38s} step {wall * 1e3:7.1f} ms (min {fastest * 1e3:7.1f})   "
                   f"cpu {cpu:5.2f} s   loss {times[side][-1][2]:.5f}", flush=True)
+        print(f"{'':38s} {name} ratio={pair['hybrid'][0] / pair['torch'][0]:.3f} "
+              f"(of minima {pair['hybrid'][1] / pair['torch'][1]:.3f})")
     print(f"ratio of minima={totals['hybrid'][1] / totals['torch'][1]:.3f}")
     print(f"ratio={totals['hybrid'][0] / totals['torch'][0]:.3f}")
 

@@ -1,6 +1,7 @@
 """The cost of parallelism: CPU-seconds per training step of each layout / the 1-process run's.
 
     .venv/bin/python bench/train_overhead.py [--model small] [--steps 8] [--skip 3]
+    .venv/bin/python bench/train_overhead.py --layouts "1 process" "pp2 zb-h1"
 
 Every layout trains the same model on the same global batch through the real ``hybrid-train``
 (so workers, groups, schedule, gradient sync and metrics are all included). ``cpu_s`` in
@@ -61,14 +62,17 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                        metavar="NAME", help="run only these rows (the first is the ratio's "
+                        "base); default: all of " + ", ".join(map(repr, LAYOUTS)))
     args = parser.parse_args()
     print(f"model={args.model} (8 layers), global batch 16, micro-batch 2, "
           f"median over steps {args.skip + 1}..{args.steps}")
     print(f"{'layout':<22} {'ranks':>5} {'CPU s/step':>11} {'wall s/step':>12} "
           f"{'CPU ratio':>10}")
     base = None
-    for name, overrides in LAYOUTS.items():
-        ranks, cpu, wall = run(name, overrides, args)
+    for name in args.layouts:
+        ranks, cpu, wall = run(name, LAYOUTS[name], args)
         base = base or cpu
         print(f"{name:<22} {ranks:>5} {cpu:>11.3f} {wall:>12.3f} {cpu / base:>10.2f}",
               flush=True)

@@ -26,11 +26,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size: the layers are split into this many stages."""
     vpp: int = 1
-    """Virtual stages (model chunks) per pipeline rank; > 1 needs schedule=interleaved-1f1b."""
+    """Virtual stages (model chunks) per pipeline rank; > 1 needs schedule=interleaved-1f1b
+    (any vpp >= 2) or zb-v (exactly 2)."""
     order: str = "tp-dp-pp"
     """Rank order, fastest-varying axis first (Megatron's default: TP fastest, inside a node)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1."""
+    """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v (V placement: rank r
+    holds stages r and 2*pp-1-r, so rank 0 computes the loss; gloo only)."""
     zero: int = 0
     """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP,
     2 = gradients sharded too (reduce-scattered every micro-batch, only the shard kept)."""

@@ -110,7 +110,7 @@ class ParallelGroups:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.layout.pp - 1
+        return self.pp_rank == self.layout.last_stage_pp_rank
 
     def pp_neighbour(self, step: int) -> int:
         """Global rank of the stage ``step`` positions later in this pipeline (wrapping)."""

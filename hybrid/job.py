@@ -2,7 +2,8 @@
 
 The layout and where its ranks land, the pipeline stages (which blocks, on which pipeline rank
 as which chunk: ``hybrid.pipeline.actions.stage_rank`` / ``stage_chunk``, the one placement
-function), the schedule's simulated shape, and the memory each pipeline rank needs. What
+function, with the schedule's ``layout.stage_placement``), the schedule's simulated shape, and
+the memory each pipeline rank needs. What
 ``hybrid-plan`` prints, what the trainer builds its chunks from and what the memory check and
 the cost model price are all read from this one object.
 """
@@ -89,7 +90,8 @@ def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
     layout = validate_config(cfg)
     ranges = partition_for_config(cfg)
     pp = layout.pp
-    stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp), chunk=stage_chunk(s, pp),
+    stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp, layout.stage_placement),
+                         chunk=stage_chunk(s, pp),
                          blocks=blocks) for s, blocks in enumerate(ranges))
     schedule = _schedule_plan(cfg.parallel.schedule, pp, microbatches(cfg), layout.vpp,
                               simulated)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from hybrid.pipeline.actions import PLACEMENTS, stage_rank
+
 AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
 
@@ -45,6 +47,10 @@ class Layout:
     pp: int = 1
     order: str = DEFAULT_ORDER
     vpp: int = 1
+    stage_placement: str = "loop"
+    """Which pipeline rank holds each virtual stage: ``hybrid.pipeline.actions.stage_rank``
+    ("loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this). It decides where the first and last stage, and so the tied
+    embedding, live."""
     _axes: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +58,9 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be an integer >= 1")
+        if self.stage_placement not in PLACEMENTS:
+            raise LayoutError(f"stage_placement={self.stage_placement!r} is not one of "
+                              f"{PLACEMENTS}")
         object.__setattr__(self, "_axes", parse_order(self.order))
 
     # ----- sizes and coordinates -------------------------------------------------------------
@@ -125,8 +134,20 @@ class Layout:
         return next(g for g in self.groups(axis) if rank in g)
 
     def embedding_groups(self) -> list[list[int]]:
-        """First and last stage of each pipeline: where tied input/output embeddings live."""
-        return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]
+        """The ranks of each pipeline holding the first and the last stage: where tied input
+        and output embeddings live (one rank when the placement puts both there)."""
+        last = self.last_stage_pp_rank
+        return [sorted({g[0], g[last]}) for g in self.groups("pp")]
+
+    @property
+    def last_stage_pp_rank(self) -> int:
+        """The pipeline rank of the last stage: ``pp - 1``, or 0 with the V placement."""
+        return stage_rank(self.pp * self.vpp - 1, self.pp, self.stage_placement)
+
+    @property
+    def embedding_split(self) -> bool:
+        """Whether a tied embedding has two copies, on two pipeline ranks."""
+        return self.last_stage_pp_rank != 0
 
     # ----- placement on nodes ----------------------------------------------------------------
     def node_of(self, rank: int, ranks_per_node: int) -> int:

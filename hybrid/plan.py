@@ -45,8 +45,9 @@ def plan_dict(plan: JobPlan) -> dict:
         "warnings": layout.placement_warnings(per_node),
         "stages": {"partition": cfg.parallel.partition, "split_by": partition_basis(cfg),
                    "blocks": [list(st.blocks) for st in plan.stages],
-                   "lines": format_partition([st.blocks for st in plan.stages], layout.pp,
-                                             cfg.model.layers).splitlines()},
+                   "lines": format_partition(
+                       [st.blocks for st in plan.stages], layout.pp, cfg.model.layers,
+                       placement=layout.stage_placement).splitlines()},
         "schedule": {"name": sched.name, "microbatches": sched.microbatches,
                      "bubble_fraction": sched.bubble_fraction,
                      "bubble_fraction_per_rank": list(sched.bubble_per_rank),

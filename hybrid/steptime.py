@@ -240,18 +240,22 @@ def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> 
                        I=tuple(t.backward / 2 for t in times),
                        W=tuple(t.backward / 2 for t in times), p2p=p2p)
     lists = build_schedule(plan.schedule.name, layout.pp, m, vpp=layout.vpp)
-    return simulate(lists, layout.pp, m, vpp=layout.vpp, costs=costs).makespan
+    return simulate(lists, layout.pp, m, vpp=layout.vpp, costs=costs,
+                    placement=layout.stage_placement).makespan
 
 
 def _closed_form_bubble(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
     """Warm-up and drain of the slowest stage: ``(pp - 1)`` of its forward + backward
-    (``/ vpp`` interleaved; zero-bubble H1 leaves the forward), plus the messages."""
+    (``/ vpp`` interleaved; zero-bubble H1 leaves the forward, ZB-V one chunk's forward),
+    plus the messages."""
     pp = plan.layout.pp
     if pp == 1:
         return 0.0
     slowest = max(times, key=lambda t: t.forward + t.backward)
     if plan.schedule.name == "zb-h1":
         per_step = slowest.forward
+    elif plan.schedule.name == "zb-v":
+        per_step = slowest.forward / plan.layout.vpp
     else:
         per_step = (slowest.forward + slowest.backward) / plan.layout.vpp
     return (pp - 1) * (per_step + 2 * p2p)

@@ -49,20 +49,25 @@ from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
 
 
 def build_chunks(cfg: Config, groups: ParallelGroups) -> dict[int, nn.Module]:
-    """This pipeline rank's model chunks: virtual stage id -> ``nn.Sequential`` of blocks."""
-    chunks = {}
-    for stage in plan_job(cfg).stages_of(groups.pp_rank):
-        blocks = build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=list(stage.blocks),
-                              sequence_parallel=cfg.parallel.sequence_parallel)
-        chunks[stage.index] = nn.Sequential(*blocks)
-    return chunks
+    """This pipeline rank's model chunks: virtual stage id -> ``nn.Sequential`` of blocks.
+
+    The rank's blocks are built in one call, so that a tied head on the rank that also holds
+    the embedding (the V placement puts both on rank 0) shares its Parameter, as at pp=1.
+    """
+    stages = plan_job(cfg).stages_of(groups.pp_rank)
+    held = sorted(block for stage in stages for block in stage.blocks)
+    built = dict(zip(held, build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=held,
+                                        sequence_parallel=cfg.parallel.sequence_parallel)))
+    return {stage.index: nn.Sequential(*(built[b] for b in stage.blocks)) for stage in stages}
 
 
 def lowered_schedule(cfg: Config, groups: ParallelGroups) -> list[list[Action]]:
     """Every pipeline rank's action list with sends/receives, proved safe by the checker."""
     pp, vpp, m = groups.layout.pp, groups.layout.vpp, microbatches(cfg)
-    lists = add_communication(build_schedule(cfg.parallel.schedule, pp, m, vpp=vpp), pp, vpp)
-    check_schedule(lists, pp, m, vpp)
+    placement = groups.layout.stage_placement
+    lists = add_communication(build_schedule(cfg.parallel.schedule, pp, m, vpp=vpp), pp, vpp,
+                              placement)
+    check_schedule(lists, pp, m, vpp, placement)
     return lists
 
 
@@ -200,7 +205,8 @@ class Trainer:
                 pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
                 loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
                 act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
-                recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch)
+                recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch,
+                placement=self.groups.layout.stage_placement)
 
     def _stall_error(self, error: BaseException) -> Exception:
         """A wait failed: the diagnosis, after hearing from every rank that can still speak."""
@@ -317,6 +323,7 @@ class Trainer:
         layout = self.groups.layout
         report = write_timeline(events, self.schedule, self.run_dir / "timeline", pp=layout.pp,
                                 m=self.m, vpp=layout.vpp,
+                                placement=layout.stage_placement,
                                 title=f"{self.cfg.parallel.schedule} step {step}")
         write_text(self.run_dir / "timeline_bubble.json", json.dumps(report, indent=1))
         print(f"timeline of step {step}: {report['png']} (bubble measured "

@@ -12,7 +12,7 @@ import math
 from hybrid.config import Config, ModelConfig
 from hybrid.dp_traffic import DpOptions, option_problem
 from hybrid.layout import Layout, LayoutError, valid_sizes
-from hybrid.pipeline.schedules import SCHEDULE_NAMES
+from hybrid.pipeline.schedules import SCHEDULE_NAMES, schedule_placement
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -79,7 +79,8 @@ def validate_config(cfg: Config) -> Layout:
         raise LayoutError(problems[0] + (f" ({more} more problem{'s' * (more > 1)}: "
                                          f"hybrid-plan lists them all)" if more else ""))
     par = cfg.parallel
-    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
+                  stage_placement=schedule_placement(par.schedule))
 
 
 def config_problems(cfg: Config) -> list[str]:
@@ -89,7 +90,8 @@ def config_problems(cfg: Config) -> list[str]:
                                                                  _check_dp_options)) if p]
     par = cfg.parallel
     try:
-        layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp)
+        layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
+                        stage_placement=schedule_placement(par.schedule))
     except LayoutError as err:
         return problems + [str(err)]
     for check in (_check_model, _check_partition, _check_schedule, _check_batch, _check_world):
@@ -223,9 +225,19 @@ def _check_schedule(cfg: Config, layout: Layout) -> None:
     if schedule == "interleaved-1f1b" and vpp < 2:
         raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.vpp >= 2; "
                           "set parallel.vpp=2 or use schedule=1f1b")
-    if schedule != "interleaved-1f1b" and vpp > 1:
-        raise LayoutError(f"parallel.vpp={vpp} needs parallel.schedule=interleaved-1f1b "
-                          f"(got {schedule}); set the schedule or parallel.vpp=1")
+    if schedule == "zb-v" and cfg.train.device == "cuda":
+        # gloo pairs messages by tag; NCCL pairs a rank pair's messages in posting order,
+        # which zb-v's lists do not keep (p2p.fifo_mismatches), so same-shaped activations
+        # and gradients could be swapped silently.
+        raise LayoutError(f"parallel.schedule=zb-v runs on train.device=cpu only (got "
+                          f"{cfg.train.device}): its messages are matched by tag; use "
+                          f"schedule=zb-h1 on {cfg.train.device}")
+    if schedule == "zb-v" and vpp != 2:
+        raise LayoutError(f"parallel.schedule=zb-v runs exactly 2 chunks per rank, got "
+                          f"parallel.vpp={vpp}; set parallel.vpp=2 or use schedule=zb-h1")
+    if schedule not in ("interleaved-1f1b", "zb-v") and vpp > 1:
+        raise LayoutError(f"parallel.vpp={vpp} needs parallel.schedule=interleaved-1f1b or "
+                          f"zb-v (got {schedule}); set the schedule or parallel.vpp=1")
     if schedule == "interleaved-1f1b" and layout.pp < 2:
         raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.pp >= 2; "
                           "use schedule=1f1b for pp=1")

@@ -21,6 +21,7 @@ from hybrid.layout import Layout
 from hybrid.model import (
     GPT, allreduce_sequence_parallel_grads, build_blocks, gather_tp_param, lm_loss, num_blocks,
 )
+from hybrid.model.linear import linear
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.pipeline.partition import partition
 from hybrid.pipeline.rank_check import rank_stages
@@ -223,3 +224,43 @@ def test_input_then_weight_backward_equals_the_full_backward_once_per_parameter(
         assert torch.allclose(p.grad, want, rtol=1e-6, atol=1e-7)
     assert sorted(counts.values()) == [1] * len(expected)  # the DP sync sees one per param
     assert not weights.starts  # W ran once and let the graph go
+
+
+class SelfSplitProbe(nn.Module):
+    """hybrid's own linear (which splits its backward itself), used twice, and a layer norm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(H)
+        self.weight, self.bias = nn.Parameter(torch.randn(H, H) / 3), nn.Parameter(torch.randn(H))
+
+    def forward(self, x):
+        h = torch.tanh(linear(self.norm(x), self.weight, self.bias)) + x
+        return linear(h, self.weight, self.bias)
+
+
+def test_self_splitting_linears_defer_their_weight_gradient_and_free_the_graph_in_I():
+    model, x, grad = SelfSplitProbe(), torch.randn(S, B, H), torch.randn(S, B, H)
+    inp = x.clone().requires_grad_()
+    out = model(inp)
+    (expected_input,) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+    full_backward(get_gradient_edge(out), grad)
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    counts = {}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: counts.update({p: counts.get(p, 0) + 1}))
+
+    inp = x.clone().requires_grad_()
+    out = model(inp)
+    input_grad, weights = input_backward(get_gradient_edge(out), grad, inp)
+    assert torch.allclose(input_grad, expected_input, rtol=1e-6, atol=1e-7)
+    assert all(p.grad is None for p in model.parameters()) and not counts
+    assert len(weights.self_split) == 2 and not any(s.pinned for s in weights.starts)
+    with pytest.raises(RuntimeError, match="freed|second time"):
+        out.grad_fn.saved_tensors  # nothing re-runs in W, so I let the graph go
+    weights.run()
+    for p, want in zip(model.parameters(), expected):
+        assert torch.allclose(p.grad, want, rtol=1e-6, atol=1e-7)
+    assert sorted(counts.values()) == [1] * len(expected)

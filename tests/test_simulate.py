@@ -9,7 +9,7 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from hybrid.pipeline.actions import ScheduleError
+from hybrid.pipeline.actions import V_SHAPE, ScheduleError
 from hybrid.pipeline.schedules import SCHEDULE_NAMES, add_communication, build_schedule
 from hybrid.pipeline.simulate import Costs, peak_inflight, simulate
 
@@ -77,6 +77,20 @@ def test_peak_inflight_gpipe_holds_all_1f1b_and_zb_h1_hold_at_most_p(p, m):
     assert _run("zb-h1", p, m).peak_inflight == (min(p, m),) * p
 
 
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 4), (3, 6), (8, 16)])
+def test_zb_v_halves_zb_h1_bubble_at_1f1b_activation_memory(p, m):
+    """With F = I = W per stage (so F = I = W = 1/2 per V chunk), ZB-V idles one chunk's F per
+    warm-up step, (p-1)/2, half ZB-H1's (p-1); each rank holds at most 2p chunk activations,
+    i.e. p micro-batches of a whole stage: 1F1B's first-rank peak."""
+    costs = _costs(F=1, B=2, I=1, W=1)
+    zb_v = simulate(build_schedule("zb-v", p, m, 2), p, m, 2, costs.per_chunk(2),
+                    placement=V_SHAPE)
+    zb_h1 = _run("zb-h1", p, m, costs=costs)
+    assert zb_v.bubble_fraction < zb_h1.bubble_fraction
+    assert zb_v.bubble_time == (Fr(p - 1, 2),) * p and zb_h1.bubble_time == (p - 1,) * p
+    assert max(zb_v.peak_inflight) == 2 * p == 2 * max(_run("1f1b", p, m).peak_inflight)
+
+
 def test_peak_inflight_counts_each_chunk_separately():
     lists = build_schedule("interleaved-1f1b", 2, 4, 2)
     # rank 0 warms up 2*(pp-1) + (vpp-1)*pp = 4 forwards, then one more before its first B
@@ -129,7 +143,7 @@ def test_closed_form_schedule_shapes_equal_the_simulation():
     checked = 0
     for name in SCHEDULE_NAMES:
         for pp in range(1, 7):
-            for vpp in ((2, 3) if name == "interleaved-1f1b" else (1,)):
+            for vpp in {"interleaved-1f1b": (2, 3), "zb-v": (2,)}.get(name, (1,)):
                 for m in range(1, 13):
                     try:
                         sim = simulate_unit_costs(name, pp, m, vpp)
@@ -137,7 +151,7 @@ def test_closed_form_schedule_shapes_equal_the_simulation():
                         continue  # not a valid shape for this schedule
                     bubble, peak = closed_form_schedule(name, pp, m, vpp)
                     assert peak == tuple(sim.peak_inflight), (name, pp, m, vpp)
-                    if name != "zb-h1" or m >= pp:
+                    if (name != "zb-h1" or m >= pp) and (name != "zb-v" or m >= 2 * pp):
                         assert bubble == pytest.approx(sim.bubble_fraction), (name, pp, m, vpp)
                     checked += 1
     assert checked > 150

@@ -22,6 +22,7 @@ STEPS = 10
 # 8 tiny layers so that pp=4 x vpp=2 fits; global batch 8 in micro-batches of 2.
 COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_batch=8",
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=2", "seed=7"]
+TIED = ["model.tie_embeddings=true"]
 LAYOUTS = {
     # zero=2 reduce-scatters every micro-batch; plain dp2 runs inside 2x2x2 and torchrun
     "dp2-zero2": ["parallel=single", "parallel.dp=2", "parallel.zero=2"],
@@ -33,8 +34,11 @@ LAYOUTS = {
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
     "pp2-zb-h1": ["parallel=single", "parallel.pp=2", "parallel.schedule=zb-h1"],
+    # V placement: rank 0 holds the first and the last stage, so the tied head shares the
+    # embedding's weight there and the loss is computed on rank 0.
+    "pp2-zb-v-tied": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
+                      "parallel.schedule=zb-v", *TIED],
 }
-TIED = ["model.tie_embeddings=true"]
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -83,7 +87,8 @@ def assert_zero2_holds_one_dp_share(run_dir: Path) -> None:
 def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     done = run_train(tmp_path, *LAYOUTS[name])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_same_losses(losses_of(tmp_path), reference["untied"])
+    assert_same_losses(losses_of(tmp_path), reference["tied" if TIED[0] in LAYOUTS[name]
+                                                      else "untied"])
     if "zero2" in name:
         assert_zero2_holds_one_dp_share(tmp_path)
     assert "run directory: " + str(tmp_path) in done.stdout

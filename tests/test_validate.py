@@ -40,6 +40,11 @@ BAD = [
     ({"parallel": {"pp": 4, "vpp": 1, "schedule": "interleaved-1f1b"}},
      "parallel.schedule=interleaved-1f1b needs parallel.vpp >= 2"),
     ({"parallel": {"vpp": 2}}, "parallel.vpp=2 needs parallel.schedule=interleaved-1f1b"),
+    ({"parallel": {"pp": 2, "vpp": 1, "dp": 1, "schedule": "zb-v"}},
+     "parallel.schedule=zb-v runs exactly 2 chunks per rank, got parallel.vpp=1; set "
+     "parallel.vpp=2"),
+    ({"parallel": {"pp": 2, "vpp": 2, "dp": 1, "schedule": "zb-v"}, "train": {"device": "cuda"}},
+     "parallel.schedule=zb-v runs on train.device=cpu only"),
     ({"parallel": {"pp": 4, "vpp": 1, "dp": 1, "schedule": "interleaved-1f1b"},
       "model": {"layers": 8}}, "needs parallel.vpp >= 2"),
     ({"parallel": {"pp": 2, "vpp": 2, "dp": 1, "schedule": "interleaved-1f1b"},

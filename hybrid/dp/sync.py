@@ -103,6 +103,10 @@ class GradSync:
         self.dp_size, self.dp_rank = groups.dp.size(), groups.dp_rank
         self.specs = {id(p): spec for spec, p in named}
         """Every parameter's spec, by ``id``: a plain module's gets one named by its place."""
+        self.uses = {id(p): sum(any(p is q for q in m.parameters()) for m in modules)
+                     for _, p in named}
+        """Chunks using each parameter: a tied embedding used by two chunks of one rank (the
+        V placement's rank 0) accumulates once per chunk's backward, so twice a micro-batch."""
         self.buckets = self._build_buckets([p for _, p in named], bucket_mb)
         self.shards = [Shard.of(b, self.dp_rank, self.dp_size) for b in self.buckets] if zero \
             else []
@@ -223,14 +227,15 @@ class GradSync:
 
     def _accumulated(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook of ``bucket.params[slot]``."""
-        expected = self._microbatches
-        if expected is None:
+        if self._microbatches is None:
             raise RuntimeError("a gradient was accumulated outside a step; call "
                                "GradSync.start_step(num_microbatches) before the first backward")
+        expected = self._microbatches * self.uses[id(param)]
         count = bucket.accumulations[slot] + 1
         if count > expected:
             raise RuntimeError(f"parameter {self.specs[id(param)].name} accumulated {count} gradients "
-                               f"in a step declared with {expected} micro-batches; pass the "
+                               f"in a step declared with {self._microbatches} micro-batches (x "
+                               f"{self.uses[id(param)]} chunks using it); pass the "
                                f"true count to start_step()")
         bucket.accumulations[slot] = count
         if self.staged is not None:

@@ -17,14 +17,13 @@ What we do not take, and why (``tests/test_megatron_adapter.py`` pins each point
   therefore always built with ``config.sequence_parallel=False``; the blocks gather/scatter
   around them.
 - megatron's fused linear autograd function (``linear_with_grad_accumulation_and_async_
-  allreduce``) is replaced by plain autograd ops in ``_forward_impl``: the TP region copy
-  (identity forward, all-reduce of the input gradient backward) followed by ``F.linear``. Two
-  reasons: (1) its single backward node computes the weight gradient together with the input
-  gradient, so a zero-bubble schedule could not defer the weight gradient (with ``F.linear``
-  the input-gradient pass skips the weight matmul and the W action runs it later); (2) it is
-  written for CUDA autocast: under CPU autocast its backward multiplies a bf16 gradient with
-  the fp32 weight and fails. What we give up is its overlap of the input-gradient all-reduce
-  with the weight-gradient matmul.
+  allreduce``) is replaced in ``_forward_impl`` by the TP region copy (identity forward,
+  all-reduce of the input gradient backward) followed by ``hybrid.model.linear.linear``. Two
+  reasons: (1) its single backward node always computes the weight gradient together with the
+  input gradient, so a zero-bubble schedule could not defer the weight gradient (ours hands
+  it to the W action on request); (2) it is written for CUDA autocast: under CPU autocast its
+  backward multiplies a bf16 gradient with the fp32 weight and fails. What we give up is its
+  overlap of the input-gradient all-reduce with the weight-gradient matmul.
 
 Megatron's global ``parallel_state`` is never initialised: every layer gets ``tp_group``.
 """
@@ -35,12 +34,12 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import ModelParallelConfig
 from megatron.core import tensor_parallel as _mcore_tp
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.utils import VocabUtility
 
+from hybrid.model.linear import linear
 from hybrid.model.sequence_parallel import reduce_scatter_to_sequence_parallel_region
 
 __all__ = [
@@ -69,7 +68,7 @@ def _native_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     """
     if allreduce_dgrad:
         input_ = _mcore_tp.copy_to_tensor_model_parallel_region(input_, group=tp_group)
-    return F.linear(input_, weight, bias)
+    return linear(input_, weight, bias)
 
 
 class ColumnParallelLinear(_mcore_tp.ColumnParallelLinear):

@@ -1,8 +1,11 @@
 """Pipeline actions: the small values that a schedule is made of (no torch).
 
 A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. Virtual stage ``s``
-(in model order, ``0 <= s < pp * vpp``) lives on rank ``s % pp`` as chunk ``s // pp``
-(Megatron's interleaved placement); with ``vpp == 1`` the stage is the rank.
+(in model order, ``0 <= s < pp * vpp``) is chunk ``s // pp`` of the rank ``stage_rank`` gives,
+the one placement function: ``loop`` (Megatron's interleaved placement, rank ``s % pp``) or
+``v`` (ZB-V's: odd chunks run the ranks backwards, so with ``vpp == 2`` rank ``r`` holds
+stages ``r`` and ``2*pp - 1 - r``, and the first and last stage share rank 0). With
+``vpp == 1`` both are the identity.
 
 Text form, as in torch.distributed.pipelining: ``<stage><KIND><micro-batch>``, e.g. ``2F0``,
 ``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``. ``Action.parse`` and ``str`` round-trip,
@@ -79,20 +82,28 @@ class Action:
         return self.kind in (BACKWARD, BACKWARD_INPUT)
 
 
-def stage_rank(stage: int, pp: int) -> int:
-    """The pipeline rank that holds virtual stage ``stage``."""
+LOOP, V_SHAPE = "loop", "v"
+PLACEMENTS = (LOOP, V_SHAPE)
+
+
+def stage_rank(stage: int, pp: int, placement: str = LOOP) -> int:
+    """The pipeline rank that holds virtual stage ``stage`` (see the module doc)."""
+    if placement == V_SHAPE and (stage // pp) % 2:
+        return pp - 1 - stage % pp
+    if placement not in PLACEMENTS:
+        raise ScheduleError(f"unknown placement {placement!r}; use one of {PLACEMENTS}")
     return stage % pp
 
 
 def stage_chunk(stage: int, pp: int) -> int:
-    """The virtual chunk (0 .. vpp-1) that ``stage`` is on its rank."""
+    """The virtual chunk (0 .. vpp-1) that ``stage`` is on its rank (either placement)."""
     return stage // pp
 
 
-def rank_stages(rank: int, pp: int, vpp: int) -> list[int]:
+def rank_stages(rank: int, pp: int, vpp: int, placement: str = LOOP) -> list[int]:
     """The virtual stages pipeline rank ``rank`` holds, by chunk (the inverse of
     ``stage_rank`` and ``stage_chunk``)."""
-    return sorted((s for s in range(pp * vpp) if stage_rank(s, pp) == rank),
+    return sorted((s for s in range(pp * vpp) if stage_rank(s, pp, placement) == rank),
                   key=lambda s: stage_chunk(s, pp))
 
 

@@ -13,14 +13,25 @@ micro-batch.
 
 What ``I`` keeps for a branch node depends on its kind:
 
-- a matrix product (``mm``/``linear``/``conv`` in its name), whose weight gradient is the work
-  worth deferring: the gradient that reached it, so that ``W`` runs it again for its weight
-  side only; but if it is a custom ``autograd.Function`` (megatron's tensor-parallel linear),
-  it computed its weight gradient in ``I`` anyway, and ``W`` starts from that result instead
-  of running it twice (which would also repeat its TP all-reduce of the input gradient);
+- a node that splits itself (it has ``deferred_weight_grads``, as ``hybrid.model.linear``'s
+  has; every linear of the GPT model): ``I`` sets its ``defer_weight_grad`` flag, so that its
+  backward computes the input gradient only and keeps its gradient and input; ``W`` asks it
+  for the weight gradients and seeds them straight into the parameters. No engine call runs
+  it twice and none walks the graph for it, so ``I`` + ``W`` cost what ``B`` costs;
+- another matrix product (``mm``/``linear``/``conv`` in its name), whose weight gradient is
+  the work worth deferring: the gradient that reached it, so that ``W`` runs it again for its
+  weight side only (one engine call per node, each walking the graph below it); but if it is
+  a custom ``autograd.Function`` that computed its weight gradient in ``I`` anyway (megatron's
+  fused linear), ``W`` starts from that result instead of running it twice (which would also
+  repeat its TP all-reduce of the input gradient);
 - anything else (layer norm, a bias add): its parameter gradients are cheap, so ``I`` asks
   autograd for them along with the input gradient. Running such a node again in ``W`` would
   cost one autograd call per node, each walking the graph, which is far more than the work.
+
+When no node is run again, ``W`` needs nothing of the graph but the parameters' accumulators,
+so ``I`` frees it (``retain_graph=False``): between ``I`` and ``W`` a stage holds only what
+the weight gradients need (each linear's input and output gradient), not every activation.
+All seeds go to the engine in one call.
 
 Parameters reached from several roots (a weight used twice) get all their roots in one call,
 so that each accumulates exactly once.
@@ -55,8 +66,13 @@ class _Branch:
     param_grads: Optional[list] = None  # what it produced for param_edges during I, if anything
 
     @property
+    def splits_itself(self) -> bool:
+        return hasattr(self.node, "deferred_weight_grads")
+
+    @property
     def deferred(self) -> bool:
-        return bool(_DEFERRED_NODE.search(self.node.name()))
+        """Run again in W (a matrix product that does not split itself)."""
+        return not self.splits_itself and bool(_DEFERRED_NODE.search(self.node.name()))
 
 
 @dataclass(eq=False)
@@ -74,11 +90,16 @@ class WeightGradients:
     """What ``I`` leaves for ``W``."""
 
     starts: list[_Start] = field(default_factory=list)
+    self_split: list[_Branch] = field(default_factory=list)  # asked for their gradients in W
 
     def run(self) -> None:
         """``W``: accumulate this micro-batch's weight gradients into ``.grad``; frees the graph."""
-        groups, self.starts = _merge_sharing(self.starts), []
-        # Seeds below branch nodes never reach the input path: one call takes them all.
+        starts = self.starts + [_self_split_start(branch) for branch in self.self_split]
+        self.starts, self.self_split = [], []
+        # Seeds below branch nodes never reach the input path: one call takes them all (a
+        # parameter seeded twice accumulates once). Only a re-run node's call must also take
+        # the seeds that share its parameters.
+        groups = _merge_sharing(starts) if any(s.pinned for s in starts) else starts
         seeds = [g for g in groups if not g.pinned]
         _accumulate(_concat(seeds))
         for group in (g for g in groups if g.pinned):
@@ -123,13 +144,19 @@ def input_backward(root: Root, grad: Optional[torch.Tensor], stage_input: torch.
                    ) -> tuple[torch.Tensor, WeightGradients]:
     """``I``: the gradient of ``stage_input`` (a leaf) only; returns it and the work for ``W``.
 
-    The graph is kept (``retain_graph``) until ``W`` has run.
+    The graph is kept (``retain_graph``) until ``W`` only if ``W`` runs some of its nodes.
     """
     top = root.node if isinstance(root, GradientEdge) else root.grad_fn
     branches = find_branches(top, get_gradient_edge(stage_input).node)
     deferred = [b for b in branches if b.deferred]
-    eager_edges = list(dict.fromkeys(e for b in branches if not b.deferred
+    self_split = [b for b in branches if b.splits_itself]
+    eager_edges = list(dict.fromkeys(e for b in branches
+                                     if not b.deferred and not b.splits_itself
                                      for e in b.param_edges))
+    seeded = eager_edges + [e for b in self_split for e in b.param_edges]
+    retain = bool(deferred) or not all(_is_accumulator(node) for node, _ in seeded)
+    for branch in self_split:
+        branch.node.defer_weight_grad = True
     handles = []
     for branch in deferred:
         handles.append(branch.node.register_prehook(_keep_grad_outputs(branch)))
@@ -137,7 +164,7 @@ def input_backward(root: Root, grad: Optional[torch.Tensor], stage_input: torch.
     try:
         input_grad, *eager_grads = torch.autograd.grad(
             [root], [stage_input] + [GradientEdge(*edge) for edge in eager_edges],
-            grad_outputs=None if grad is None else [grad], retain_graph=True,
+            grad_outputs=None if grad is None else [grad], retain_graph=retain,
             allow_unused=True)
     finally:
         for handle in handles:
@@ -146,7 +173,21 @@ def input_backward(root: Root, grad: Optional[torch.Tensor], stage_input: torch.
     starts = [_Start([GradientEdge(*edge)], [g], below([edge[0]]))
               for edge, g in zip(eager_edges, eager_grads) if g is not None]
     starts += [_deferred_start(branch) for branch in deferred]
-    return input_grad, WeightGradients([s for s in starts if s.roots])
+    return input_grad, WeightGradients([s for s in starts if s.roots], self_split)
+
+
+def _is_accumulator(node: Node) -> bool:
+    return hasattr(node, "variable")  # AccumulateGrad: the node of a leaf
+
+
+def _self_split_start(branch: _Branch) -> _Start:
+    """Seeds of the weight gradients a self-splitting node kept from ``I``."""
+    node = branch.node
+    grads = node.deferred_weight_grads(node)
+    pairs = [(GradientEdge(*edge), grads[index])
+             for index, edge in enumerate(node.next_functions)
+             if edge in branch.param_edges and grads[index] is not None]
+    return _Start([r for r, _ in pairs], [g for _, g in pairs], branch.accumulators)
 
 
 def _deferred_start(branch: _Branch) -> _Start:
@@ -213,7 +254,7 @@ def _accumulators_below(starts: list[Node]) -> set:
         if node in seen:
             continue
         seen.add(node)
-        if hasattr(node, "variable"):  # AccumulateGrad: the node of a leaf
+        if _is_accumulator(node):
             found.add(node)
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return found

@@ -12,7 +12,7 @@ from collections import Counter
 
 from hybrid.pipeline.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
-    ScheduleError, stage_rank,
+    LOOP, ScheduleError, stage_rank,
 )
 from hybrid.pipeline.replay import Deadlock, OrderViolation, describe_key, replay
 
@@ -39,21 +39,22 @@ def format_table(lists: list[list[Action]], marks: set[Cell] | None = None) -> s
     return "\n".join([header.rstrip(), "-" * len(header)] + [row.rstrip() for row in rows])
 
 
-def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1) -> None:
+def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
+                   placement: str = LOOP) -> None:
     """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule.
 
     Complete: every (stage, mb) has one F and either one B or one I and one W, nothing else,
-    each on the rank ``stage % pp``; lowered lists also carry exactly the SEND/RECV pairs of
+    each on the rank ``stage_rank(stage, pp, placement)`` gives; lowered lists also carry exactly the SEND/RECV pairs of
     every cross-rank edge. Ordered and deadlock-free: replaying all ranks with the runtime's
     semantics (SEND posted without waiting, RECV blocks until posted) runs every action.
     """
     if len(lists) != pp:
         raise ScheduleError(f"schedule has {len(lists)} rank lists but pp={pp}; "
                             f"give one list per pipeline rank")
-    _check_placement(lists, pp, m, vpp)
-    _check_complete(lists, pp, m, vpp)
+    _check_placement(lists, pp, m, vpp, placement)
+    _check_complete(lists, pp, m, vpp, placement)
     try:
-        replay(lists, pp, vpp, duration=lambda action: 0)
+        replay(lists, pp, vpp, duration=lambda action: 0, placement=placement)
     except OrderViolation as bad:
         _fail(f"rank {bad.rank} step {bad.step}: {bad.action} runs before "
               f"{describe_key(bad.missing)} that it needs from its own rank; move it later",
@@ -73,29 +74,32 @@ def _locate(lists: list[list[Action]], wanted: Action) -> set[Cell]:
             for i, action in enumerate(actions) if action == wanted}
 
 
-def _check_placement(lists: list[list[Action]], pp: int, m: int, vpp: int) -> None:
+def _check_placement(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str
+                     ) -> None:
     n_stages = pp * vpp
     for rank, actions in enumerate(lists):
         for step, action in enumerate(actions):
             if action.stage >= n_stages or action.mb >= m:
                 _fail(f"{action} is out of range: stages are 0..{n_stages - 1} and "
                       f"micro-batches 0..{m - 1}", lists, {(rank, step)})
-            if stage_rank(action.stage, pp) != rank:
+            home = stage_rank(action.stage, pp, placement)
+            if home != rank:
                 _fail(f"{action} is on rank {rank} but stage {action.stage} lives on rank "
-                      f"{stage_rank(action.stage, pp)}", lists, {(rank, step)})
+                      f"{home}", lists, {(rank, step)})
 
 
-def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int) -> None:
+def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str
+                    ) -> None:
     counts = Counter(action for actions in lists for action in actions)
     for action, count in counts.items():
         if count > 1:
             _fail(f"{action} appears {count} times; keep exactly one", lists,
                   _locate(lists, action))
-    required = _required_actions(lists, pp, m, vpp)
+    required = _required_actions(lists, pp, m, vpp, placement)
     missing = sorted(required.difference(counts))
     if missing:
         action = missing[0]
-        _fail(f"{action} is missing; add it to rank {stage_rank(action.stage, pp)}",
+        _fail(f"{action} is missing; add it to rank {stage_rank(action.stage, pp, placement)}",
               lists, set())
     for action in counts:
         if action not in required:
@@ -103,15 +107,17 @@ def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int) -> Non
                   _locate(lists, action))
 
 
-def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int) -> set[Action]:
+def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str
+                      ) -> set[Action]:
     """Every action a complete schedule must have; B vs I+W follows what each (s, mb) uses."""
     n_stages = pp * vpp
     present = {action for actions in lists for action in actions}
     lowered = any(action.is_comm for action in present)
     required: set[Action] = set()
     for s in range(n_stages):
-        prev_remote = s > 0 and stage_rank(s - 1, pp) != stage_rank(s, pp)
-        next_remote = s < n_stages - 1 and stage_rank(s + 1, pp) != stage_rank(s, pp)
+        here = stage_rank(s, pp, placement)
+        prev_remote = s > 0 and stage_rank(s - 1, pp, placement) != here
+        next_remote = s < n_stages - 1 and stage_rank(s + 1, pp, placement) != here
         for mb in range(m):
             required.add(Action(s, FORWARD, mb))
             split = (Action(s, BACKWARD_INPUT, mb) in present

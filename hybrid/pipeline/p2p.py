@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_rank
+from hybrid.pipeline.actions import LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_rank
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 
@@ -67,7 +67,7 @@ class PendingRecv:
 
 def post(actions: list[Action], payloads: dict[Action, torch.Tensor], *, pp_ranks: list[int],
          group: dist.ProcessGroup, n_microbatches: int,
-         recv_buffer: Callable[[], torch.Tensor]
+         recv_buffer: Callable[[], torch.Tensor], placement: str = LOOP
          ) -> tuple[list[tuple[Action, torch.Tensor, dist.Work]], list[PendingRecv]]:
     """Post consecutive SEND/RECV actions as one ``batch_isend_irecv`` call.
 
@@ -77,7 +77,7 @@ def post(actions: list[Action], payloads: dict[Action, torch.Tensor], *, pp_rank
     pp = len(pp_ranks)
     ops, sends, recvs = [], [], []
     for action in actions:
-        peer = pp_ranks[stage_rank(peer_stage(action), pp)]
+        peer = pp_ranks[stage_rank(peer_stage(action), pp, placement)]
         tag = message_tag(action, n_microbatches)
         if action.kind in (SEND_F, SEND_B):
             tensor = payloads[action]
@@ -177,7 +177,8 @@ class SendsInFlight:
             del work, tensor, item  # the buffer goes now, not when the next item arrives
 
 
-def fifo_mismatches(lists: list[list[Action]], pp: int) -> list[tuple[int, int]]:
+def fifo_mismatches(lists: list[list[Action]], pp: int, placement: str = LOOP
+                    ) -> list[tuple[int, int]]:
     """Directed rank pairs ``(src, dst)`` whose messages ``dst`` receives in another order than
     ``src`` sends them. Empty means the lowered ``lists`` are also safe on a backend that
     ignores tags and matches a pair's messages in posting order (NCCL)."""
@@ -187,7 +188,7 @@ def fifo_mismatches(lists: list[list[Action]], pp: int) -> list[tuple[int, int]]
         for action in actions:
             if not action.is_comm:
                 continue
-            peer = stage_rank(peer_stage(action), pp)
+            peer = stage_rank(peer_stage(action), pp, placement)
             message = (sender_stage(action), action.kind[-1], action.mb)
             if action.kind in (SEND_F, SEND_B):
                 sent.setdefault((rank, peer), []).append(message)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hybrid.pipeline.actions import stage_chunk, stage_rank
+from hybrid.pipeline.actions import LOOP, stage_chunk, stage_rank
 
 PARTITION_MODES = ("uniform", "balanced", "measured")
 
@@ -158,7 +158,7 @@ def block_names(n_blocks: int, n_special: tuple[int, int] = (1, 1)) -> list[str]
 
 def format_partition(stages: list[range], pp: int, n_layers: int | None = None, *,
                      n_special: tuple[int, int] = (1, 1),
-                     costs: Sequence[float] | None = None) -> str:
+                     costs: Sequence[float] | None = None, placement: str = LOOP) -> str:
     """One line per stage, by rank then chunk, e.g.
     ``rank 0 chunk 0 (stage 0): blocks 0-4 [embedding, layer 0..3]`` (+ ``cost`` if given).
 
@@ -172,8 +172,11 @@ def format_partition(stages: list[range], pp: int, n_layers: int | None = None, 
         )
     names = block_names(n_blocks, n_special)
     lines = []
-    for stage in sorted(range(len(stages)), key=lambda s: (stage_rank(s, pp), stage_chunk(s, pp))):
-        rank, chunk = stage_rank(stage, pp), stage_chunk(stage, pp)
+    def place(s: int) -> tuple[int, int]:
+        return stage_rank(s, pp, placement), stage_chunk(s, pp)
+
+    for stage in sorted(range(len(stages)), key=place):
+        rank, chunk = place(stage)
         blocks = stages[stage]
         span = f"{blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 else f"{blocks.start}"
         line = (f"rank {rank} chunk {chunk} (stage {stage}): blocks {span} "

@@ -10,7 +10,7 @@ from hybrid.config import Config
 from hybrid.cost import block_params
 from hybrid.pipeline.block_costs import predicted_block_costs
 from hybrid.pipeline.partition import partition
-from hybrid.pipeline.schedules import build_schedule
+from hybrid.pipeline.schedules import build_schedule, schedule_placement
 from hybrid.pipeline.simulate import Costs, simulate
 
 
@@ -36,13 +36,14 @@ def partition_for_config(cfg: Config) -> list[range]:
 def simulate_unit_costs(schedule: str, pp: int, m: int, vpp: int):
     """The schedule simulated with unit costs (F=1, B=2, I=W=1, no p2p time); one simulation
     per schedule shape, since the memory check's candidate layouts share most."""
-    return simulate(build_schedule(schedule, pp, m, vpp=vpp), pp, m, vpp=vpp, costs=Costs())
+    return simulate(build_schedule(schedule, pp, m, vpp=vpp), pp, m, vpp=vpp, costs=Costs(),
+                    placement=schedule_placement(schedule))
 
 
 def closed_form_schedule(schedule: str, pp: int, m: int, vpp: int) -> tuple[float, tuple]:
     """(bubble fraction, peak in-flight micro-batches per rank) with unit costs, without
     simulating: what the simulator gives (tests/test_simulate.py checks them against it;
-    zb-h1's bubble for m >= pp), for searching thousands of layouts whose simulations would
+    zb-h1's bubble for m >= pp, zb-v's for m >= 2 * pp), for searching thousands of layouts whose simulations would
     take seconds each."""
     if schedule == "gpipe":
         peak = tuple([m] * pp)
@@ -50,10 +51,14 @@ def closed_form_schedule(schedule: str, pp: int, m: int, vpp: int) -> tuple[floa
         peak = tuple(min(2 * (pp - r - 1) + (vpp - 1) * pp + 1, m * vpp) for r in range(pp))
     elif schedule == "zb-h1":
         peak = tuple([min(pp, m)] * pp)
+    elif schedule == "zb-v":  # chunk pairs: 2 * pp of them are pp micro-batches of a stage
+        peak = tuple(min(2 * pp, 2 * m, m + 1 + r) for r in range(pp))
     else:
         peak = tuple(min(pp - r, m) for r in range(pp))
     if schedule == "zb-h1":
         bubble = (pp - 1) / (3 * m + pp - 1)  # F=1 of each warm-up step stays idle
+    elif schedule == "zb-v":
+        bubble = (pp - 1) / (6 * m + pp - 1)  # one chunk's F per warm-up step, 2 chunks
     else:
         bubble = (pp - 1) / (m * vpp + pp - 1)
     return bubble, peak

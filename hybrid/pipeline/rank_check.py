@@ -13,34 +13,30 @@ from collections import Counter
 from typing import Sequence
 
 from hybrid.pipeline.actions import (
-    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, ScheduleError, stage_rank,
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, Action, ScheduleError, rank_stages,
 )
 from hybrid.pipeline.replay import dependencies, describe_key, result_key
 from hybrid.pipeline.schedules import add_communication
 
 
-def rank_stages(rank: int, pp: int, vpp: int) -> list[int]:
-    """The virtual stages that pipeline rank ``rank`` holds, chunk 0 first."""
-    return [rank + chunk * pp for chunk in range(vpp)]
-
-
-def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int) -> list[Action]:
+def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int,
+                       placement: str = LOOP) -> list[Action]:
     """``add_communication`` for one rank's compute-only list."""
     lists: list[list[Action]] = [[] for _ in range(pp)]
     lists[rank] = list(actions)
-    return add_communication(lists, pp, vpp)[rank]
+    return add_communication(lists, pp, vpp, placement)[rank]
 
 
 def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,
-                       vpp: int, m: int) -> None:
+                       vpp: int, m: int, placement: str = LOOP) -> None:
     """Raise ``ScheduleError`` unless ``actions`` is a complete, ordered list for this rank."""
-    expected_stages = rank_stages(rank, pp, vpp)
+    expected_stages = rank_stages(rank, pp, vpp, placement)
     if sorted(stages) != expected_stages:
         raise ScheduleError(f"pipeline rank {rank} of pp={pp}, vpp={vpp} holds stages "
                             f"{expected_stages} but was given modules for stages "
                             f"{sorted(stages)}; pass one module per stage it holds")
     for action in actions:
-        if stage_rank(action.stage, pp) != rank or action.stage not in expected_stages:
+        if action.stage not in expected_stages:
             raise ScheduleError(f"{action} is for stage {action.stage}, which rank {rank} does "
                                 f"not hold (it holds {expected_stages}); pass this rank's list")
         if action.mb >= m:
@@ -49,15 +45,15 @@ def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank
     repeated = [str(a) for a, count in Counter(actions).items() if count > 1]
     if repeated:
         raise ScheduleError(f"rank {rank} runs {', '.join(repeated)} more than once")
-    _check_complete(actions, expected_stages, rank, pp, vpp, m)
-    _check_order(actions, rank, pp, vpp)
+    _check_complete(actions, expected_stages, rank, pp, vpp, m, placement)
+    _check_order(actions, rank, pp, vpp, placement)
 
 
 def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp: int,
-                    vpp: int, m: int) -> None:
+                    vpp: int, m: int, placement: str) -> None:
     present = set(actions)
     compute = [a for a in actions if a.is_compute]
-    required = set(compute) | set(lower_rank_actions(compute, rank, pp, vpp))
+    required = set(compute) | set(lower_rank_actions(compute, rank, pp, vpp, placement))
     for stage in stages:
         for mb in range(m):
             split = {Action(stage, BACKWARD_INPUT, mb), Action(stage, BACKWARD_WEIGHT, mb)}
@@ -73,11 +69,12 @@ def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp:
                             f"which no stage needs; drop them")
 
 
-def _check_order(actions: Sequence[Action], rank: int, pp: int, vpp: int) -> None:
+def _check_order(actions: Sequence[Action], rank: int, pp: int, vpp: int, placement: str
+                 ) -> None:
     lowered = any(action.is_comm for action in actions)
     done: set = set()
     for step, action in enumerate(actions):
-        for dep in dependencies(action, pp, pp * vpp, lowered):
+        for dep in dependencies(action, pp, pp * vpp, lowered, placement):
             if dep.rank == rank and dep.key not in done:
                 raise ScheduleError(f"rank {rank} step {step}: {action} runs before "
                                     f"{describe_key(dep.key)}, which it needs; move it later")

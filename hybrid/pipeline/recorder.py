@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hybrid.pipeline.actions import COMPUTE_KINDS, Action
+from hybrid.pipeline.actions import COMPUTE_KINDS, LOOP, Action
 from hybrid.pipeline.simulate import Costs, simulate
 from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
 
@@ -61,12 +61,12 @@ def mean_costs(events: list[Event]) -> Costs:
 
 
 def bubble_report(events: list[Event], lists: list[list[Action]], pp: int, m: int,
-                  vpp: int = 1) -> dict:
+                  vpp: int = 1, placement: str = LOOP) -> dict:
     """Measured bubble of a real step next to the simulator's for ``lists`` timed with the
     step's own mean action durations (no communication time): the difference is what
     communication and waiting cost."""
     measured = measured_bubble(events)
-    simulated = simulate(lists, pp, m, vpp, costs=mean_costs(events))
+    simulated = simulate(lists, pp, m, vpp, costs=mean_costs(events), placement=placement)
     makespan = max(end for *_, end in events) - min(start for _, _, start, _ in events)
     return {"measured": statistics.fmean(measured), "measured_per_rank": measured,
             "simulated": simulated.bubble_fraction,
@@ -75,12 +75,13 @@ def bubble_report(events: list[Event], lists: list[list[Action]], pp: int, m: in
 
 
 def write_timeline(events: list[Event], lists: list[list[Action]], out_prefix: str | Path, *,
-                   pp: int, m: int, vpp: int = 1, title: str = "pipeline") -> dict:
+                   pp: int, m: int, vpp: int = 1, title: str = "pipeline",
+                   placement: str = LOOP) -> dict:
     """Write ``<out_prefix>.json`` (Chrome trace) and ``<out_prefix>.png``; return the bubble
     report, with the two paths added."""
     prefix = Path(out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    report = bubble_report(events, lists, pp, m, vpp)
+    report = bubble_report(events, lists, pp, m, vpp, placement)
     trace, picture = prefix.with_suffix(".json"), prefix.with_suffix(".png")
     write_chrome_trace(events, trace)
     draw_timeline(events, picture, title=f"{title} (simulated {report['simulated']:.0%})", pp=pp,

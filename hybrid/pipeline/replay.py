@@ -19,7 +19,7 @@ from typing import Callable
 
 from hybrid.pipeline.actions import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
-    stage_rank,
+    LOOP, stage_rank,
 )
 
 # What an action leaves behind for others to wait on: (stage, token, mb). B and I both leave
@@ -46,17 +46,18 @@ class Dependency:
     is_message: bool  # crosses ranks, so it pays the point-to-point latency
 
 
-def dependencies(action: Action, pp: int, n_stages: int, lowered: bool) -> list[Dependency]:
+def dependencies(action: Action, pp: int, n_stages: int, lowered: bool,
+                 placement: str = LOOP) -> list[Dependency]:
     """What ``action`` needs done before it can start (see the module docstring)."""
     s, mb = action.stage, action.mb
-    here = stage_rank(s, pp)
+    here = stage_rank(s, pp, placement)
 
     def local(key: ResultKey) -> Dependency:
         return Dependency(key, here, False)
 
     def neighbour(other: int, kind: str, recv_kind: str) -> Dependency:
         """Data computed by stage ``other``: via our RECV when lowered and remote."""
-        other_rank = stage_rank(other, pp)
+        other_rank = stage_rank(other, pp, placement)
         if other_rank == here:
             return local((other, kind, mb))
         if lowered:
@@ -78,8 +79,8 @@ def dependencies(action: Action, pp: int, n_stages: int, lowered: bool) -> list[
     if kind == SEND_B:
         return [local((s, BACKWARD_INPUT, mb))]
     if kind == RECV_F:
-        return [Dependency((s - 1, SEND_F, mb), stage_rank(s - 1, pp), True)]
-    return [Dependency((s + 1, SEND_B, mb), stage_rank(s + 1, pp), True)]  # RECV_B
+        return [Dependency((s - 1, SEND_F, mb), stage_rank(s - 1, pp, placement), True)]
+    return [Dependency((s + 1, SEND_B, mb), stage_rank(s + 1, pp, placement), True)]  # RECV_B
 
 
 class OrderViolation(Exception):
@@ -109,7 +110,8 @@ class Timed:
 
 
 def replay(lists: list[list[Action]], pp: int, vpp: int,
-           duration: Callable[[Action], float], p2p: float = 0) -> list[Timed]:
+           duration: Callable[[Action], float], p2p: float = 0, placement: str = LOOP
+           ) -> list[Timed]:
     """Run every rank as far as it can, repeatedly, until all finish or all wait.
 
     Returns the timed actions, per rank in list order. A RECV starts when its rank reaches it
@@ -127,7 +129,7 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
             while cursor[rank] < len(actions):
                 action = actions[cursor[rank]]
                 ready = _ready_time(rank, cursor[rank], action, clock[rank], finished,
-                                    dependencies(action, pp, n_stages, lowered), p2p)
+                                    dependencies(action, pp, n_stages, lowered, placement), p2p)
                 if ready is None:
                     break  # waits for another rank; try the others
                 start = clock[rank] if action.kind in (RECV_F, RECV_B) else ready
@@ -136,7 +138,8 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
                 finished[result_key(action)] = end
                 clock[rank], cursor[rank], progress = end, cursor[rank] + 1, True
     waiting = [(rank, cursor[rank], actions[cursor[rank]],
-                _first_missing(actions[cursor[rank]], finished, pp, n_stages, lowered))
+                _first_missing(actions[cursor[rank]], finished, pp, n_stages, lowered,
+                               placement))
                for rank, actions in enumerate(lists) if cursor[rank] < len(actions)]
     if waiting:
         raise Deadlock(waiting)
@@ -159,6 +162,6 @@ def _ready_time(rank: int, step: int, action: Action, clock: float,
 
 
 def _first_missing(action: Action, finished: dict[ResultKey, float], pp: int, n_stages: int,
-                   lowered: bool) -> ResultKey:
-    deps = dependencies(action, pp, n_stages, lowered)
+                   lowered: bool, placement: str) -> ResultKey:
+    deps = dependencies(action, pp, n_stages, lowered, placement)
     return next(dep.key for dep in deps if dep.key not in finished)

@@ -35,8 +35,8 @@ from torch.autograd.graph import get_gradient_edge
 from hybrid.groups import ParallelGroups
 from hybrid.pipeline import p2p
 from hybrid.pipeline.actions import (
-    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
-    stage_rank,
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F,
+    Action, ScheduleError, stage_rank,
 )
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.pipeline.rank_check import check_rank_actions, lower_rank_actions
@@ -72,12 +72,14 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
                       vpp: int, loss_fn: LossFn, act_shape: Sequence[int],
                       act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
                       recv_timeout_s: Optional[float] = None,
-                      progress: Optional[Progress] = None) -> Optional[float]:
+                      progress: Optional[Progress] = None,
+                      placement: str = LOOP) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
 
     ``actions``: this rank's list of a schedule (``add_communication(build_schedule(...),
-    pp, vpp)[groups.pp_rank]``). ``chunks``: virtual stage id -> module (stage ``s`` lives on
-    pipeline rank ``s % pp``). ``microbatches``: ``m`` pairs (tokens ``[b, s]``, labels
+    pp, vpp, placement)[groups.pp_rank]``). ``chunks``: virtual stage id -> module (stage
+    ``s`` lives on pipeline rank ``stage_rank(s, pp, placement)``; neighbouring stages on one
+    rank hand over in memory). ``microbatches``: ``m`` pairs (tokens ``[b, s]``, labels
     ``[b, s]``); tokens are read on the rank of stage 0, labels on the rank of the last stage,
     elsewhere they may be None. ``act_shape``/``act_dtype``: the activation passed between
     stages (``[s, b, h]``, ``[s/tp, b, h]`` with sequence parallelism), the shape of every
@@ -91,10 +93,16 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
     """
     m = len(microbatches)
     actions = list(actions)
+    if placement != LOOP and pp > 1 and dist.get_backend(groups.pp) != "gloo":
+        raise ScheduleError(f"the {placement} placement's messages are matched by tag, which "
+                            f"only gloo does; use a loop-placed schedule (zb-h1) on "
+                            f"{dist.get_backend(groups.pp)}")
     if pp > 1 and not any(action.is_comm for action in actions):
-        actions = lower_rank_actions(actions, groups.pp_rank, pp, vpp)
-    check_rank_actions(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m)
-    step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, loss_fn=loss_fn,
+        actions = lower_rank_actions(actions, groups.pp_rank, pp, vpp, placement)
+    check_rank_actions(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
+                       placement=placement)
+    step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, placement=placement,
+                 loss_fn=loss_fn,
                  act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
                  recv_timeout_s=recv_timeout_s, progress=progress)
     with torch.enable_grad():
@@ -126,16 +134,17 @@ def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
 class _Step:
     """The state of one step on one rank, keyed by (stage, micro-batch)."""
 
-    def __init__(self, chunks, microbatches, *, groups, pp, vpp, loss_fn, act_shape, act_dtype,
-                 recorder, recv_timeout_s, progress):
+    def __init__(self, chunks, microbatches, *, groups, pp, vpp, placement, loss_fn, act_shape,
+                 act_dtype, recorder, recv_timeout_s, progress):
         self.chunks, self.microbatches, self.groups = chunks, microbatches, groups
         self.pp, self.m, self.last_stage = pp, len(microbatches), pp * vpp - 1
+        self.placement = placement
         self.loss_fn, self.act_shape, self.act_dtype = loss_fn, act_shape, act_dtype
         self.recorder, self.progress = recorder, progress
         self.timeout = None if recv_timeout_s is None else timedelta(seconds=recv_timeout_s)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # stage inputs (leaves)
         self.roots: dict = {}  # output edge, or the loss on the last stage
-        self.local_grads: dict[tuple[int, int], torch.Tensor] = {}  # pp == 1 hand-over
+        self.local_grads: dict[tuple[int, int], torch.Tensor] = {}  # same-rank hand-over
         self.outbox: dict[Action, torch.Tensor] = {}  # made by compute, taken by SEND
         self.pending: dict[Action, p2p.PendingRecv] = {}  # RECVs posted, not yet waited on
         self.arrived: dict[Action, torch.Tensor] = {}  # RECVs waited on, not yet consumed
@@ -196,7 +205,7 @@ class _Step:
         payloads = {a: self.outbox.pop(a) for a in batch if a.kind in (SEND_F, SEND_B)}
         sends, recvs = p2p.post(
             batch, payloads, pp_ranks=self.groups.ranks["pp"], group=self.groups.pp,
-            n_microbatches=self.m, recv_buffer=self._recv_buffer)
+            n_microbatches=self.m, recv_buffer=self._recv_buffer, placement=self.placement)
         del payloads  # the sends hold the only references now
         for action, tensor, work in sends:
             self.sends.add(work, tensor, label=action)
@@ -207,14 +216,19 @@ class _Step:
     def _recv_buffer(self) -> torch.Tensor:
         return torch.empty(self.act_shape, dtype=self.act_dtype, device=self.groups.device)
 
+    def _remote(self, stage: int, neighbour: int) -> bool:
+        """Whether the neighbouring stage (``stage +- 1``, in range) runs on another rank."""
+        return (stage_rank(stage, self.pp, self.placement)
+                != stage_rank(neighbour, self.pp, self.placement))
+
     def _wait_inputs(self, action: Action) -> None:
         """Wait for the message ``action`` consumes, if any, into ``self.arrived``."""
-        if self.pp == 1:
-            return
-        if action.kind == FORWARD and action.stage > 0:
-            recv = Action(action.stage, RECV_F, action.mb)
-        elif action.is_backward_input and action.stage < self.last_stage:
-            recv = Action(action.stage, RECV_B, action.mb)
+        stage = action.stage
+        if action.kind == FORWARD and stage > 0 and self._remote(stage, stage - 1):
+            recv = Action(stage, RECV_F, action.mb)
+        elif (action.is_backward_input and stage < self.last_stage
+              and self._remote(stage, stage + 1)):
+            recv = Action(stage, RECV_B, action.mb)
         else:
             return
         pending, start = self.pending.pop(recv), time.time()
@@ -226,7 +240,8 @@ class _Step:
 
     def _peer_of(self, action: Action) -> int:
         """The global rank at the other end of a SEND/RECV action."""
-        return self.groups.ranks["pp"][stage_rank(p2p.peer_stage(action), self.pp)]
+        return self.groups.ranks["pp"][
+            stage_rank(p2p.peer_stage(action), self.pp, self.placement)]
 
     def _started(self, action: Action) -> None:
         if self.progress is not None:
@@ -245,7 +260,7 @@ class _Step:
         tokens, labels = self.microbatches[mb]
         if stage == 0:
             stage_input = tokens
-        elif self.pp == 1:
+        elif not self._remote(stage, stage - 1):
             stage_input = self.inputs[(stage, mb)]  # handed over by the previous chunk
         else:
             stage_input = self.arrived.pop(Action(stage, RECV_F, mb)).requires_grad_()
@@ -258,7 +273,7 @@ class _Step:
             return
         self._check_activation(stage, output)
         self.roots[(stage, mb)] = get_gradient_edge(output)
-        if self.pp == 1:
+        if not self._remote(stage, stage + 1):
             self.inputs[(stage + 1, mb)] = output.detach().requires_grad_()
         else:
             self.outbox[Action(stage, SEND_F, mb)] = output.detach()
@@ -284,12 +299,12 @@ class _Step:
     def _output_grad(self, stage: int, mb: int) -> Optional[torch.Tensor]:
         if stage == self.last_stage:
             return None  # the root is the loss
-        if self.pp == 1:
+        if not self._remote(stage, stage + 1):
             return self.local_grads.pop((stage, mb))
         return self.arrived.pop(Action(stage, RECV_B, mb))
 
     def _hand_back(self, stage: int, mb: int, input_grad: torch.Tensor) -> None:
-        if self.pp == 1:
+        if not self._remote(stage, stage - 1):
             self.local_grads[(stage - 1, mb)] = input_grad
         else:
             self.outbox[Action(stage, SEND_B, mb)] = input_grad

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 from hybrid.pipeline.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
-    Action, ScheduleError, stage_rank,
+    LOOP, V_SHAPE, Action, ScheduleError, stage_rank,
 )
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+
+
+def schedule_placement(name: str) -> str:
+    """Where schedule ``name`` puts its stages: ``actions.V_SHAPE`` for zb-v, else ``LOOP``."""
+    return V_SHAPE if name == "zb-v" else LOOP
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
     """Compute-only action lists (one per pipeline rank) of schedule ``name``.
 
     ``pp`` pipeline ranks, ``m`` micro-batches, ``vpp`` virtual chunks per rank. Stage ``s``
-    runs on rank ``s % pp``. gpipe and 1f1b use fused ``B``; zb-h1 uses ``I`` then ``W``.
+    runs on rank ``stage_rank(s, pp, schedule_placement(name))``. gpipe and 1f1b use fused
+    ``B``; zb-h1 and zb-v use ``I`` then ``W``.
     """
     _check_sizes(name, pp, m, vpp)
     if name == "gpipe":
@@ -29,6 +35,8 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action
         return [_one_f_one_b_rank(rank, pp, m) for rank in range(pp)]
     if name == "interleaved-1f1b":
         return [_interleaved_rank(rank, pp, m, vpp) for rank in range(pp)]
+    if name == "zb-v":
+        return [_zero_bubble_v_rank(rank, pp, m) for rank in range(pp)]
     return [_zero_bubble_h1_rank(rank, pp, m) for rank in range(pp)]
 
 
@@ -49,6 +57,10 @@ def _check_sizes(name: str, pp: int, m: int, vpp: int) -> None:
                 f"interleaved-1f1b needs micro-batches ({m}) to be a multiple of pp ({pp}); "
                 f"use {m + (-m) % pp} micro-batches or another schedule"
             )
+    elif name == "zb-v":
+        if vpp != 2:
+            raise ScheduleError(f"zb-v runs exactly 2 chunks per rank in a V, got vpp={vpp}; "
+                                f"set vpp=2 or use schedule zb-h1")
     elif vpp != 1:
         raise ScheduleError(
             f"{name} runs one chunk per rank, got vpp={vpp}; set vpp=1 or use interleaved-1f1b"
@@ -125,9 +137,66 @@ def _zero_bubble_h1_rank(rank: int, pp: int, m: int) -> list[Action]:
     return order
 
 
+def _zero_bubble_v_rank(rank: int, pp: int, m: int) -> list[Action]:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): two chunks per rank in a
+    V, chunk 0 = stage ``rank`` (going down the ranks), chunk 1 = stage ``2*pp - 1 - rank``
+    (coming back up), so rank 0 holds the first and the last stage.
+
+    Warm-up: ``2*(pp - rank) - 1`` chunk-0 forwards (the V's down leg must reach the last rank
+    before any chunk-1 work arrives), then ``rank`` chunk-1/chunk-0 forward pairs, then
+    ``pp - rank`` chunk-1 forwards each followed at once by its I and W (the up leg's
+    backward starts on rank 0, where the loss is). Steady state: F, I, W of chunk 0 then of
+    chunk 1. Cool-down: the remaining I of both chunks, the W left over fill the gaps. At
+    most ``2*pp`` chunk activations are held per rank: ``pp`` micro-batches of a whole stage,
+    1F1B's first-rank peak, with a bubble about half ZB-H1's (with F = I = W).
+    """
+    stages = (rank, 2 * pp - 1 - rank)
+    done = {(kind, chunk): 0 for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+            for chunk in (0, 1)}
+    order: list[Action] = []
+
+    def run(kind: str, chunk: int, limit: int) -> None:
+        """Add the chunk's next ``kind`` action if fewer than ``limit`` have been added."""
+        if done[(kind, chunk)] < limit:
+            order.append(Action(stages[chunk], kind, done[(kind, chunk)]))
+            done[(kind, chunk)] += 1
+
+    def backward(chunk: int, weight_too: bool) -> None:
+        run(BACKWARD_INPUT, chunk, done[(FORWARD, chunk)])
+        if weight_too:
+            run(BACKWARD_WEIGHT, chunk, done[(BACKWARD_INPUT, chunk)])
+
+    for _ in range(2 * (pp - rank) - 1):
+        run(FORWARD, 0, m)
+    for _ in range(rank):
+        run(FORWARD, 1, m)
+        run(FORWARD, 0, m)
+    for _ in range(pp - rank):
+        run(FORWARD, 1, m)
+        backward(1, weight_too=True)
+    while done[(FORWARD, 0)] < m or done[(FORWARD, 1)] < m:
+        for chunk in (0, 1):
+            run(FORWARD, chunk, m)
+            backward(chunk, weight_too=True)
+    for _ in range(rank):
+        backward(1, weight_too=False)
+        backward(0, weight_too=False)
+    while done[(BACKWARD_INPUT, 0)] < m or done[(BACKWARD_INPUT, 1)] < m:
+        backward(1, weight_too=False)
+        backward(0, weight_too=False)
+        if done[(BACKWARD_WEIGHT, 1)] < done[(BACKWARD_INPUT, 1)]:
+            run(BACKWARD_WEIGHT, 1, m)
+        else:
+            run(BACKWARD_WEIGHT, 0, m)
+    for chunk in (1, 0):
+        for _ in range(m):
+            run(BACKWARD_WEIGHT, chunk, m)
+    return order
+
+
 # ----- lowering: add point-to-point communication --------------------------------------------
-def add_communication(compute_lists: list[list[Action]], pp: int, vpp: int = 1
-                      ) -> list[list[Action]]:
+def add_communication(compute_lists: list[list[Action]], pp: int, vpp: int = 1,
+                      placement: str = LOOP) -> list[list[Action]]:
     """Insert SEND/RECV actions around the compute actions that cross ranks.
 
     A RECV goes right before the compute that consumes it and a SEND right after the compute
@@ -146,17 +215,19 @@ def add_communication(compute_lists: list[list[Action]], pp: int, vpp: int = 1
             if action.is_comm:
                 raise ScheduleError(f"{action} is already a communication action; "
                                     f"call add_communication on compute-only lists")
-            before, after = _comms_around(action, pp, n_stages)
+            before, after = _comms_around(action, pp, n_stages, placement)
             out += before + [action] + after
         lowered.append(out)
     return lowered
 
 
-def _comms_around(action: Action, pp: int, n_stages: int) -> tuple[list[Action], list[Action]]:
+def _comms_around(action: Action, pp: int, n_stages: int, placement: str
+                  ) -> tuple[list[Action], list[Action]]:
     """The RECVs to put before ``action`` and the SENDs after it."""
     s, mb = action.stage, action.mb
-    has_prev = s > 0 and stage_rank(s - 1, pp) != stage_rank(s, pp)
-    has_next = s < n_stages - 1 and stage_rank(s + 1, pp) != stage_rank(s, pp)
+    here = stage_rank(s, pp, placement)
+    has_prev = s > 0 and stage_rank(s - 1, pp, placement) != here
+    has_next = s < n_stages - 1 and stage_rank(s + 1, pp, placement) != here
     if action.kind == FORWARD:
         return ([Action(s, RECV_F, mb)] if has_prev else [],
                 [Action(s, SEND_F, mb)] if has_next else [])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybrid.pipeline.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action
+from hybrid.pipeline.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, LOOP, Action
 from hybrid.pipeline.check import check_schedule
 from hybrid.pipeline.replay import replay
 
@@ -77,10 +77,11 @@ class SimResult:
 
 
 def simulate(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
-             costs: Costs | StageCosts = Costs(F=1, B=2, I=1, W=1, p2p=0)) -> SimResult:
+             costs: Costs | StageCosts = Costs(F=1, B=2, I=1, W=1, p2p=0),
+             placement: str = LOOP) -> SimResult:
     """Check ``lists`` (compute-only or lowered), then time it with ``costs``."""
-    check_schedule(lists, pp, m, vpp)
-    timed = sorted(replay(lists, pp, vpp, costs.of, costs.p2p),
+    check_schedule(lists, pp, m, vpp, placement)
+    timed = sorted(replay(lists, pp, vpp, costs.of, costs.p2p, placement),
                    key=lambda t: (t.rank, t.step))
     makespan = max((t.end for t in timed), default=0)
     busy = [0] * pp
