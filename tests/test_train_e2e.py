@@ -33,7 +33,9 @@ LAYOUTS = {
     "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.partition=measured"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
-    "pp2-zb-h1": ["parallel=single", "parallel.pp=2", "parallel.schedule=zb-h1"],
+    # ZeRO-2 staging under zero-bubble's deferred weight gradients
+    "dp2-pp2-zb-h1-zero2": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
+                            "parallel.schedule=zb-h1", "parallel.zero=2"],
     # V placement: rank 0 holds the first and the last stage, so the tied head shares the
     # embedding's weight there and the loss is computed on rank 0.
     "pp2-zb-v-tied": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",

@@ -17,9 +17,9 @@ The training loop, per optimizer step (``step`` is 1-based)::
 ``optimizer_step(lr)``, ``zero_grad()``; the four are public for loops that need them apart.
 """
 
-from hybrid.dp.buckets import Bucket, Piece, plan_buckets
+from hybrid.dp.buckets import Bucket, Piece, plan_buckets, reduce_first_axis
 from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm
-from hybrid.dp.sync import DataParallelConfigError, GradSync, reduce_first_axis
+from hybrid.dp.sync import DataParallelConfigError, GradSync
 from hybrid.dp.zero import Shard, all_gather_params
 
 __all__ = [

@@ -16,10 +16,12 @@ and belongs to no parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+
+from hybrid.optim import spec_of
 
 GRAD_DTYPE = torch.float32  # reduction happens in fp32 whatever the compute precision
 
@@ -146,3 +148,43 @@ class Bucket:
         for done in self.on_done:
             done()
         self.on_done.clear()
+
+
+def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
+    """The group whose partial gradients must be summed before the DP mean, if any:
+    ``"tp"`` for sequence-parallel parameters (each TP rank saw its slice of the sequence),
+    ``"embedding"`` for a tied embedding split over the first and last pipeline stage."""
+    spec = spec_of(param)
+    if spec.sequence_partial and groups.layout.tp > 1:
+        return "tp"
+    if spec.tied and groups.layout.pp > 1:
+        return "embedding"
+    return None
+
+
+def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int, zero: int
+                  ) -> tuple[list[Bucket], int]:
+    """``GradSync``'s buckets over ``params`` (registration order) and how many of them are
+    overlapped with the backward. Buckets fill in backward order; parameters whose gradients
+    are partial sums over another group (``reduce_first_axis``) go into late buckets of their
+    own at the end (simplest correct way: summed over their group in ``reduce_gradients``,
+    then DP-reduced like any other). ZeRO pads each to the DP size and flattens the
+    parameters; ZeRO-2 keeps no gradient buffer (``hybrid.dp.zero2`` stages it)."""
+    late: dict[str, list] = {"tp": [], "embedding": []}
+    overlapped = []
+    for param in reversed(params):
+        axis = reduce_first_axis(param, groups)
+        (late[axis] if axis else overlapped).append(param)
+    pad_to = groups.dp.size() if zero else 1
+    buffer = zero != 2
+    buckets = [Bucket.allocate(i, ps, pad_to=pad_to, grad_buffer=buffer)
+               for i, ps in enumerate(plan_buckets(overlapped, bucket_bytes))]
+    num_overlapped = len(buckets)
+    for axis, ps in late.items():
+        if ps:
+            buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
+                                           reduce_first=groups.group[axis], grad_buffer=buffer))
+    if zero:
+        for bucket in buckets:
+            bucket.flatten_params()
+    return buckets, num_overlapped

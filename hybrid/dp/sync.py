@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.config import OptimConfig
-from hybrid.dp.buckets import Bucket, Piece, plan_buckets
+from hybrid.dp.buckets import Bucket, Piece, build_buckets
 from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm, scale_grads_
 from hybrid.dp.powersgd import PowerSGD
 from hybrid.dp.reduce import Bf16Mean, ExactMean
@@ -48,25 +48,13 @@ from hybrid.dp.zero import Shard, all_gather_params
 from hybrid.dp.zero2 import StagedShards
 from hybrid.dp_traffic import DpOptions, option_problem
 from hybrid.params import ParamSpec
-from hybrid.optim import build_adamw, set_lr, spec_of, unique_parameters
+from hybrid.optim import build_adamw, set_lr, unique_parameters
 
 MIB = 1024 * 1024
 
 
 class DataParallelConfigError(ValueError):
     """A user error in the DP/ZeRO settings; one line, with the fix."""
-
-
-def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
-    """The group whose partial gradients must be summed before the DP mean, if any:
-    ``"tp"`` for sequence-parallel parameters (each TP rank saw its slice of the sequence),
-    ``"embedding"`` for a tied embedding split over the first and last pipeline stage."""
-    spec = spec_of(param)
-    if spec.sequence_partial and groups.layout.tp > 1:
-        return "tp"
-    if spec.tied and groups.layout.pp > 1:
-        return "embedding"
-    return None
 
 
 def _plain_wait(work: dist.Work) -> None:
@@ -107,7 +95,8 @@ class GradSync:
                      for _, p in named}
         """Chunks using each parameter: a tied embedding used by two chunks of one rank (the
         V placement's rank 0) accumulates once per chunk's backward, so twice a micro-batch."""
-        self.buckets = self._build_buckets([p for _, p in named], bucket_mb)
+        self.buckets, self.num_overlapped = build_buckets(
+            [p for _, p in named], groups, bucket_bytes=int(bucket_mb * MIB), zero=zero)
         self.shards = [Shard.of(b, self.dp_rank, self.dp_size) for b in self.buckets] if zero \
             else []
         self.pieces_by_bucket = self._pieces_by_bucket()
@@ -133,30 +122,6 @@ class GradSync:
                    zero=cfg.parallel.zero, options=DpOptions.of(cfg.parallel), wait=wait)
 
     # ----- construction ----------------------------------------------------------------------
-    def _build_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
-        backward_order = list(reversed(params))
-        late = {"tp": [], "embedding": []}
-        overlapped = []
-        for param in backward_order:
-            axis = reduce_first_axis(param, self.groups)
-            (late[axis] if axis else overlapped).append(param)
-        pad_to = self.dp_size if self.zero else 1
-        staged = self.zero == 2  # no persistent gradient buffer: see dp.zero2
-        buckets = [Bucket.allocate(i, ps, pad_to=pad_to, grad_buffer=not staged)
-                   for i, ps in enumerate(plan_buckets(overlapped, int(bucket_mb * MIB)))]
-        self.num_overlapped = len(buckets)
-        # Kept out of the overlapped buckets (simplest correct way): summed over their own
-        # group in finish_step, then DP-reduced like any other bucket.
-        for axis, ps in late.items():
-            if ps:
-                buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
-                                               reduce_first=self.groups.group[axis],
-                                               grad_buffer=not staged))
-        if self.zero:
-            for bucket in buckets:
-                bucket.flatten_params()
-        return buckets
-
     def _build_strategies(self) -> None:
         options, dp = self.options, self.groups.dp
         if options.compress == "powersgd" and self.dp_size > 1:
