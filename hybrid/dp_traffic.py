@@ -182,6 +182,9 @@ def option_problem(options: DpOptions, dp: int) -> str | None:
             return f"parallel.{name}={value!r} must be an integer >= {low}"
     if o.delay not in (0, 1):
         return f"parallel.dp_delay={o.delay!r} is unknown; choose 0 or 1"
+    if o.sync_moments and o.sync_every == 1:
+        return "parallel.dp_sync_moments=true does nothing with parallel.dp_sync_every=1 " \
+               "(every step is exact): set dp_sync_every > 1 or drop it"
     lossy = [f"{name}={value}" for name, value, on in (
         ("dp_compress", o.compress, o.compress != "none"),
         ("dp_sync_every", o.sync_every, o.sync_every > 1), ("dp_delay", o.delay, o.delay))

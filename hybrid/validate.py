@@ -126,6 +126,11 @@ def _check_dp_options(cfg: Config) -> None:
     if problem:
         raise LayoutError(problem)
     every, saves = par.dp_sync_every, cfg.checkpoint.every
+    if cfg.train.steps % every:
+        raise LayoutError(f"train.steps={cfg.train.steps} is not a multiple of "
+                          f"parallel.dp_sync_every={every}: the run would end with replicas "
+                          f"that disagree; set train.steps="
+                          f"{every * -(-cfg.train.steps // every)}")
     if every > 1 and saves > 0 and not par.dp_sync_moments:
         raise LayoutError(f"parallel.dp_sync_every={every} leaves each replica its own AdamW "
                           f"moments, which a checkpoint cannot hold: set "

@@ -199,6 +199,7 @@ def test_each_option_sends_what_the_model_predicts_and_keeps_its_promise():
     (DpOptions(zero=1, compress="powersgd"), 2, "needs unsharded optimizer state"),
     (DpOptions(sync_every=0), 2, "parallel.dp_sync_every=0 must be an integer >= 1"),
     (DpOptions(delay=2), 2, "parallel.dp_delay=2 is unknown"),
+    (DpOptions(sync_moments=True), 2, "dp_sync_moments=true does nothing"),
 ])
 def test_option_problems_are_one_line_with_the_fix(options, dp, fragment):
     problem = option_problem(options, dp)

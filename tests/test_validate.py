@@ -83,6 +83,11 @@ BAD = [
                    "rdzv_timeout_s": 0}}, "launcher.rdzv_timeout_s=0 must be a finite number"),
     ({"launcher": {"name": "torchrun", "nnodes": 2, "nproc_per_node": 2,
                    "rdzv_endpoint": "h:1"}}, "but the launcher starts 4 processes"),
+    ({"parallel": {"dp_sync_every": 4}, "train": {"steps": 10}},
+     "train.steps=10 is not a multiple of parallel.dp_sync_every=4: the run would end with "
+     "replicas that disagree; set train.steps=12"),
+    ({"parallel": {"dp_compress": "powersgd", "zero": 1}},
+     "parallel.dp_compress=powersgd needs unsharded optimizer state: set parallel.zero=0"),
 ]
 
 
@@ -129,3 +134,17 @@ def test_torchrun_checkpoints_on_several_nodes_need_one_shared_directory():
         TorchrunLauncher().check(cfg, validate_config(cfg))
     cfg.checkpoint.dir = "/shared/ckpt"
     TorchrunLauncher().check(cfg, validate_config(cfg))
+
+
+@pytest.mark.parametrize("every,moments,expected", [
+    (5, False, "parallel.dp_sync_every=2 leaves each replica its own AdamW moments"),
+    (5, True, "checkpoint.every=5 is not a multiple of parallel.dp_sync_every=2"),
+])
+def test_local_sgd_checkpoints_only_where_replicas_agree(every, moments, expected):
+    cfg = make({"dp_sync_every": 2, "dp_sync_moments": moments}, train={"steps": 10})
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=every)
+    with pytest.raises(LayoutError, match=expected):
+        validate_config(cfg)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=4)
+    if moments:
+        validate_config(cfg)

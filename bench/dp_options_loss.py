@@ -1,0 +1,130 @@
+"""What each lossy data-parallel option costs in loss, and what it saves in DP bytes.
+
+    .venv/bin/python bench/dp_options_loss.py [--steps 120] [--out DIR]
+
+The main job's model and training (``conf/base.yaml``: model ``small``, 120 steps, global
+batch 16 in micro-batches of 2, AdamW with 10 warm-up steps, seed 1234) on ``parallel=single
+parallel.dp=2``: 2 processes instead of the main job's DP 2 x TP 2 x PP 2, because ten
+8-process runs do not fit in ~10 minutes on 2 cores; DP is what the options change. Each
+option trains through the real ``hybrid-train`` (one intra-op thread per rank), one run
+after another:
+
+- exact (``dp_compress=none``), the baseline; ``zero=2``, exact too (its gap should be ~0);
+- ``dp_compress=bf16``;
+- ``dp_compress=powersgd`` at rank 1, 2 and 4, after ``powersgd_warmup=10`` exact steps (the
+  learning-rate warm-up's length, as torch's docs advise for ``start_powerSGD_iter``);
+- ``dp_sync_every`` 2, 4 and 8 (local SGD, parameters only: ``dp_sync_moments=false``);
+- ``dp_delay=1``.
+
+Per option: the final loss (mean of the last 5 steps' losses, each the mean over DP), its gap
+to exact's in percent (positive = worse), the DP bytes rank 0 sent per step (mean over all
+steps, as ``CommCounter`` counted them in ``metrics.jsonl``) and the mean that
+``hybrid.job.rank_dp_bytes`` predicts for the run's resolved config (asserted equal), the
+bytes' ratio to exact's, and ``yes`` where the gap is under 2% of exact's final loss (a
+negative gap counts as under). Prints a markdown table, then ``ratio=<bytes per step of the
+cheapest option under 2% / exact's>`` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hybrid.config import from_dict  # noqa: E402
+from hybrid.job import plan_job, rank_dp_bytes  # noqa: E402
+from hybrid.metrics import read_metrics  # noqa: E402
+
+TRAIN = str(Path(sys.executable).parent / "hybrid-train")
+JOB = ["parallel=single", "parallel.dp=2", "train.timeline_step=0", "train.log_every=1000",
+       "launcher.omp_threads=1"]
+POWERSGD = ["parallel.dp_compress=powersgd", "parallel.powersgd_warmup=10"]
+OPTIONS = {
+    "exact": [],
+    "bf16": ["parallel.dp_compress=bf16"],
+    "powersgd r1": [*POWERSGD, "parallel.powersgd_rank=1"],
+    "powersgd r2": [*POWERSGD, "parallel.powersgd_rank=2"],
+    "powersgd r4": [*POWERSGD, "parallel.powersgd_rank=4"],
+    "sync every 2": ["parallel.dp_sync_every=2"],
+    "sync every 4": ["parallel.dp_sync_every=4"],
+    "sync every 8": ["parallel.dp_sync_every=8"],
+    "delay 1": ["parallel.dp_delay=1"],
+    "zero 2": ["parallel.zero=2"],
+}
+LAST = 5  # the final loss is the mean of this many last steps
+GAP_LIMIT = 0.02
+
+
+def train(name: str, overrides: list[str], steps: int, out: Path) -> dict:
+    """One ``hybrid-train`` run: final loss, counted and predicted DP bytes per step."""
+    run_dir = out / name.replace(" ", "_")
+    started = time.monotonic()
+    done = subprocess.run(
+        [TRAIN, *JOB, *overrides, f"train.steps={steps}", f"hydra.run.dir={run_dir}",
+         "train.overwrite=true"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
+    records = read_metrics(run_dir / "metrics.jsonl")
+    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+    plan = plan_job(cfg, simulated=False)
+    predicted = [rank_dp_bytes(cfg, plan, pp_rank=0, step=r["step"]) for r in records]
+    counted = [r["comm_bytes"]["dp"] for r in records]
+    if any(abs(c - p) > 1e-9 * max(p, 1.0) for c, p in zip(counted, predicted)):
+        sys.exit(f"{name}: counted DP bytes {counted[:12]}... differ from the predicted "
+                 f"{predicted[:12]}...")
+    return {"name": name, "loss": statistics.mean(r["loss"] for r in records[-LAST:]),
+            "counted": statistics.mean(counted), "predicted": statistics.mean(predicted),
+            "seconds": time.monotonic() - started}
+
+
+def mark_gaps(rows: list[dict]) -> None:
+    """Each row's gap to exact's final loss (the first row), and whether it is under 2%."""
+    for row in rows:
+        row["gap"] = row["loss"] / rows[0]["loss"] - 1
+        row["under"] = row["gap"] < GAP_LIMIT
+
+
+def table(rows: list[dict]) -> list[str]:
+    exact = rows[0]
+    lines = ["| option | final loss | gap vs exact | DP bytes/step counted | predicted | "
+             "bytes vs exact | gap < 2% |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for row in rows:
+        lines.append(f"| {row['name']} | {row['loss']:.4f} | {row['gap']:+.2%} | "
+                     f"{row['counted'] / 2**20:.3f} MiB | {row['predicted'] / 2**20:.3f} MiB | "
+                     f"{row['counted'] / exact['counted']:.3f} | "
+                     f"{'yes' if row['under'] else 'no'} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=120, help="the main job's 120 by default")
+    parser.add_argument("--out", help="where the runs go (default: a temporary directory)")
+    args = parser.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="dp-options-loss-"))
+    rows = []
+    for name, overrides in OPTIONS.items():
+        rows.append(train(name, overrides, args.steps, out))
+        print(f"{name}: loss {rows[-1]['loss']:.4f}, {rows[-1]['counted'] / 2**20:.3f} MiB "
+              f"DP/step, {rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
+    print(f"model=small dp=2 steps={args.steps}: final loss = mean of the last {LAST} steps; "
+          f"bytes = mean per step that rank 0 sent over DP (counted = predicted, asserted); "
+          f"runs in {out}")
+    mark_gaps(rows)
+    print("\n".join(table(rows)))
+    cheapest = min((r for r in rows if r["under"]), key=lambda r: r["counted"])
+    print(f"cheapest under {GAP_LIMIT:.0%}: {cheapest['name']}")
+    print(f"ratio={cheapest['counted'] / rows[0]['counted']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
