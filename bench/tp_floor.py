@@ -65,9 +65,8 @@ def tp_collectives(group, log: list | None = None, stub: bool = False):
                 log.append((name, tensor_bytes(args[_METHODS[name][0]])))
             if not stub:
                 return original(pg, *args, **kwargs)
-            if "gather" in name:  # the gathered buffer is fresh memory: give it plain values
-                for out in _tensors(args[0]):
-                    out.zero_()
+            if "gather" in name:  # fresh memory: every slot as if each rank sent ours
+                fill_gathered(name, args)
             done = torch.futures.Future()
             done.set_result(None)
             return torch._C._distributed_c10d._create_work_from_future(done)
@@ -80,6 +79,17 @@ def tp_collectives(group, log: list | None = None, stub: bool = False):
     finally:
         for name, entry in raw.items():
             setattr(cls, name, entry)
+
+
+def fill_gathered(name: str, args: tuple) -> None:
+    """A stubbed all-gather's output, every rank's slot holding this rank's input (the loss
+    then stays finite: the cross entropy divides by a gathered sum)."""
+    if name in ("_allgather_base", "all_gather_single"):
+        out, mine = args[0], args[1]
+        out.view(-1, mine.numel()).copy_(mine.reshape(1, -1))
+        return
+    for out in _tensors(args[0]):
+        out.zero_()
 
 
 def _tensors(value):
