@@ -12,6 +12,12 @@ as TP-replicated norms). Every rank runs one intra-op thread (``launcher.omp_thr
 the 1-process run included, so the ratio compares the same kind of work. Wall time per step is
 printed too, but on a 2-core machine 8 ranks mostly wait for cores, so CPU time is the fair
 measure there.
+
+For each layout with TP, ``floor`` is what that layout's step cannot cost less than
+(``bench/tp_floor.py``, run on the same model and batch): the step with its TP collectives
+answered without communicating (the sharded and replicated work every TP rank must do) plus
+those collectives replayed alone. ``/floor`` is the layout's CPU s/step over its floor; the last
+line is ``ratio=<tp2 CPU s/step / tp2 floor>`` when tp2 runs (``--no-floor`` skips the floors).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hybrid.metrics import read_metrics  # noqa: E402
+from tp_floor import run_floor, train_overrides  # noqa: E402
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 LAYOUTS = {
@@ -43,9 +50,7 @@ LAYOUTS = {
 
 def run(name: str, overrides: list[str], args: argparse.Namespace) -> tuple[int, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [TRAIN, f"model={args.model}", "model.layers=8", f"train.steps={args.steps}",
-               "train.global_batch=16", "train.micro_batch=2", "train.timeline_step=0",
-               "train.log_every=1000", "launcher.omp_threads=1", f"hydra.run.dir={tmp}",
+        cmd = [TRAIN, *train_overrides(args.model, args.steps), f"hydra.run.dir={tmp}",
                *overrides]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -65,17 +70,32 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
                         metavar="NAME", help="run only these rows (the first is the ratio's "
                         "base); default: all of " + ", ".join(map(repr, LAYOUTS)))
+    parser.add_argument("--no-floor", action="store_true", help="skip the TP layouts' floors")
     args = parser.parse_args()
     print(f"model={args.model} (8 layers), global batch 16, micro-batch 2, "
           f"median over steps {args.skip + 1}..{args.steps}")
     print(f"{'layout':<22} {'ranks':>5} {'CPU s/step':>11} {'wall s/step':>12} "
-          f"{'CPU ratio':>10}")
-    base = None
+          f"{'CPU ratio':>10} {'floor':>7} {'/floor':>7}")
+    base, ratio = None, None
     for name in args.layouts:
         ranks, cpu, wall = run(name, LAYOUTS[name], args)
         base = base or cpu
-        print(f"{name:<22} {ranks:>5} {cpu:>11.3f} {wall:>12.3f} {cpu / base:>10.2f}",
+        floor = None
+        if not args.no_floor and has_tp(LAYOUTS[name]):
+            floor = run_floor(train_overrides(args.model, args.steps) + LAYOUTS[name],
+                              blocks=2, steps=3)["floor"]
+        extra = f" {floor:>7.3f} {cpu / floor:>7.2f}" if floor else ""
+        print(f"{name:<22} {ranks:>5} {cpu:>11.3f} {wall:>12.3f} {cpu / base:>10.2f}{extra}",
               flush=True)
+        if name == "tp2" and floor:
+            ratio = cpu / floor
+    if ratio is not None:
+        print(f"ratio={ratio:.3f}")
+
+
+def has_tp(overrides: list[str]) -> bool:
+    """Whether the layout has TP > 1 (the main job's default layout, 2x2x2, has)."""
+    return "parallel=single" not in overrides or "parallel.tp=2" in overrides
 
 
 if __name__ == "__main__":

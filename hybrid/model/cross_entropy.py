@@ -1,10 +1,20 @@
-"""Vocab-parallel cross entropy on an explicit TP group.
+"""Vocab-parallel cross entropy on an explicit TP group, with one collective.
 
-megatron-core's ``vocab_parallel_cross_entropy`` reads its global TP group; this is the same
-algorithm (megatron's own group-free math helpers) with the group passed in. Each rank holds
-logits for a contiguous slice of the (padded) vocabulary; three all-reduces (max, target logit,
-sum of exponentials) give every rank the exact full-vocabulary loss without gathering logits.
-The loss is computed in fp32 whatever the logits' dtype (bf16 under autocast).
+Each rank holds logits for a contiguous slice of the (padded) vocabulary. megatron-core's
+``vocab_parallel_cross_entropy`` (which also reads a global TP group) all-reduces three times
+in a row: the max, the target's logit, the sum of exponentials. Here each rank reduces its own
+slice first, to three numbers per token: its max ``m_r``, its sum ``s_r = sum exp(x - m_r)``
+and the target's raw logit ``t_r`` (0 where the target is not in its slice); one all-gather of
+those ``[3, tokens]`` gives every rank every slice's numbers, from which the exact loss
+follows with no further traffic::
+
+    M = max_r m_r      S = sum_r s_r exp(m_r - M)      loss = log S + M - sum_r t_r
+
+Each rank still shifts by its own max before exponentiating, so no exponential overflows;
+``exp(m_r - M) <= 1``. On one rank the gather is skipped. A collective costs far more than the
+arithmetic on a few numbers per token (on gloo, around a millisecond of CPU each), so one
+instead of three is what this buys. The loss is computed in fp32 whatever the logits' dtype
+(bf16 under autocast).
 """
 
 from __future__ import annotations
@@ -12,51 +22,54 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.model.megatron_adapter import VocabParallelCrossEntropy, VocabUtility
 
-
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> None:
-    if group.size() > 1:
-        dist.all_reduce(t, op=op, group=group)
+def _gather_stats(stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[3, tokens]`` per rank -> ``[tp, 3, tokens]``, every rank's, in rank order."""
+    if group.size() == 1:
+        return stats.unsqueeze(0)
+    out = stats.new_empty((group.size() * stats.size(0), stats.size(1)))
+    dist.all_gather_into_tensor(out, stats, group=group)  # gloo wants the ranks along dim 0
+    return out.view(group.size(), *stats.shape)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, group):
-        math = VocabParallelCrossEntropy
-        # .float() copies bf16 logits; fp32 logits are cloned so the in-place math below never
-        # touches the caller's tensor.
-        logits = vocab_parallel_logits.float().clone()
-        logits, logits_max = math.calculate_logits_max(logits)
-        _all_reduce(logits_max, group, dist.ReduceOp.MAX)
-
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            logits.size(-1), group.rank(), group.size())
-        target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = (
-            math.calculate_predicted_logits(logits, target, logits_max, start, end))
-        _all_reduce(predicted_logits, group)
-        _all_reduce(sum_exp_logits, group)
-
-        softmax, loss = math.calculate_cross_entropy_loss(exp_logits, predicted_logits,
-                                                          sum_exp_logits)
-        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
+        logits = vocab_parallel_logits.float()  # [tokens, V/tp]; a copy only when bf16
+        width, rank = logits.size(-1), group.rank()
+        local_max = logits.max(dim=-1).values
+        exp_logits = (logits - local_max.unsqueeze(-1)).exp_()
+        in_shard = (target >= rank * width) & (target < (rank + 1) * width)
+        local_target = (target - rank * width).clamp_(0, width - 1)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_shard
+        stats = _gather_stats(torch.stack([local_max, exp_logits.sum(-1), target_logit]), group)
+        maxes, sums, target_logits = stats.unbind(1)  # each [tp, tokens]
+        global_max = maxes.max(dim=0).values
+        scale = (maxes - global_max).exp_()  # this slice's sum, in units of exp(M)
+        total = (sums * scale).sum(0)
+        loss = total.log() + global_max - target_logits.sum(0)
+        softmax = exp_logits.mul_((scale[rank] / total).unsqueeze(-1))
+        ctx.save_for_backward(softmax, in_shard, local_target)
         ctx.logits_dtype = vocab_parallel_logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        math = VocabParallelCrossEntropy
-        grad_2d, arange_1d, softmax_update, grad_input = (
-            math.prepare_gradient_calculation_operands(softmax, target_mask))
-        grad_input = math.calculate_gradients(grad_2d, arange_1d, masked_target_1d,
-                                              softmax_update, grad_input, grad_output.float())
-        return grad_input.to(ctx.logits_dtype), None, None
+        softmax, in_shard, local_target = ctx.saved_tensors
+        # d loss / d logits = softmax - one_hot(target), the one-hot on the target's slice only.
+        grad = softmax.scatter_add(-1, local_target.unsqueeze(-1),
+                                   -in_shard.unsqueeze(-1).to(softmax.dtype))
+        grad.mul_(grad_output.float().unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  group: dist.ProcessGroup) -> torch.Tensor:
     """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/tp]`` and targets ``[s, b]``."""
     device_type = vocab_parallel_logits.device.type
+    shape = target.shape
     with torch.autocast(device_type, enabled=False):
-        return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target.contiguous(), group)
+        loss = _VocabParallelCrossEntropy.apply(
+            vocab_parallel_logits.reshape(-1, vocab_parallel_logits.size(-1)),
+            target.reshape(-1), group)
+    return loss.view(shape)

@@ -4,13 +4,12 @@ What we take from megatron-core: the tensor-parallel layers' parameter layout an
 layout-independent CPU initialisation (every rank draws the full master weight from the same
 RNG stream and keeps its slice), the ``tensor_model_parallel`` / ``partition_dim`` attributes on
 sharded parameters, and the explicit-group
-mappings (copy-to / reduce-from the TP region), and the group-free math of
-``VocabParallelCrossEntropy``.
+mappings (copy-to / reduce-from the TP region).
 
 What we do not take, and why (``tests/test_megatron_adapter.py`` pins each point):
 
-- ``vocab_parallel_cross_entropy`` reads megatron's global ``parallel_state`` TP group; our
-  ``hybrid.model.cross_entropy`` reuses its static math helpers with an explicit group.
+- ``vocab_parallel_cross_entropy`` reads megatron's global ``parallel_state`` TP group and
+  all-reduces three times; ``hybrid.model.cross_entropy`` takes the group and gathers once.
 - megatron's sequence-parallel mappings allocate on ``torch.cuda.current_device()`` and its
   linear's ``sequence_parallel=True`` path uses a global CUDA buffer, so they fail on CPU;
   ``hybrid.model.sequence_parallel`` has explicit-group, device-neutral versions. Layers here are
@@ -36,8 +35,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import ModelParallelConfig
 from megatron.core import tensor_parallel as _mcore_tp
-from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-from megatron.core.tensor_parallel.utils import VocabUtility
 
 from hybrid.model.linear import linear
 from hybrid.model.sequence_parallel import reduce_scatter_to_sequence_parallel_region
@@ -46,8 +43,6 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "VocabParallelCrossEntropy",
-    "VocabUtility",
 ]
 
 InitMethod = Callable[[torch.Tensor], None]
