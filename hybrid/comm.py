@@ -39,6 +39,11 @@ import torch.distributed as dist
 
 REPORTED_AXES = ("dp", "tp", "pp", "other")
 
+# The flat-tensor collectives, by their torch 2.13 names (the old ones print a FutureWarning);
+# torch >= 2.5 is allowed, which has only the old.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # ProcessGroup method -> (index of the argument that holds the payload, wire factor kind).
 _ALL_REDUCE, _SCATTER_GATHER, _SEND, _RECV = "all_reduce", "scatter_gather", "send", "recv"
 _METHODS: dict[str, tuple[int, str]] = {

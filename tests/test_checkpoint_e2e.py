@@ -6,7 +6,6 @@ run of layout A saves at step 5 and goes on to step 10; a second run resumes fro
 checkpoint on layout B and must give A's losses for steps 6-10.
 """
 
-import json
 import os
 import re
 import shutil

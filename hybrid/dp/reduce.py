@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.dp.buckets import Bucket
-from hybrid.dp.zero import Shard, _reduce_scatter
+from hybrid.comm import reduce_scatter_flat
+from hybrid.dp.zero import Shard
 
 
 class ExactMean:
@@ -30,7 +31,7 @@ class ExactMean:
     def launch(self, bucket: Bucket, shard: Optional[Shard]) -> None:
         bucket.grad.mul_(1.0 / self.d)
         if shard is not None:
-            shard.launch_reduce_scatter(self.group)
+            shard.launchreduce_scatter_flat(self.group)
         else:
             bucket.works.append(dist.all_reduce(bucket.grad, group=self.group, async_op=True))
 
@@ -47,7 +48,7 @@ class Bf16Mean(ExactMean):
         low = bucket.grad.mul(1.0 / self.d).to(torch.bfloat16)
         if shard is not None:
             out = torch.empty(shard.end - shard.start, dtype=torch.bfloat16, device=low.device)
-            bucket.works.append(_reduce_scatter(out, low, group=self.group, async_op=True))
+            bucket.works.append(reduce_scatter_flat(out, low, group=self.group, async_op=True))
             bucket.on_done.append(lambda: shard.grad.copy_(out))
         else:
             bucket.works.append(dist.all_reduce(low, group=self.group, async_op=True))

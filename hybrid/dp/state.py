@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.dp.zero import _all_gather
+from hybrid.comm import all_gather_flat
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_KEYS = MOMENTS + ("step",)
@@ -68,7 +68,7 @@ def _gathered_moment(sync, shard, key: str) -> torch.Tensor:
     if sync.dp_size == 1:
         return local
     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
-    _all_gather(full, local, group=sync.groups.dp)
+    all_gather_flat(full, local, group=sync.groups.dp)
     return full
 
 

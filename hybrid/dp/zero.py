@@ -27,10 +27,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.dp.buckets import Bucket, Piece
+from hybrid.comm import all_gather_flat, reduce_scatter_flat
 
-# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch >= 2.5 is allowed.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(eq=False)
@@ -71,9 +69,9 @@ class Shard:
                                decays=decays(param), counts_in_norm=counts_in_norm(param)))
         return found
 
-    def launch_reduce_scatter(self, group: dist.ProcessGroup) -> None:
+    def launchreduce_scatter_flat(self, group: dist.ProcessGroup) -> None:
         """Start the (sum) reduce-scatter of the bucket's gradients into ``self.grad``."""
-        work = _reduce_scatter(self.grad, self.bucket.grad, group=group, async_op=True)
+        work = reduce_scatter_flat(self.grad, self.bucket.grad, group=group, async_op=True)
         self.bucket.works.append(work)
 
 
@@ -86,7 +84,7 @@ def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup,
     """
     if group.size() == 1:
         return
-    works = [_all_gather(s.bucket.data, s.bucket.data[s.start:s.end], group=group,
+    works = [all_gather_flat(s.bucket.data, s.bucket.data[s.start:s.end], group=group,
                          async_op=True) for s in shards]
     for work in works:
         wait(work)

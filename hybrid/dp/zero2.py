@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.dp.buckets import GRAD_DTYPE, Bucket
-from hybrid.dp.zero import Shard, _reduce_scatter
+from hybrid.comm import reduce_scatter_flat
+from hybrid.dp.zero import Shard
 
 MAX_IN_FLIGHT = 2
 
@@ -59,7 +60,7 @@ class StagedShards:
             shard.grad.add_(staging)
             return
         out = torch.empty_like(shard.grad)
-        work = _reduce_scatter(out, staging, group=self.group, async_op=True)
+        work = reduce_scatter_flat(out, staging, group=self.group, async_op=True)
         self.pending.append((work, out, shard))
         while len(self.pending) > MAX_IN_FLIGHT:
             self._settle_oldest()

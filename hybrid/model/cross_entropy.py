@@ -22,13 +22,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybrid.comm import all_gather_flat
+
+
 
 def _gather_stats(stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[3, tokens]`` per rank -> ``[tp, 3, tokens]``, every rank's, in rank order."""
     if group.size() == 1:
         return stats.unsqueeze(0)
     out = stats.new_empty((group.size() * stats.size(0), stats.size(1)))
-    dist.all_gather_into_tensor(out, stats, group=group)  # gloo wants the ranks along dim 0
+    all_gather_flat(out, stats, group=group)  # gloo wants the ranks along dim 0
     return out.view(group.size(), *stats.shape)
 
 

@@ -19,10 +19,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-
-# torch 2.13 renames these (the old names warn); older releases have only the old ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from hybrid.comm import all_gather_flat, reduce_scatter_flat
 
 
 def _all_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -30,7 +27,7 @@ def _all_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     if world == 1:
         return x
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group=group)
     return out
 
 
@@ -40,7 +37,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torc
         return x
     assert x.shape[0] % world == 0, f"sequence {x.shape[0]} not divisible by tp={world}"
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x.contiguous(), group=group)
+    reduce_scatter_flat(out, x.contiguous(), group=group)
     return out
 
 

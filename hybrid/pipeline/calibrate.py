@@ -79,8 +79,8 @@ def measure_block_kinds(cfg: Config, groups: ParallelGroups,
     grad = torch.randn(seq, b, m.hidden, generator=data).to(groups.device)
     forwards, backwards = [], []
     for block_id in (0, 1, m.layers + 1):
-        (block,) = build_blocks(m, groups, seed=cfg.seed, block_ids=[block_id],
-                                sequence_parallel=sp)
+        block = build_blocks(m, groups, seed=cfg.seed, block_ids=[block_id],
+                             sequence_parallel=sp)[0]
         if block_id == 0:
             timed = forward_backward_seconds(lambda: block(tokens), groups.device, runs, grad,
                                              cfg.train.precision)
@@ -94,7 +94,7 @@ def measure_block_kinds(cfg: Config, groups: ParallelGroups,
                                                  cfg.train.precision)
         forwards.append(timed[0])
         backwards.append(timed[1])
-        del block  # one block at a time: a large head and a layer never share the memory
+        block = None  # one block at a time: a large head and a layer never share the memory
     return forwards, backwards
 
 
