@@ -24,8 +24,8 @@ COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=2", "seed=7"]
 TIED = ["model.tie_embeddings=true"]
 LAYOUTS = {
-    # zero=2 reduce-scatters every micro-batch; plain dp2 runs inside 2x2x2 and torchrun
-    "dp2-zero2": ["parallel=single", "parallel.dp=2", "parallel.zero=2"],
+    # zero=2 reduce-scatters every micro-batch (dp2 with it: the zb-h1 run below; plain dp2
+    # runs inside 2x2x2 and torchrun)
     "dp4-zero2": ["parallel=single", "parallel.dp=4", "parallel.zero=2",
                   "parallel.bucket_mb=0.02"],
     "tp2": ["parallel=single", "parallel.tp=2"],
