@@ -105,14 +105,16 @@ def replay_cpu(log: list, group, reps: int) -> float:
     import torch
     import torch.distributed as dist
 
+    from hybrid.comm import all_gather_flat, reduce_scatter_flat
+
     world, calls = group.size(), []
     for name, payload in log:
         full = torch.ones(max(1, payload // 4))
         part = torch.ones(max(1, full.numel() // world))
         if "reduce_scatter" in name:
-            calls.append(lambda f=full, p=part: dist.reduce_scatter_tensor(p, f, group=group))
+            calls.append(lambda f=full, p=part: reduce_scatter_flat(p, f, group=group))
         elif "gather" in name:
-            calls.append(lambda f=full, p=part: dist.all_gather_into_tensor(f, p, group=group))
+            calls.append(lambda f=full, p=part: all_gather_flat(f, p, group=group))
         else:
             calls.append(lambda f=full: dist.all_reduce(f, group=group))
     times = []

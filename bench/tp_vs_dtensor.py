@@ -45,7 +45,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.comm import CommCounter  # noqa: E402
+from hybrid.comm import CommCounter, all_gather_flat, reduce_scatter_flat  # noqa: E402
 from hybrid.config import ModelConfig  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
 from hybrid.layout import Layout  # noqa: E402
@@ -53,8 +53,6 @@ from hybrid.model import GPT, allreduce_sequence_parallel_grads  # noqa: E402
 from hybrid.testing import spawn  # noqa: E402
 
 SEED, WARMUP = 7, 2
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class SizedCounter(CommCounter):
@@ -207,8 +205,8 @@ def replay(log: list[tuple[str, int]], group, reps: int) -> float:
         full = torch.ones(max(1, payload // 4))  # fp32; the 8-byte int64 flag becomes 2 floats
         part = torch.ones(full.numel() // world)
         calls.append({"all-reduce": lambda f=full: dist.all_reduce(f, group=group),
-                      "all-gather": lambda f=full, p=part: _all_gather(f, p, group=group),
-                      "reduce-scatter": lambda f=full, p=part: _reduce_scatter(p, f, group=group),
+                      "all-gather": lambda f=full, p=part: all_gather_flat(f, p, group=group),
+                      "reduce-scatter": lambda f=full, p=part: reduce_scatter_flat(p, f, group=group),
                       }[op])
     times = []
     for _ in range(WARMUP + reps):
