@@ -132,7 +132,9 @@ class Trainer:
         self.act_shape = activation_shape(cfg, groups)
         self.checkpointer = Checkpointer(cfg, groups, self.chunks, self.sync, run_dir)
         self.start_step = self.checkpointer.resume()
-        self._plan = None  # rank 0's JobPlan, made when the first metrics record needs it
+        # rank 0 prices each step's exact DP bytes for metrics.jsonl; planned before the
+        # first step so that no step waits for it
+        self._plan = plan_job(cfg, simulated=False) if dist.get_rank() == 0 else None
         """The step the run resumes after (0: a fresh run)."""
 
     def set_watching(self, on: bool) -> None:
@@ -304,8 +306,6 @@ class Trainer:
 
     def _exact_dp_bytes(self, step: int) -> float:
         """What rank 0 would send over DP this step with exact reduction (same ZeRO stage)."""
-        if self._plan is None:
-            self._plan = plan_job(self.cfg, simulated=False)
         exact = DpOptions.of(self.cfg.parallel).uncompressed()
         return rank_dp_bytes(self.cfg, self._plan, 0, step, exact)
 
