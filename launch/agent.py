@@ -98,16 +98,13 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(os.fspath(run_dir), "workers"),
                                     redirects=_quiet_ranks(rendezvous, nproc)))
     threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
-    if start_method == "forkserver" and preload:
-        import multiprocessing
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    if start_method == "forkserver":
+        start_fork_server(preload, threads)
     # Workers inherit the launcher's environment when they start, before they import torch.
     with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers(), \
             _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG)), \
             _own_error_files():
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        os.environ.update(_worker_environ(threads))
         try:
             results = elastic_launch(config, _call_entrypoint)(entrypoint, *args)
         except ChildFailedError as err:
@@ -121,6 +118,25 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
                 raise  # one node meets on its own free port: not a rendezvous problem
             raise rendezvous_failure(rendezvous, err) from None
     return [results[rank] for rank in sorted(results)]
+
+
+def start_fork_server(preload: Sequence[str], omp_threads: int) -> None:
+    """Start this process's fork server now, if it is not running yet: it imports ``preload``
+    in the background (torch and megatron-core: 5-7 s on a small machine) while the caller
+    goes on, e.g. with its own import of torch. ``run_agent`` with ``start_method=
+    "forkserver"`` calls it too; a caller that calls it first must pass the same
+    ``omp_threads`` (the server keeps the environment it started with, see ``run_agent``)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    with _restored_environ(AGENT_ENV_KEYS):
+        os.environ.update(_worker_environ(omp_threads))
+        forkserver.ensure_running()
+
+
+def _worker_environ(omp_threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(omp_threads), LAUNCHER_PID_ENV: str(os.getpid())}
 
 
 def _quiet_ranks(rendezvous: Rendezvous, nproc: int) -> dict:

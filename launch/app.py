@@ -73,7 +73,7 @@ def _first_lines(err: BaseException) -> str:
 def available_memory(cfg: Config) -> tuple[Optional[int], str]:
     """What one rank's device (CUDA) or one node's ranks together (CPU) can use, in bytes;
     None when it cannot be known here."""
-    if cfg.train.device != "cpu":
+    if cfg.train.device != "cpu" and may_have_cuda():
         import torch
 
         if torch.cuda.is_available():
@@ -84,6 +84,13 @@ def available_memory(cfg: Config) -> tuple[Optional[int], str]:
         return int(fields["MemAvailable"].split()[0]) * 1024, "cpu"
     except (OSError, KeyError, ValueError):
         return None, "cpu"
+
+
+def may_have_cuda() -> bool:
+    """False when torch cannot see a CUDA device here because no NVIDIA driver is (the
+    driver's control node on Linux, its WSL bridge): the launcher then does not import torch
+    to ask (2-3 s), and the fork server's imports of it overlap the launcher's own."""
+    return any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/dxg"))
 
 
 def exit_user_error(err: Exception | str) -> NoReturn:

@@ -34,7 +34,8 @@ from hybrid.layout import Layout, LayoutError
 from hybrid.stall import FAILURE_FILE
 from hybrid.memory import check_memory
 from hybrid.pipeline.block_costs import resolve_block_costs
-from hybrid.validate import config_warnings, validate_config
+from hybrid.validate import config_warnings, ranks_per_node, validate_config
+from launch.agent import default_omp_threads, start_fork_server
 from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
 
@@ -169,12 +170,17 @@ def launch(cfg: Config, layout: Layout, run_dir: Path, launcher=None) -> Optiona
     """Start the workers through ``launcher`` (default: the one ``launcher.name`` names);
     their results by rank, or None when the launcher left them running (a Slurm job
     submitted without waiting, a dry run)."""
-    from hybrid.worker import worker_main
-
+    launcher = launcher or launcher_for(cfg)
     # Read when the fork server's interpreter starts, before it imports megatron-core, which
     # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
     os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
-    return (launcher or launcher_for(cfg)).launch(
+    if cfg.launcher.start_method == "forkserver" and launcher.runs_here:
+        # Before this process imports torch: the server's imports and ours then overlap.
+        threads = cfg.launcher.omp_threads or default_omp_threads(ranks_per_node(cfg, layout))
+        start_fork_server(WORKER_PRELOAD, threads)
+    from hybrid.worker import worker_main
+
+    return launcher.launch(
         worker_main, (to_dict(cfg), str(run_dir)), cfg, layout, run_dir,
         omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
         start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
