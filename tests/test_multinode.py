@@ -84,22 +84,27 @@ def stop_all(*procs: subprocess.Popen) -> None:
 
 
 def test_a_missing_node_ends_at_the_rendezvous_timeout_with_one_line(tmp_path):
-    """Node 0 alone: the store's count of arrived nodes; node 1 alone: node 0 unreachable."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    for rank, expected in ((0, rf"rendezvous at {endpoint} timed out after 3s: 1 of 2 nodes "
-                                rf"arrived; start hybrid-train with launcher.node_rank=1"),
-                           (1, rf"node 1 could not reach node 0's rendezvous at {endpoint} "
-                               rf"within 3s")):
-        started = time.monotonic()
-        proc = node(tmp_path / f"alone{rank}", rank, endpoint, "launcher.rdzv_timeout_s=3")
-        try:
-            _, stderr = proc.communicate(timeout=60)
-        finally:
-            stop_all(proc)
-        assert proc.returncode == 1, stderr[-3000:]
-        last = stderr.strip().splitlines()[-1]
-        assert re.match(rf"error: {expected}", last), stderr[-3000:]
-        assert time.monotonic() - started < 30
+    """Node 0 alone: the store's count of arrived nodes; node 1 alone: node 0 unreachable
+    (two jobs of their own, side by side)."""
+    expected, procs = {}, {}
+    started = time.monotonic()
+    try:
+        for rank in (0, 1):
+            endpoint = f"127.0.0.1:{free_port()}"
+            expected[rank] = (
+                rf"rendezvous at {endpoint} timed out after 3s: 1 of 2 nodes arrived; start "
+                rf"hybrid-train with launcher.node_rank=1" if rank == 0 else
+                rf"node 1 could not reach node 0's rendezvous at {endpoint} within 3s")
+            procs[rank] = node(tmp_path / f"alone{rank}", rank, endpoint,
+                               "launcher.rdzv_timeout_s=3")
+        stderrs = {rank: proc.communicate(timeout=60)[1] for rank, proc in procs.items()}
+    finally:
+        stop_all(*procs.values())
+    for rank, proc in procs.items():
+        assert proc.returncode == 1, stderrs[rank][-3000:]
+        last = stderrs[rank].strip().splitlines()[-1]
+        assert re.match(rf"error: {expected[rank]}", last), stderrs[rank][-3000:]
+    assert time.monotonic() - started < 30
 
 
 def test_killing_one_node_ends_the_other_with_a_diagnosis_and_no_leftovers(tmp_path):
