@@ -1,7 +1,7 @@
 """The cost of parallelism: CPU-seconds per training step of each layout / the 1-process run's.
 
     .venv/bin/python bench/train_overhead.py [--model small] [--steps 8] [--skip 3]
-    .venv/bin/python bench/train_overhead.py --layouts "1 process" "pp2 zb-h1"
+    .venv/bin/python bench/train_overhead.py --layouts "1 process" "pp2 zb-h1" --rounds 3
 
 Every layout trains the same model on the same global batch through the real ``hybrid-train``
 (so workers, groups, schedule, gradient sync and metrics are all included). ``cpu_s`` in
@@ -71,14 +71,24 @@ def main() -> None:
                         metavar="NAME", help="run only these rows (the first is the ratio's "
                         "base); default: all of " + ", ".join(map(repr, LAYOUTS)))
     parser.add_argument("--no-floor", action="store_true", help="skip the TP layouts' floors")
+    parser.add_argument("--rounds", type=int, default=1, help="run every layout this many "
+                        "times, round-robin, and show the medians")
     args = parser.parse_args()
     print(f"model={args.model} (8 layers), global batch 16, micro-batch 2, "
-          f"median over steps {args.skip + 1}..{args.steps}")
+          f"median over steps {args.skip + 1}..{args.steps} (and over {args.rounds} "
+          f"round-robin runs of each layout)")
     print(f"{'layout':<22} {'ranks':>5} {'CPU s/step':>11} {'wall s/step':>12} "
           f"{'CPU ratio':>10} {'floor':>7} {'/floor':>7}")
     base, ratio = None, None
+    # Round-robin: a slow minute of the shared machine then hits every layout alike, and the
+    # median over rounds drops it (one run of a layout moves by 10-20% on its own).
+    samples: dict[str, list] = {name: [] for name in args.layouts}
+    for _ in range(args.rounds):
+        for name in args.layouts:
+            samples[name].append(run(name, LAYOUTS[name], args))
     for name in args.layouts:
-        ranks, cpu, wall = run(name, LAYOUTS[name], args)
+        ranks = samples[name][0][0]
+        cpu, wall = (statistics.median(s[i] for s in samples[name]) for i in (1, 2))
         base = base or cpu
         floor = None
         if not args.no_floor and has_tp(LAYOUTS[name]):
