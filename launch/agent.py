@@ -75,7 +75,8 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     Forked workers inherit the fork server's state from when it started (its environment
     and preloaded modules), not the launcher's current one: ``spawn`` is this function's
     default for arbitrary callers; ``hybrid-train`` uses the fork server
-    (``launcher.start_method``), whose environment it sets before the first launch.
+    (``launcher.start_method``) and starts it first thing (``launch.console``), so that its
+    imports overlap the launcher's; each worker's OMP_NUM_THREADS comes from the agent.
     """
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -120,23 +121,41 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     return [results[rank] for rank in sorted(results)]
 
 
-def start_fork_server(preload: Sequence[str], omp_threads: int) -> None:
+def start_fork_server(preload: Sequence[str], omp_threads: Optional[int] = None) -> None:
     """Start this process's fork server now, if it is not running yet: it imports ``preload``
     in the background (torch and megatron-core: 5-7 s on a small machine) while the caller
-    goes on, e.g. with its own import of torch. ``run_agent`` with ``start_method=
-    "forkserver"`` calls it too; a caller that calls it first must pass the same
-    ``omp_threads`` (the server keeps the environment it started with, see ``run_agent``)."""
+    goes on, e.g. composing its config or importing torch itself. ``run_agent`` with
+    ``start_method="forkserver"`` calls it too. The server keeps the environment it started
+    with: ``omp_threads`` (OMP_NUM_THREADS) when known; each worker's own comes from the agent
+    and ``hybrid.worker`` applies it. ``stop_fork_server`` ends it."""
     import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
-    with _restored_environ(AGENT_ENV_KEYS):
-        os.environ.update(_worker_environ(omp_threads))
+    environ = _worker_environ(omp_threads)
+    with _restored_environ(tuple(environ)):
+        os.environ.update(environ)
         forkserver.ensure_running()
 
 
-def _worker_environ(omp_threads: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(omp_threads), LAUNCHER_PID_ENV: str(os.getpid())}
+def stop_fork_server() -> None:
+    """End this process's fork server, if one runs, without waiting for its imports: a
+    launcher that exits before starting workers (a refused config) leaves none behind. Forked
+    workers are not its children's children to kill: they live on their own."""
+    from multiprocessing import forkserver
+
+    # multiprocessing offers no call for this; the server's pid is the module's own record.
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass  # already gone
+
+
+def _worker_environ(omp_threads: Optional[int]) -> dict[str, str]:
+    threads = {} if omp_threads is None else {"OMP_NUM_THREADS": str(omp_threads)}
+    return {**threads, LAUNCHER_PID_ENV: str(os.getpid())}
 
 
 def _quiet_ranks(rendezvous: Rendezvous, nproc: int) -> dict:

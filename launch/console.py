@@ -2,13 +2,24 @@
 
 The script's module must be light: a Ctrl-C while ``launch.train`` imports Hydra and torch
 (the first second or two) would otherwise print a traceback of the import machinery.
+
+It also starts the workers' fork server first thing, when the command line may start workers
+here: the server's imports of torch and megatron-core (the longest part of a launch) then
+overlap the launcher's own start (Hydra, the checks), and the script ends the server when it
+exits, so that a refused config leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 INTERRUPTED_EXIT = 130
+WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
+"""Imported once by the fork server, before any worker exists (no torch compute has run)."""
+MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
+"""PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
+and Apex are absent, expected on CPU and noise on a console."""
 
 
 def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
@@ -25,7 +36,14 @@ def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
 
 
 def train() -> None:
+    early = False
     try:
+        early = may_start_workers_here(sys.argv[1:])
+        if early:
+            from launch.agent import start_fork_server
+
+            os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
+            start_fork_server(WORKER_PRELOAD)
         from launch.train import main
 
         main()
@@ -36,6 +54,22 @@ def train() -> None:
         _report_interrupt(interrupt)
     except KeyboardInterrupt as err:
         _report_interrupt(err)
+    finally:
+        if early:
+            from launch.agent import stop_fork_server
+
+            stop_fork_server()
+
+
+def may_start_workers_here(args: list[str]) -> bool:
+    """Whether ``hybrid-train ARGS`` may start workers on this machine through the fork
+    server: plain overrides, no flag (``--help``, ``-m``, ``--cfg``), not ``launcher=slurm``
+    nor ``launcher.start_method=spawn``. Only a guess, for starting the server early."""
+    if any(arg.startswith("-") for arg in args):
+        return False
+    values = dict(arg.split("=", 1) for arg in args if "=" in arg)
+    return (values.get("launcher", "local") in ("local", "torchrun")
+            and values.get("launcher.start_method", "forkserver") == "forkserver")
 
 
 def _report_interrupt(err: KeyboardInterrupt) -> None:

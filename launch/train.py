@@ -36,18 +36,16 @@ from hybrid.memory import check_memory
 from hybrid.pipeline.block_costs import resolve_block_costs
 from hybrid.validate import config_warnings, ranks_per_node, validate_config
 from launch.agent import default_omp_threads, start_fork_server
+from launch.console import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD
 from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
 
 WORKER_FAILED_EXIT = 1
-MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError", "NonFiniteError",
                       "RunDirError")
 """Exceptions a worker raises for bad input: reported as one line, without a traceback."""
 WORKER_DIAGNOSES = ("StallError",)
 """Failures whose one line already names the ranks involved (``hybrid.watch``)."""
-WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
-"""Imported once by the fork server, before any worker exists (no torch compute has run)."""
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> Path:

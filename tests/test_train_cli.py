@@ -74,6 +74,39 @@ def test_bad_config_exits_2_with_one_line_and_starts_no_worker(overrides, needle
     assert not (tmp_path / "config.json").exists()
 
 
+def _fork_servers() -> set[int]:
+    """multiprocessing fork servers on this machine (of any process)."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"multiprocessing.forkserver" in (proc / "cmdline").read_bytes():
+                found.add(int(proc.name))
+        except OSError:
+            pass  # gone meanwhile
+    return found
+
+
+def test_a_refused_config_ends_the_fork_server_it_started_early(tmp_path):
+    """hybrid-train starts its workers' fork server before it reads the config (the imports
+    overlap); a config refused before launch must not leave it importing on its own."""
+    from launch.console import may_start_workers_here
+
+    assert may_start_workers_here(["model=tiny", "parallel.dp=3"])
+    assert not may_start_workers_here(["-m", "parallel.dp=1,2"])
+    assert not may_start_workers_here(["launcher=slurm"])
+    assert not may_start_workers_here(["launcher.start_method=spawn"])
+    before = _fork_servers()
+    with open(tmp_path / "stderr", "w") as err:  # a file: a pipe would wait for the server
+        code = subprocess.run([TRAIN, "model=tiny", "parallel.dp=3",
+                               f"hydra.run.dir={tmp_path / 'run'}"],
+                              stdout=subprocess.DEVNULL, stderr=err, timeout=60).returncode
+    assert code == 2, (tmp_path / "stderr").read_text()
+    deadline = time.monotonic() + 2  # its imports alone take longer than this
+    while _fork_servers() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _fork_servers() - before
+
+
 def _descendants(pid: int) -> set[int]:
     found, todo = set(), [pid]
     while todo:
