@@ -40,6 +40,7 @@ from pathlib import Path
 
 from hybrid.devices import PRESETS, Device, Link, calibrated_path
 from hybrid.steptime import ring_gather
+from launch.console import MEGATRON_IMPORT_WARNING
 
 SHAPES = tuple(itertools.product((128, 256, 512), (256, 1024)))  # (hidden, rows)
 REFERENCE = (256, 1024)
@@ -298,6 +299,8 @@ def main(argv: list[str]) -> None:
     if args.max_ranks < 2 or args.seconds <= 0 or args.repeats < 1:
         parser.error("--max-ranks must be >= 2, --seconds > 0 and --repeats >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # read by the workers' fork server as it imports megatron-core: no import noise on the console
+    os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
     device, raw = calibrate(args.max_ranks, args.seconds, args.repeats)
     out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
