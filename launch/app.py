@@ -87,10 +87,11 @@ def available_memory(cfg: Config) -> tuple[Optional[int], str]:
 
 
 def may_have_cuda() -> bool:
-    """False when torch cannot see a CUDA device here because no NVIDIA driver is (the
-    driver's control node on Linux, its WSL bridge): the launcher then does not import torch
-    to ask (2-3 s), and the fork server's imports of it overlap the launcher's own."""
-    return any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/dxg"))
+    """False when torch cannot see a CUDA device here because no GPU driver is loaded
+    (NVIDIA's control node, its WSL bridge, or ROCm's, which torch also reports as CUDA): the
+    launcher then does not import torch to ask (2-3 s), and the fork server's imports of it
+    overlap the launcher's own."""
+    return any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd"))
 
 
 def exit_user_error(err: Exception | str) -> NoReturn:
