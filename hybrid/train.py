@@ -39,7 +39,8 @@ from hybrid.model import build_blocks, lm_loss
 from hybrid.optim import lr_at
 from hybrid.pipeline.actions import Action
 from hybrid.pipeline.check import check_schedule
-from hybrid.pipeline.runtime import run_pipeline_step
+from hybrid.pipeline.rank_check import RankPlan
+from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.schedules import add_communication, build_schedule
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
@@ -119,6 +120,7 @@ class Trainer:
         self.chunks = {s: c.to(self.device) for s, c in build_chunks(cfg, groups).items()}
         self.schedule = lowered_schedule(cfg, groups)
         self.actions = self.schedule[groups.pp_rank]
+        self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
         self.m = microbatches(cfg)
         self.dataset = make_dataset(cfg.data, cfg.model, cfg.seed)
         self.watch = RankWatch(dist.get_rank())
@@ -203,12 +205,22 @@ class Trainer:
             time.sleep(self.slow[1])  # a test's straggler (hybrid.faults): slow compute
         with self._autocast():
             return run_pipeline_step(
-                self.actions, self.chunks, data, groups=self.groups,
+                self._rank_plan(), self.chunks, data, groups=self.groups,
                 pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
                 loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
                 act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
                 recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch,
                 placement=self.groups.layout.stage_placement)
+
+    def _rank_plan(self) -> RankPlan:
+        """``self.actions`` checked and planned once, not every step (a bench may swap in
+        another list: it is planned when first used)."""
+        if self._planned is None or self._planned[0] is not self.actions:
+            layout = self.groups.layout
+            plan = prepare_rank(self.actions, self.chunks, groups=self.groups, pp=layout.pp,
+                                vpp=layout.vpp, m=self.m, placement=layout.stage_placement)
+            self._planned = (self.actions, plan)
+        return self._planned[1]
 
     def _stall_error(self, error: BaseException) -> Exception:
         """A wait failed: the diagnosis, after hearing from every rank that can still speak."""

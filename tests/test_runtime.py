@@ -5,6 +5,7 @@ paths, and bad schedules or failed peers that end in a timeout, not a hang.
 
 import time
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ from hybrid.layout import Layout
 from hybrid.pipeline.actions import Action, ScheduleError, from_text
 from hybrid.pipeline.p2p import fifo_mismatches, message_tag
 from hybrid.pipeline.partition import partition
-from hybrid.pipeline.rank_check import check_rank_actions
-from hybrid.pipeline.runtime import posting_plan, run_pipeline_step
+from hybrid.pipeline.rank_check import check_rank_actions, posting_plan
+from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.schedules import (
     SCHEDULE_NAMES, add_communication, build_schedule, schedule_placement,
 )
@@ -210,6 +211,11 @@ def _runtime_cases(rank, world):
     out["interleaved-1f1b"] = _run(pipe, "interleaved-1f1b", 2, 2)
     compute_only = build_schedule("1f1b", 2, M)
     out["compute-only"] = _run(pipe, "1f1b", 2, 1, lists=compute_only)
+    chunks = _stage_chunks(pipe, 2, 1)
+    plan = prepare_rank(compute_only[pipe.pp_rank], chunks, groups=pipe, pp=2, vpp=1, m=M)
+    out["planned"] = _run(pipe, "1f1b", 2, 1, chunks=chunks, lists=[plan, plan])
+    out["plan-for-other-m"] = _failure(lambda: _run(pipe, "1f1b", 2, 1, chunks=chunks,
+                                                    lists=[plan, plan], m=M - 2))
 
     chunks = _stage_chunks(pipe, 2, 1)
     probe = LiveOutputs(chunks[0][-1]) if 0 in chunks else None
@@ -235,7 +241,8 @@ def cases():
     return spawn(_runtime_cases, 2, timeout=90)
 
 
-@pytest.mark.parametrize("name", ["pp1", "zb-h1", "interleaved-1f1b", "compute-only"])
+@pytest.mark.parametrize("name", ["pp1", "zb-h1", "interleaved-1f1b", "compute-only",
+                                  "planned"])
 def test_stand_in_model_matches_its_reference(cases, name):
     for rank, result in enumerate(cases):
         loss, worst = result[name]
@@ -244,6 +251,30 @@ def test_stand_in_model_matches_its_reference(cases, name):
             assert loss == pytest.approx(result["reference_loss"], rel=1e-6)
         else:
             assert loss is None
+
+
+def test_a_rank_plan_is_refused_for_another_batch_before_any_message(cases):
+    for result in cases:
+        kind, message, _ = result["plan-for-other-m"]
+        assert kind == "ScheduleError" and "\n" not in message
+        assert "made for (rank, pp, vpp, m, placement, stages, lookahead)=(" in message
+        assert f", 2, 1, {M}, 'loop'," in message and f", 2, 1, {M - 2}, 'loop'," in message
+
+
+def test_a_trainer_plans_its_list_once_and_again_only_when_the_list_changes(monkeypatch):
+    from hybrid import train
+
+    made = []
+    monkeypatch.setattr(train, "prepare_rank", lambda actions, chunks, **kw: made.append(
+        (actions, kw)) or object())
+    trainer = SimpleNamespace(actions=_rank_list("1f1b", 2, 4, 0), chunks={}, m=4,
+                              groups=SimpleNamespace(layout=Layout(pp=2)), _planned=None)
+    first = [train.Trainer._rank_plan(trainer) for _ in range(3)]
+    assert first[0] is first[1] is first[2] and len(made) == 1
+    assert made[0][1] == {"groups": trainer.groups, "pp": 2, "vpp": 1, "m": 4,
+                          "placement": "loop"}
+    trainer.actions = _rank_list("zb-h1", 2, 4, 0)  # a bench swapping the schedule
+    assert train.Trainer._rank_plan(trainer) is not first[0] and len(made) == 2
 
 
 def test_under_autocast_forwards_run_in_bf16_and_backwards_outside_autocast(cases):

@@ -39,7 +39,7 @@ from hybrid.pipeline.actions import (
     Action, ScheduleError, stage_rank,
 )
 from hybrid.pipeline.backward import full_backward, input_backward
-from hybrid.pipeline.rank_check import check_rank_actions, lower_rank_actions
+from hybrid.pipeline.rank_check import Posting, RankPlan, plan_rank
 
 Microbatch = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # (tokens, labels)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,7 +67,7 @@ class Progress(Protocol):
     def finished(self, action: Action) -> None: ...
 
 
-def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
+def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn.Module],
                       microbatches: Sequence[Microbatch], *, groups: ParallelGroups, pp: int,
                       vpp: int, loss_fn: LossFn, act_shape: Sequence[int],
                       act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
@@ -76,7 +76,8 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
                       placement: str = LOOP) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
 
-    ``actions``: this rank's list of a schedule (``add_communication(build_schedule(...),
+    ``actions``: a ``RankPlan`` from ``prepare_rank`` (checked once; what a trainer passes
+    every step), or this rank's list of a schedule (``add_communication(build_schedule(...),
     pp, vpp, placement)[groups.pp_rank]``). ``chunks``: virtual stage id -> module (stage
     ``s`` lives on pipeline rank ``stage_rank(s, pp, placement)``; neighbouring stages on one
     rank hand over in memory). ``microbatches``: ``m`` pairs (tokens ``[b, s]``, labels
@@ -92,43 +93,41 @@ def run_pipeline_step(actions: Sequence[Action], chunks: dict[int, nn.Module],
     Every send has completed when it returns.
     """
     m = len(microbatches)
-    actions = list(actions)
-    if placement != LOOP and pp > 1 and dist.get_backend(groups.pp) != "gloo":
-        raise ScheduleError(f"the {placement} placement's messages are matched by tag, which "
-                            f"only gloo does; use a loop-placed schedule (zb-h1) on "
-                            f"{dist.get_backend(groups.pp)}")
-    if pp > 1 and not any(action.is_comm for action in actions):
-        actions = lower_rank_actions(actions, groups.pp_rank, pp, vpp, placement)
-    check_rank_actions(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
-                       placement=placement)
+    if isinstance(actions, RankPlan):
+        plan = actions
+        expected = (groups.pp_rank, pp, vpp, m, placement, tuple(sorted(chunks)),
+                    recv_lookahead(groups))
+        if plan.made_for() != expected:
+            raise ScheduleError(
+                f"the rank plan was made for (rank, pp, vpp, m, placement, stages, lookahead)="
+                f"{plan.made_for()} but this step is {expected}; make it with prepare_rank "
+                f"for this rank and batch")
+    else:
+        plan = prepare_rank(actions, chunks, groups=groups, pp=pp, vpp=vpp, m=m,
+                            placement=placement)
     step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, placement=placement,
                  loss_fn=loss_fn,
                  act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
                  recv_timeout_s=recv_timeout_s, progress=progress)
     with torch.enable_grad():
-        return step.run(actions)
+        return step.run(plan.posting)
 
 
-def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
-                 ) -> list[tuple[list[Action], Optional[Action]]]:
-    """``(SEND/RECV actions to post as one batch, compute action to run next)`` per step.
+def prepare_rank(actions: Sequence[Action], chunks: dict[int, nn.Module], *,
+                 groups: ParallelGroups, pp: int, vpp: int, m: int, placement: str = LOOP
+                 ) -> RankPlan:
+    """This rank's ``RankPlan`` for ``run_pipeline_step``: ``actions`` lowered, checked
+    against the stages in ``chunks``, and their messages planned for the PP group's backend."""
+    if placement != LOOP and pp > 1 and dist.get_backend(groups.pp) != "gloo":
+        raise ScheduleError(f"the {placement} placement's messages are matched by tag, which "
+                            f"only gloo does; use a loop-placed schedule (zb-h1) on "
+                            f"{dist.get_backend(groups.pp)}")
+    return plan_rank(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
+                     placement=placement, recv_lookahead=recv_lookahead(groups))
 
-    The SEND/RECV actions listed between two compute actions are posted together before the
-    second; a RECV moves ``recv_lookahead`` compute actions earlier than its consumer (never
-    before the first). The last step posts what follows the last compute action.
-    """
-    steps: list[tuple[list[Action], Optional[Action]]] = [
-        ([], action) for action in actions if action.is_compute] + [([], None)]
-    computes_before = 0
-    for action in actions:
-        if action.is_compute:
-            computes_before += 1
-            continue
-        at = computes_before
-        if action.kind in (RECV_F, RECV_B):
-            at = max(at - recv_lookahead, 0)
-        steps[at][0].append(action)
-    return [(posts, action) for posts, action in steps if posts or action is not None]
+
+def recv_lookahead(groups: ParallelGroups) -> int:
+    return GLOO_RECV_LOOKAHEAD if dist.get_backend(groups.pp) == "gloo" else 0
 
 
 class _Step:
@@ -150,15 +149,13 @@ class _Step:
         self.arrived: dict[Action, torch.Tensor] = {}  # RECVs waited on, not yet consumed
         self.deferred: dict[tuple[int, int], Callable[[], None]] = {}  # W work left by I
         self.losses: list[torch.Tensor] = []
-        gloo = dist.get_backend(groups.pp) == "gloo"
-        self.sends = p2p.SendsInFlight(threaded=gloo)
-        self.recv_lookahead = GLOO_RECV_LOOKAHEAD if gloo else 0
+        self.sends = p2p.SendsInFlight(threaded=dist.get_backend(groups.pp) == "gloo")
 
-    def run(self, actions: list[Action]) -> Optional[float]:
+    def run(self, posting: Sequence[Posting]) -> Optional[float]:
         compute = {FORWARD: self.forward, BACKWARD: self.backward,
                    BACKWARD_INPUT: self.input_backward, BACKWARD_WEIGHT: self.weight_backward}
         try:
-            for posts, action in posting_plan(actions, self.recv_lookahead):
+            for posts, action in posting:
                 if posts:
                     self.communicate(posts)
                 if action is not None:
