@@ -114,9 +114,9 @@ def test_tied_embeddings_with_sequence_parallel_and_zero2_on_2x2x2(reference, tm
 def test_2x2x2_losses_run_directory_and_straggler_report(reference, tmp_path):
     """One 8-rank run of the main job's layout (DP 2 x TP 2 x PP 2, 1F1B) checks the losses
     against the 1-process run, the run directory and the straggler report: rank 5 sleeps
-    0.4 s per step from step 4 (a test hook), is named by one warning within a few steps, and
+    0.6 s per step from step 4 (a test hook), is named by one warning within a few steps, and
     the others' largest wait grows by about that much (sleeping changes no number)."""
-    done = run_train(tmp_path, env={"HYBRID_TEST_FAULT": "slow:4:5:0.4"})
+    done = run_train(tmp_path, env={"HYBRID_TEST_FAULT": "slow:4:5:0.6"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses_of(tmp_path), reference["untied"])
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -142,8 +142,9 @@ def test_2x2x2_losses_run_directory_and_straggler_report(reference, tmp_path):
                     r"[\d.]+x its peers' median", warnings[0]), warnings
     waits = [max(r["max_wait_s"].values()) for r in records]
     # step 2 before the slowdown (step 1 warms up, with waits of its own; step 3 waits for
-    # rank 0 drawing step 2's timeline)
-    assert min(waits[4:]) > waits[1] + 0.2, waits
+    # rank 0 drawing step 2's timeline). Step 2 alone is the baseline, and 8 ranks on 2 cores
+    # once waited 0.26 s there (0.04 s is usual): half the sleep is the margin.
+    assert min(waits[4:]) > waits[1] + 0.3, waits
     assert all(r["slowest_rank"]["rank"] == 5 for r in records[4:]), records
     times = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text()
              .splitlines()]
