@@ -31,7 +31,6 @@ CPU s/step summed over ranks (median over its blocks' steps), the floor, real / 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tp_floor import train_overrides  # noqa: E402
+from tp_floor import composed, cpu_trainer, train_overrides  # noqa: E402
 
 MODES = ("single", "real", "local")
 
@@ -99,11 +98,12 @@ def key(action) -> tuple:
     return action.kind, action.stage, action.mb
 
 
-def lone_trainer(cfg, run_dir: Path, store, timeout):
+def lone_trainer(cfg_dict: dict, run_dir: Path, store, timeout):
     """The 1-process run's trainer on this rank's own 1-rank groups; its step reports this
     rank alone (the job-wide gather of ``Trainer`` would wait for the sleeping ranks)."""
     import torch
 
+    from hybrid.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
     from hybrid.validate import validate_config
@@ -112,6 +112,7 @@ def lone_trainer(cfg, run_dir: Path, store, timeout):
         def _gather(self, values):
             return [values]
 
+    cfg = from_dict(cfg_dict)
     groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
     return LoneTrainer(cfg, groups, run_dir, store)
 
@@ -120,43 +121,33 @@ def measure(cfg_dicts: dict, run_dir: str, blocks: int, steps: int) -> dict:
     """One rank: alternate the modes' blocks, then replay one real step's messages. Returns
     CPU seconds of each measured step by mode (summed over ranks; ``single``: rank 0's run)
     and this rank's replay CPU."""
-    import os
     from datetime import timedelta
+    from unittest import mock
 
-    import torch
     import torch.distributed as dist
 
-    from hybrid.config import from_dict
-    from hybrid.groups import ParallelGroups
     from hybrid.pipeline import p2p
-    from hybrid.train import Trainer
-    from hybrid.validate import validate_config
-    from hybrid.worker import init_distributed
 
-    cfg, single_cfg = (from_dict(cfg_dicts[k]) for k in ("pipeline", "single"))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    store = init_distributed("gloo", timeout)
-    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
-    trainer = Trainer(cfg, groups, Path(run_dir) / "pipeline", store)
-    single = lone_trainer(single_cfg, Path(run_dir) / "single", store, timeout)
+    trainer = cpu_trainer(cfg_dicts["pipeline"], Path(run_dir) / "pipeline")
+    timeout = timedelta(seconds=trainer.cfg.train.collective_timeout_s)
+    single = lone_trainer(cfg_dicts["single"], Path(run_dir) / "single", trainer.store,
+                          timeout)
     messages = Messages(p2p)
     cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
     step = 0
-    with _patched(p2p, "post", messages):
+    with mock.patch.object(p2p, "post", messages):
         trainer.step(step := step + 1)  # a real step first: local mode answers from it
         for block in range(blocks + 1):
             for mode in (MODES if block % 2 else MODES[::-1]):
                 messages.local = mode == "local"
                 for _ in range(steps):
                     step += 1
-                    if mode != "single":
-                        report = trainer.step(step)
-                    elif dist.get_rank() == 0:
-                        report = single.step(step)
+                    if mode == "single" and dist.get_rank() != 0:
+                        continue  # asleep in the barrier below while rank 0 runs alone
+                    report = (single if mode == "single" else trainer).step(step)
                     if block and dist.get_rank() == 0:  # block 0 warms every mode up
                         cpu[mode].append(report.cpu_s)
-                dist.barrier()  # the other ranks wait here while rank 0 runs ``single``
+                dist.barrier()
         messages.local, messages.recording = False, True
         trainer.step(step + 1)  # records the step's messages for the replay
     replay = messages.replay_cpu(blocks * steps, dist.barrier)
@@ -165,36 +156,6 @@ def measure(cfg_dicts: dict, run_dir: str, blocks: int, steps: int) -> dict:
     dist.destroy_process_group()
     return {"cpu": cpu, "replay": replay, "messages": sum(
         len(actions) for actions, _, _ in messages.batches)}
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
-def compose_configs(pp: int, vpp: int, schedule: str, total_steps: int) -> dict:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from hybrid.config import to_dict
-    from launch.app import CONF_DIR, register_schemas
-
-    register_schemas()
-    layouts = {"pipeline": ["parallel=single", f"parallel.pp={pp}", f"parallel.vpp={vpp}",
-                            f"parallel.schedule={schedule}"],
-               "single": ["parallel=single"]}
-    out = {}
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        for name, layout in layouts.items():
-            out[name] = to_dict(OmegaConf.to_object(compose(
-                config_name="config", overrides=[*train_overrides("small", total_steps),
-                                                 *layout])))
-    return out
 
 
 def main() -> None:
@@ -208,7 +169,10 @@ def main() -> None:
     from launch.local import run_local
 
     total = (args.blocks + 1) * args.steps * len(MODES) + 2
-    cfgs = compose_configs(args.pp, args.vpp, args.schedule, total)
+    single = [*train_overrides("small", total), "parallel=single"]
+    cfgs = {"pipeline": composed([*single, f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp}",
+                                  f"parallel.schedule={args.schedule}"]),
+            "single": composed(single)}
     with tempfile.TemporaryDirectory() as run_dir:
         for name in cfgs:
             (Path(run_dir) / name).mkdir()

@@ -23,30 +23,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tp_floor import train_overrides  # noqa: E402
+from tp_floor import composed, cpu_trainer, train_overrides  # noqa: E402
 
 
 def measure(cfg_dict: dict, run_dir: str, schedules: list[str], blocks: int,
             steps: int) -> dict[str, list[float]]:
     """One rank: CPU seconds of each measured step, by schedule."""
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
 
-    from hybrid.config import from_dict
-    from hybrid.groups import ParallelGroups
     from hybrid.pipeline.schedules import add_communication, build_schedule
-    from hybrid.train import Trainer
-    from hybrid.validate import validate_config
-    from hybrid.worker import init_distributed
 
-    cfg = from_dict(cfg_dict)
-    torch.set_num_threads(1)
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    store = init_distributed("gloo", timeout)
-    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
-    trainer = Trainer(cfg, groups, Path(run_dir), store)
+    trainer = cpu_trainer(cfg_dict, run_dir)
+    groups = trainer.groups
     layout = groups.layout
     actions = {}
     for name in schedules:
@@ -77,25 +65,17 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from hybrid.config import to_dict
-    from launch.app import CONF_DIR, register_schemas
     from launch.local import run_local
 
     if "zb-v" in args.schedules or (args.vpp > 1) != ("interleaved-1f1b" in args.schedules):
         parser.error("schedules of one placement: loop-placed with --vpp 1, or "
                      "interleaved-1f1b with --vpp 2 (zb-v places stages otherwise)")
-    register_schemas()
     total = (args.blocks + 1) * len(args.schedules) * args.steps + 1
     schedule = args.schedules[0]  # what the layout is checked with; the blocks swap it
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[
-            *train_overrides("small", total), "parallel=single", f"parallel.pp={args.pp}",
-            f"parallel.vpp={args.vpp}", f"parallel.schedule={schedule}"]))
+    cfg = composed([*train_overrides("small", total), "parallel=single", f"parallel.pp={args.pp}",
+                    f"parallel.vpp={args.vpp}", f"parallel.schedule={schedule}"])
     with tempfile.TemporaryDirectory() as run_dir:
-        results = run_local(measure, (to_dict(cfg), run_dir, args.schedules, args.blocks,
+        results = run_local(measure, (cfg, run_dir, args.schedules, args.blocks,
                                       args.steps),
                             nproc=args.pp, omp_threads=1, run_dir=run_dir)
     print(f"pp={args.pp} vpp={args.vpp}, model small (8 layers), global batch 16, micro-batch "

@@ -130,24 +130,10 @@ def replay_cpu(log: list, group, reps: int) -> float:
 def measure(cfg_dict: dict, run_dir: str, blocks: int, steps: int, profile: bool) -> dict:
     """One rank: alternate real and local blocks, replay its TP collectives; rank 0 returns
     the step reports' CPU seconds per mode (summed over ranks), every rank its replay CPU."""
-    import os
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
 
-    from hybrid.config import from_dict
-    from hybrid.groups import ParallelGroups
-    from hybrid.train import Trainer
-    from hybrid.validate import validate_config
-    from hybrid.worker import init_distributed
-
-    cfg = from_dict(cfg_dict)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    store = init_distributed("gloo", timeout)
-    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
-    trainer = Trainer(cfg, groups, Path(run_dir), store)
+    trainer = cpu_trainer(cfg_dict, run_dir)
+    groups = trainer.groups
     cpu = {"real": [], "local": []}
     step, log = 0, []
     for block in range(blocks + 1):
@@ -228,24 +214,52 @@ def train_overrides(model: str = "small", steps: int = 8) -> list[str]:
             "launcher.omp_threads=1"]
 
 
-def run_floor(overrides: list[str], blocks: int, steps: int, profile: bool = False) -> dict:
-    """Compose the config, run ``measure`` on its ranks; the medians and the floor."""
+def composed(overrides: list[str]) -> dict:
+    """The config ``hybrid-train OVERRIDES`` would run, as the plain dict workers take."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from hybrid.config import to_dict
     from launch.app import CONF_DIR, register_schemas
-    from launch.local import run_local
 
     register_schemas()
-    total = (2 * (blocks + 1) + 2) * steps + 2
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[
-            *overrides, f"train.steps={total}"]))
-    par = cfg.parallel
+        return to_dict(OmegaConf.to_object(compose(config_name="config", overrides=overrides)))
+
+
+def cpu_trainer(cfg_dict: dict, run_dir):
+    """In a ``run_local`` worker: join the job over gloo and build this rank's ``Trainer`` of
+    ``cfg_dict`` as ``hybrid.worker`` does on CPU (``OMP_NUM_THREADS`` intra-op threads)."""
+    import os
+    from datetime import timedelta
+
+    import torch
+
+    from hybrid.config import from_dict
+    from hybrid.groups import ParallelGroups
+    from hybrid.train import Trainer
+    from hybrid.validate import validate_config
+    from hybrid.worker import init_distributed
+
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    store = init_distributed("gloo", timeout)
+    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
+    return Trainer(cfg, groups, Path(run_dir), store)
+
+
+def run_floor(overrides: list[str], blocks: int, steps: int, profile: bool = False) -> dict:
+    """Compose the config, run ``measure`` on its ranks; the medians and the floor."""
+    from launch.local import run_local
+
+    total = (2 * (blocks + 1) + 2) * steps + 2
+    cfg = composed([*overrides, f"train.steps={total}"])
+    par = cfg["parallel"]
     with tempfile.TemporaryDirectory() as run_dir:
-        results = run_local(measure, (to_dict(cfg), run_dir, blocks, steps, profile),
-                            nproc=par.dp * par.tp * par.pp, omp_threads=1, run_dir=run_dir)
+        results = run_local(measure, (cfg, run_dir, blocks, steps, profile),
+                            nproc=par["dp"] * par["tp"] * par["pp"], omp_threads=1,
+                            run_dir=run_dir)
     real, local = (statistics.median(results[0]["cpu"][m]) for m in ("real", "local"))
     replay = sum(r["replay"] for r in results)
     return {"real": real, "local": local, "replay": replay, "floor": local + replay,

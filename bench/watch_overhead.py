@@ -23,28 +23,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tp_floor import composed, cpu_trainer  # noqa: E402
 
 
 def measure(cfg_dict: dict, run_dir: str, blocks: int, steps: int) -> dict:
     """One rank: alternate watched and unwatched blocks; rank 0's step reports are returned."""
-    import os
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
 
-    from hybrid.config import from_dict
-    from hybrid.groups import ParallelGroups
-    from hybrid.train import Trainer
-    from hybrid.validate import validate_config
-    from hybrid.worker import init_distributed
-
-    cfg = from_dict(cfg_dict)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    store = init_distributed("gloo", timeout)
-    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
-    trainer = Trainer(cfg, groups, Path(run_dir), store)
+    trainer = cpu_trainer(cfg_dict, run_dir)
     pairs: list[dict[str, list]] = []
     calls = []
     step = 0
@@ -71,20 +57,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from hybrid.config import to_dict
-    from launch.app import CONF_DIR, register_schemas
     from launch.local import run_local
 
-    register_schemas()
     total = 2 * (args.blocks + 1) * args.steps
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[
-            f"train.steps={total}", "train.timeline_step=0"]))
+    cfg = composed([f"train.steps={total}", "train.timeline_step=0"])
     with tempfile.TemporaryDirectory() as run_dir:
-        results = run_local(measure, (to_dict(cfg), run_dir, args.blocks, args.steps),
+        results = run_local(measure, (cfg, run_dir, args.blocks, args.steps),
                             nproc=8, omp_threads=1, run_dir=run_dir)
     pairs, calls = results[0]["pairs"], results[0]["calls"]
     print(f"main job (model=small, 2x2x2 1f1b), {args.blocks} pairs of blocks of {args.steps} "

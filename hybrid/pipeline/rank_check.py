@@ -31,10 +31,9 @@ Posting = tuple[tuple[Action, ...], Optional[Action]]
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One rank's lowered, checked action list and its ``posting_plan``, with what it was
+    """The ``posting_plan`` of one rank's lowered and checked action list, with what it was
     checked for (``run_pipeline_step`` refuses it for another rank, layout or batch)."""
 
-    actions: tuple[Action, ...]
     posting: tuple[Posting, ...]
     stages: tuple[int, ...]
     rank: int
@@ -59,8 +58,8 @@ def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp
     check_rank_actions(actions, stages, rank=rank, pp=pp, vpp=vpp, m=m, placement=placement)
     posting = tuple((tuple(posts), action)
                     for posts, action in posting_plan(actions, recv_lookahead))
-    return RankPlan(tuple(actions), posting, tuple(sorted(stages)), rank, pp, vpp, m,
-                    placement, recv_lookahead)
+    return RankPlan(posting, tuple(sorted(stages)), rank, pp, vpp, m, placement,
+                    recv_lookahead)
 
 
 def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
