@@ -8,6 +8,7 @@ rank also builds the 1-process reference in the same process. The tests below re
 
 import functools
 import tempfile
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -260,7 +261,26 @@ def test_self_splitting_linears_defer_their_weight_gradient_and_free_the_graph_i
     assert len(weights.self_split) == 2 and not any(s.pinned for s in weights.starts)
     with pytest.raises(RuntimeError, match="freed|second time"):
         out.grad_fn.saved_tensors  # nothing re-runs in W, so I let the graph go
-    weights.run()
+    # every seed lands on a parameter's own accumulator: W runs those, not the engine
+    with mock.patch.object(torch.autograd, "backward", side_effect=AssertionError("engine")):
+        weights.run()
     for p, want in zip(model.parameters(), expected):
         assert torch.allclose(p.grad, want, rtol=1e-6, atol=1e-7)
     assert sorted(counts.values()) == [1] * len(expected)
+
+
+def test_weight_gradients_pass_through_a_parameters_tensor_hook():
+    """A ``Tensor.register_hook`` hook on a parameter runs in the engine, not in its
+    accumulator: W then goes through the engine, and the hook sees the summed gradient once."""
+    model, x, grad = SelfSplitProbe(), torch.randn(S, B, H), torch.randn(S, B, H)
+    seen = []
+    model.weight.register_hook(lambda g: seen.append(g) or g * 2)
+    full_backward(get_gradient_edge(model(x.clone().requires_grad_())), grad)
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    inp = x.clone().requires_grad_()
+    _, weights = input_backward(get_gradient_edge(model(inp)), grad, inp)
+    weights.run()
+    for p, want in zip(model.parameters(), expected):
+        assert torch.allclose(p.grad, want, rtol=1e-6, atol=1e-7)
+    assert len(seen) == 2  # once in B, once in W: the weight's two uses summed each time
