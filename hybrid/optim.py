@@ -34,7 +34,20 @@ def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig
         [{"params": decayed, "weight_decay": optim.weight_decay},
          {"params": plain, "weight_decay": 0.0}],
         lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        **_IMPLEMENTATION_FLAGS[optim.implementation],
     )
+
+
+_IMPLEMENTATION_FLAGS = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                         "for-loop": {"foreach": False}}
+
+
+def step_count(saved: torch.Tensor, param: torch.Tensor, optimizer: torch.optim.Optimizer
+               ) -> torch.Tensor:
+    """A loaded AdamW step count where the optimizer keeps its own: on ``param``'s device
+    when fused, on the CPU otherwise (as ``Optimizer.load_state_dict`` would place it)."""
+    device = param.device if optimizer.defaults.get("fused") else torch.device("cpu")
+    return saved.detach().to(device=device, dtype=torch.float32, copy=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

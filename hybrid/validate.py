@@ -15,6 +15,7 @@ from hybrid.layout import Layout, LayoutError, valid_sizes
 from hybrid.pipeline.schedules import SCHEDULE_NAMES, schedule_placement
 
 PRECISIONS = ("fp32", "bf16")
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 PARTITIONS = ("uniform", "balanced", "measured")
@@ -118,6 +119,7 @@ def _check_names(cfg: Config) -> None:
     _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
     _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
     _choose("optim.name", cfg.optim.name, ("adamw",))
+    _choose("optim.implementation", cfg.optim.implementation, ADAMW_IMPLEMENTATIONS)
 
 
 def _check_dp_options(cfg: Config) -> None:

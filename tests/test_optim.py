@@ -10,7 +10,7 @@ from hybrid.config import ModelConfig, OptimConfig
 from hybrid.dp import plan_buckets
 from hybrid.params import model_param_specs
 from hybrid.optim import (
-    build_adamw, lr_at, optimizer_state_bytes, spec_of, unique_parameters,
+    build_adamw, lr_at, optimizer_state_bytes, spec_of, step_count, unique_parameters,
 )
 
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4)
@@ -72,6 +72,32 @@ def test_adamw_groups_and_exact_state_bytes():
                                                 "scalars": 4 * len(named)}
     with pytest.raises(ValueError, match="optim.name=adamw"):
         build_adamw([], OptimConfig(name="sgd"))
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
+def test_every_adamw_implementation_makes_the_fused_update(implementation):
+    """fused (the default) and the others: the same parameters and moments after a few
+    steps, up to rounding; a loaded step count goes where each keeps its own."""
+    results = {}
+    for name in ("fused", implementation):
+        torch.manual_seed(0)
+        model = Tiny()
+        named = unique_parameters([model])
+        optimizer = build_adamw([(p, spec.weight_decay) for spec, p in named],
+                                OptimConfig(lr=1e-2, implementation=name))
+        assert optimizer.defaults["fused"] is (True if name == "fused" else None)
+        for step in range(3):
+            model.zero_grad()
+            (sum((p * (step + 1)).sin().sum() for p in model.parameters())).backward()
+            optimizer.step()
+        states = [optimizer.state[p] for p in model.parameters()]
+        results[name] = [t.detach().clone() for p, st in zip(model.parameters(), states)
+                         for t in (p, st["exp_avg"], st["exp_avg_sq"])]
+        count = step_count(torch.tensor(3.0), next(model.parameters()), optimizer)
+        assert count.dtype == torch.float32 and count.device.type == "cpu"
+    assert OptimConfig().implementation == "fused"
+    for got, want in zip(results[implementation], results["fused"]):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_tied_parameters_are_listed_once_and_chunks_are_prefixed():

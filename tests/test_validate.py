@@ -4,17 +4,20 @@ import dataclasses
 
 import pytest
 
-from hybrid.config import Config, LauncherConfig, ModelConfig, ParallelConfig, TrainConfig
+from hybrid.config import (
+    Config, LauncherConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
+)
 from hybrid.layout import LayoutError
 from hybrid.validate import microbatches, validate_config
 
 
-def make(parallel=None, model=None, train=None, launcher=None) -> Config:
+def make(parallel=None, model=None, train=None, launcher=None, optim=None) -> Config:
     return Config(
         parallel=ParallelConfig(**{"dp": 2, "tp": 2, "pp": 2, **(parallel or {})}),
         model=ModelConfig(**{"layers": 4, "hidden": 64, "heads": 4, **(model or {})}),
         train=TrainConfig(**{"global_batch": 16, "micro_batch": 2, **(train or {})}),
         launcher=LauncherConfig(**(launcher or {})),
+        optim=OptimConfig(**(optim or {})),
     )
 
 
@@ -64,6 +67,7 @@ BAD = [
                                           "starts 4 processes"),
     ({"launcher": {"nnodes": 3}}, "cannot be spread evenly over launcher.nnodes=3"),
     ({"parallel": {"partition": "greedy"}}, "parallel.partition='greedy' is unknown"),
+    ({"optim": {"implementation": "apex"}}, "optim.implementation='apex' is unknown"),
     ({"parallel": {"partition_file": "costs.json"}},
      "parallel.partition_file is set but parallel.partition=uniform ignores it; set "
      "parallel.partition=measured"),

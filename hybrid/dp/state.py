@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.comm import all_gather_flat
+from hybrid.optim import step_count
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_KEYS = MOMENTS + ("step",)
@@ -84,7 +85,7 @@ def load_optimizer_state(sync, states: dict[str, dict[str, torch.Tensor]]) -> No
         name = sync.specs[id(piece.param)].name
         saved = states[name]
         numel = piece.tensor.numel()
-        state = {"step": saved["step"].detach().clone()}
+        state = {"step": step_count(saved["step"], piece.tensor, sync.optimizer)}
         for key in MOMENTS:
             moment = saved[key]
             if tuple(moment.shape) != tuple(piece.param.shape):
