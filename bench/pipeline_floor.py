@@ -9,10 +9,14 @@ differ by 10-20% in CPU per step: as much as the pipelines cost. Here one job of
 (``small``, 8 layers, global batch 16, micro-batch 2) builds, on every rank, the pipeline's
 ``Trainer`` and a 1-process ``Trainer`` of the same model, seed and batch (on 1-rank groups:
 ``ParallelGroups`` makes one replica of the 1-process layout per rank), and alternates blocks
-of ``--steps`` steps in three modes, so that the machine's drift hits all of them alike:
+of ``--steps`` steps in four modes, so that the machine's drift hits all of them alike:
 
 - ``single``: rank 0 trains the 1-process model while the other ranks sleep in a barrier
   (the 1-process run, on the same machine at the same minute);
+- ``crowd``: every rank trains the 1-process model at once, each on its own groups: the same
+  work as ``single``, with as many processes on the machine's cores as the pipeline has. Its
+  CPU per rank over ``single``'s is what the machine charges for that crowding (the **tax**:
+  about 1.0 for 2 processes on 2 cores, more for 4, which take turns and refill caches);
 - ``real``: the pipeline step as ``hybrid-train`` runs it;
 - ``local``: the same step with every RECV answered at once with a tensor one real step
   received (its shape and dtype) and every SEND dropped. What is left is the pipeline's work
@@ -23,14 +27,17 @@ After the blocks, one real step's messages are replayed alone: every rank posts 
 once and waits for them, no compute (``replay``: their own CPU cost, summed over ranks).
 
 **floor = local + replay.** The real step's cost above the floor is the pipeline's rhythm:
-ranks blocking and waking once per message (cold caches, switches). Prints each mode's
-CPU s/step summed over ranks (median over its blocks' steps), the floor, real / floor, and
-``ratio=<real / single>`` last: the layout's CPU cost over the 1-process run's.
+ranks blocking and waking once per message (cold caches, switches). ``local / (single x
+tax)`` is what the split model costs beyond the crowding: chunks, each rank's step work.
+Prints each mode's CPU s/step summed over ranks (median over its blocks' steps; ``crowd``:
+per rank), the floor, real / floor, and ``ratio=<real / single>`` last: the layout's CPU cost
+over the 1-process run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -40,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tp_floor import composed, cpu_trainer, train_overrides  # noqa: E402
 
-MODES = ("single", "real", "local")
+MODES = ("single", "real", "local", "crowd")
 
 
 class Completed:
@@ -67,7 +74,8 @@ class Messages:
     def __call__(self, actions, payloads, **kwargs):
         if self.local:
             sends = [(a, t, Completed()) for a, t in payloads.items()]
-            recvs = [self.p2p.PendingRecv(a, Completed(), self.received[key(a)].clone(), 0.0)
+            recvs = [self.p2p.PendingRecv(a, Completed(), self.received[key(a)].detach().clone(),
+                                          0.0)
                      for a in actions if a not in payloads]
             return sends, recvs
         if self.recording:
@@ -119,8 +127,8 @@ def lone_trainer(cfg_dict: dict, run_dir: Path, store, timeout):
 
 def measure(cfg_dicts: dict, run_dir: str, blocks: int, steps: int) -> dict:
     """One rank: alternate the modes' blocks, then replay one real step's messages. Returns
-    CPU seconds of each measured step by mode (summed over ranks; ``single``: rank 0's run)
-    and this rank's replay CPU."""
+    CPU seconds of each measured step by mode (summed over ranks; ``single``: rank 0's run;
+    ``crowd``: this rank's run) and this rank's replay CPU."""
     from datetime import timedelta
     from unittest import mock
 
@@ -144,8 +152,8 @@ def measure(cfg_dicts: dict, run_dir: str, blocks: int, steps: int) -> dict:
                     step += 1
                     if mode == "single" and dist.get_rank() != 0:
                         continue  # asleep in the barrier below while rank 0 runs alone
-                    report = (single if mode == "single" else trainer).step(step)
-                    if block and dist.get_rank() == 0:  # block 0 warms every mode up
+                    report = (single if mode in ("single", "crowd") else trainer).step(step)
+                    if block and (dist.get_rank() == 0 or mode == "crowd"):  # block 0 warms up
                         cpu[mode].append(report.cpu_s)
                 dist.barrier()
         messages.local, messages.recording = False, True
@@ -179,15 +187,20 @@ def main() -> None:
         results = run_local(measure, (cfgs, run_dir, args.blocks, args.steps),
                             nproc=args.pp, omp_threads=1, run_dir=run_dir)
     med = {mode: statistics.median(results[0]["cpu"][mode]) for mode in MODES}
+    med["crowd"] = statistics.mean(statistics.median(r["cpu"]["crowd"]) for r in results)
+    tax = med["crowd"] / med["single"]
     replay = sum(r["replay"] for r in results)
     floor = med["local"] + replay
     print(f"pp={args.pp} vpp={args.vpp} {args.schedule}; model small (8 layers), global batch "
           f"16, micro-batch 2; CPU s/step summed over ranks, median of "
           f"{args.blocks * args.steps} steps per mode, modes alternating in one job")
     print(f"single {med['single']:.3f}  (the 1-process run, rank 0 alone)")
+    print(f"crowd  {med['crowd']:.3f}  (per rank, all {args.pp} ranks training it at once: "
+          f"tax {tax:.2f}x on {os.cpu_count()} cores)")
     print(f"real   {med['real']:.3f}  ({med['real'] / med['single']:.2f}x single)")
     print(f"local  {med['local']:.3f}  ({med['local'] / med['single']:.2f}x single: the "
-          f"pipeline without its messages)")
+          f"pipeline without its messages; {med['local'] / (med['single'] * tax):.2f}x "
+          f"single x tax)")
     print(f"replay {replay:.3f}  ({results[0]['messages']} messages per step on rank 0, alone)")
     print(f"floor  {floor:.3f}  (local + replay); real / floor = {med['real'] / floor:.3f}")
     print(f"ratio={med['real'] / med['single']:.3f}")
