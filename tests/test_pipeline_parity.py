@@ -23,6 +23,7 @@ from hybrid.model import (
     GPT, allreduce_sequence_parallel_grads, build_blocks, gather_tp_param, lm_loss, num_blocks,
 )
 from hybrid.model.linear import linear
+from hybrid.pipeline import backward
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.pipeline.partition import partition
 from hybrid.pipeline.rank_check import rank_stages
@@ -261,12 +262,30 @@ def test_self_splitting_linears_defer_their_weight_gradient_and_free_the_graph_i
     assert len(weights.self_split) == 2 and not any(s.pinned for s in weights.starts)
     with pytest.raises(RuntimeError, match="freed|second time"):
         out.grad_fn.saved_tensors  # nothing re-runs in W, so I let the graph go
-    # every seed lands on a parameter's own accumulator: W runs those, not the engine
-    with mock.patch.object(torch.autograd, "backward", side_effect=AssertionError("engine")):
+    # every seed lands on a parameter's own accumulator: W runs those, not the engine; and the
+    # seeds are values, with no graph recorded behind them
+    accumulate = backward._accumulate
+    seeds_need_grad = []
+    with mock.patch.object(torch.autograd, "backward", side_effect=AssertionError("engine")), \
+            mock.patch.object(backward, "_accumulate", side_effect=lambda start: (
+                seeds_need_grad.extend(g.requires_grad for g in start.grads),
+                accumulate(start))):
         weights.run()
+    assert seeds_need_grad and not any(seeds_need_grad)
     for p, want in zip(model.parameters(), expected):
         assert torch.allclose(p.grad, want, rtol=1e-6, atol=1e-7)
     assert sorted(counts.values()) == [1] * len(expected)
+
+
+def test_a_seed_unlike_its_parameter_goes_to_the_engine_which_checks_and_casts_it():
+    param = nn.Parameter(torch.randn(3, 2))
+    accumulator = get_gradient_edge(param).node
+    for seed in (torch.ones(3, 2, dtype=torch.bfloat16), torch.ones(2)):
+        start = backward._Start([get_gradient_edge(param)], [seed], {accumulator})
+        assert backward._seeds_by_accumulator(start) is None
+    start = backward._Start([get_gradient_edge(param)] * 2, [torch.ones(3, 2)] * 2, {accumulator})
+    backward._accumulate(start)  # a parameter seeded twice accumulates their sum once
+    assert torch.equal(param.grad, torch.full((3, 2), 2.0))
 
 
 def test_weight_gradients_pass_through_a_parameters_tensor_hook():

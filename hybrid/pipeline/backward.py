@@ -34,8 +34,11 @@ the weight gradients need (each linear's input and output gradient), not every a
 Seeds that land on parameters' accumulators (every linear's, every layer norm's) are summed per
 parameter and handed to its ``AccumulateGrad`` node directly: the node accumulates in place and
 runs the post-accumulate-grad hooks, as under the engine, and an engine call per micro-batch
-(which cost 5-10x the accumulations) is saved. A parameter with ``Tensor.register_hook`` hooks,
-which only the engine runs, and nodes run again go through the engine, in one call.
+(5-10x the cost of calling the nodes) is saved. If any seed of a micro-batch cannot go that way
+(a parameter with ``Tensor.register_hook`` hooks, which only the engine runs; a seed not of its
+parameter's shape, dtype and device), all of that micro-batch's seeds go through the engine in
+one call, as do nodes run again. Hooks on an ``AccumulateGrad`` node itself
+(``Node.register_hook``) run only under the engine; hybrid registers none.
 
 Parameters reached from several roots (a weight used twice) get all their roots in one call,
 so that each accumulates exactly once.
@@ -98,7 +101,10 @@ class WeightGradients:
 
     def run(self) -> None:
         """``W``: accumulate this micro-batch's weight gradients into ``.grad``; frees the graph."""
-        starts = self.starts + [_self_split_start(branch) for branch in self.self_split]
+        with torch.no_grad():  # the seeds are values: recording their matmuls would keep the
+            # linears' inputs' graph alive until W ends, and cost autograd's bookkeeping
+            self_split = [_self_split_start(branch) for branch in self.self_split]
+        starts = self.starts + self_split
         self.starts, self.self_split = [], []
         # Seeds below branch nodes never reach the input path: one call takes them all (a
         # parameter seeded twice accumulates once). Only a re-run node's call must also take
@@ -128,22 +134,31 @@ def _accumulate(start: _Start) -> None:
         return
     # Every root is a parameter's own AccumulateGrad node: run each once, as the engine would
     # (in place under no_grad, then its post-accumulate-grad hooks), without an engine call,
-    # whose set-up and checks cost 5-10x the accumulations themselves.
+    # which costs 5-10x calling the nodes (torch's Python checks of each root, the graph task).
+    # Hooks registered on the node itself (Node.register_hook/prehook) would not run: hybrid
+    # registers none, and torch offers no way to see them.
     with torch.no_grad():
         for accumulator, grad in seeds.items():
             accumulator(grad)
 
 
 def _seeds_by_accumulator(start: _Start) -> Optional[dict]:
-    """``start``'s seeds summed per AccumulateGrad node, or None when some root is another
-    node or a parameter with ``Tensor.register_hook`` hooks (which only the engine runs)."""
+    """``start``'s seeds summed per AccumulateGrad node, or None (the engine takes them all)
+    when some root is another node, a parameter has ``Tensor.register_hook`` hooks (which only
+    the engine runs), or a seed is not of its parameter's shape, dtype and device (which the
+    engine would check, and cast)."""
     seeds: dict = {}
     for root, grad in zip(start.roots, start.grads):
         node = root.node
-        if not _is_accumulator(node) or getattr(node.variable, "_backward_hooks", None):
+        if not _is_accumulator(node) or not _fits(grad, node.variable):
             return None
         seeds[node] = grad if node not in seeds else seeds[node] + grad
     return seeds
+
+
+def _fits(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    return (grad.shape == param.shape and grad.dtype == param.dtype
+            and grad.device == param.device and not getattr(param, "_backward_hooks", None))
 
 
 def _concat(starts: list[_Start]) -> _Start:
