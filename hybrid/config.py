@@ -152,6 +152,10 @@ class DataConfig:
     as its length gives)."""
 
 
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+"""``optim.implementation``'s choices (torch.optim.AdamW's ``fused``/``foreach`` flags)."""
+
+
 @dataclass(kw_only=True)
 class OptimConfig:
     name: str = "adamw"

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hybrid.config import OptimConfig
+from hybrid.config import ADAMW_IMPLEMENTATIONS, OptimConfig
 from hybrid.params import ParamSpec, replicated_spec
 
 
@@ -28,6 +28,9 @@ def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig
     """
     if optim.name != "adamw":
         raise ValueError(f"optim.name={optim.name!r} is not supported; use optim.name=adamw")
+    if optim.implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"optim.implementation={optim.implementation!r} is unknown; choose "
+                         f"one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
     decayed = [t for t, decays in pieces if decays]
     plain = [t for t, decays in pieces if not decays]
     return torch.optim.AdamW(
@@ -39,14 +42,15 @@ def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig
 
 
 _IMPLEMENTATION_FLAGS = {"fused": {"fused": True}, "foreach": {"foreach": True},
-                         "for-loop": {"foreach": False}}
+                         "for-loop": {"foreach": False}}  # by ADAMW_IMPLEMENTATIONS
 
 
 def step_count(saved: torch.Tensor, param: torch.Tensor, optimizer: torch.optim.Optimizer
                ) -> torch.Tensor:
     """A loaded AdamW step count where the optimizer keeps its own: on ``param``'s device
-    when fused, on the CPU otherwise (as ``Optimizer.load_state_dict`` would place it)."""
-    device = param.device if optimizer.defaults.get("fused") else torch.device("cpu")
+    when fused or capturable, on the CPU otherwise (as ``Optimizer.load_state_dict`` would)."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    device = param.device if on_device else torch.device("cpu")
     return saved.detach().to(device=device, dtype=torch.float32, copy=True)
 
 

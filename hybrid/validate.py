@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 
-from hybrid.config import Config, ModelConfig
+from hybrid.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
 from hybrid.dp_traffic import DpOptions, option_problem
 from hybrid.layout import Layout, LayoutError, valid_sizes
 from hybrid.pipeline.schedules import SCHEDULE_NAMES, schedule_placement
 
 PRECISIONS = ("fp32", "bf16")
-ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 PARTITIONS = ("uniform", "balanced", "measured")

@@ -72,6 +72,8 @@ def test_adamw_groups_and_exact_state_bytes():
                                                 "scalars": 4 * len(named)}
     with pytest.raises(ValueError, match="optim.name=adamw"):
         build_adamw([], OptimConfig(name="sgd"))
+    with pytest.raises(ValueError, match="optim.implementation='apex' is unknown"):
+        build_adamw([], OptimConfig(implementation="apex"))
 
 
 @pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
