@@ -16,7 +16,7 @@ of ``--steps`` steps in four modes, so that the machine's drift hits all of them
 - ``crowd``: every rank trains the 1-process model at once, each on its own groups: the same
   work as ``single``, with as many processes on the machine's cores as the pipeline has. Its
   CPU per rank over ``single``'s is what the machine charges for that crowding (the **tax**:
-  about 1.0 for 2 processes on 2 cores, more for 4, which take turns and refill caches);
+  a few percent for 2 processes on 2 cores, 11-23% for 4, which take turns and refill caches);
 - ``real``: the pipeline step as ``hybrid-train`` runs it;
 - ``local``: the same step with every RECV answered at once with a tensor one real step
   received (its shape and dtype) and every SEND dropped. What is left is the pipeline's work
