@@ -163,7 +163,7 @@ class OptimConfig:
     implementation: str = "fused"
     """fused (one kernel per step over all tensors; CPU and CUDA, torchtitan's default) |
     foreach (one kernel per op over all tensors) | for-loop (one op per tensor; torch's
-    default on CPU, 3-4x the CPU time of fused on the small presets). The same update up to
+    default on CPU, 3-5x the CPU time of fused on the small presets). The same update up to
     rounding."""
     lr: float = 3e-3
     """Peak learning rate."""

@@ -43,9 +43,17 @@ class RankPlan:
     placement: str
     recv_lookahead: int
 
-    def made_for(self) -> tuple:
-        return (self.rank, self.pp, self.vpp, self.m, self.placement, self.stages,
+    def check_made_for(self, *, rank: int, pp: int, vpp: int, m: int, placement: str,
+                       stages: Sequence[int], recv_lookahead: int) -> None:
+        """Raise ``ScheduleError`` (one line) unless the plan was made for this step."""
+        made = (self.rank, self.pp, self.vpp, self.m, self.placement, self.stages,
                 self.recv_lookahead)
+        step = (rank, pp, vpp, m, placement, tuple(sorted(stages)), recv_lookahead)
+        if made != step:
+            raise ScheduleError(
+                f"the rank plan was made for (rank, pp, vpp, m, placement, stages, lookahead)="
+                f"{made} but this step is {step}; make it with prepare_rank for this rank "
+                f"and batch")
 
 
 def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,

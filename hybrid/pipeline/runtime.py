@@ -95,13 +95,8 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
     m = len(microbatches)
     if isinstance(actions, RankPlan):
         plan = actions
-        expected = (groups.pp_rank, pp, vpp, m, placement, tuple(sorted(chunks)),
-                    recv_lookahead(groups))
-        if plan.made_for() != expected:
-            raise ScheduleError(
-                f"the rank plan was made for (rank, pp, vpp, m, placement, stages, lookahead)="
-                f"{plan.made_for()} but this step is {expected}; make it with prepare_rank "
-                f"for this rank and batch")
+        plan.check_made_for(rank=groups.pp_rank, pp=pp, vpp=vpp, m=m, placement=placement,
+                            stages=chunks, recv_lookahead=recv_lookahead(groups))
     else:
         plan = prepare_rank(actions, chunks, groups=groups, pp=pp, vpp=vpp, m=m,
                             placement=placement)
