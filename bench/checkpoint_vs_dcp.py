@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.config import (  # noqa: E402
+from hybrid.planning.config import (  # noqa: E402
     CheckpointConfig, Config, ModelConfig, ParallelConfig, TrainConfig, to_dict,
 )
 from hybrid.testing import spawn  # noqa: E402
@@ -63,10 +63,10 @@ def _rank_bytes(directory: Path, rank: int) -> int:
 def _save_load(rank, world, cfg_dict, tmp, repeats):
     import torch.distributed.checkpoint as dcp
 
-    from hybrid.config import from_dict
+    from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.validate import validate_config
+    from hybrid.planning.validate import validate_config
 
     cfg = from_dict(cfg_dict)
     trainer = Trainer(cfg, ParallelGroups.create(validate_config(cfg)), Path(tmp) / "run")
@@ -89,10 +89,10 @@ def _save_load(rank, world, cfg_dict, tmp, repeats):
 def _stall(rank, world, cfg_dicts, tmp):
     """Each config's training run, in order; peak RSS is the process's, so the growth of one
     run over the previous one is what that run added."""
-    from hybrid.config import from_dict
+    from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.validate import validate_config
+    from hybrid.planning.validate import validate_config
 
     out = {}
     for name, cfg_dict in cfg_dicts.items():

@@ -23,10 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hybrid.config import from_dict
-from hybrid.devices import load_device
-from hybrid.job import plan_job
-from hybrid.steptime import predict_step
+from hybrid.planning.config import from_dict
+from hybrid.planning.cost.devices import load_device
+from hybrid.planning.job import plan_job
+from hybrid.planning.cost.steptime import predict_step
 from launch.sweep_report import spearman
 
 BIN = Path(sys.executable).parent

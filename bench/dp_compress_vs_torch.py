@@ -24,7 +24,7 @@ one after another, in an order that rotates every step so that load from other p
 all alike; steps ``1..w+1`` (exact steps, torch's bucket rebuild, the first compressed step's
 allocations) are not timed. DP bytes: a ``hybrid.comm.CommCounter`` around each side's step
 counts every collective on the DP group (DDP and the PowerSGD state are given that group, so
-they count as ``dp``), compared with ``hybrid.dp_traffic.gradient_bytes``' prediction.
+they count as ``dp``), compared with ``hybrid.planning.cost.dp_traffic.gradient_bytes``' prediction.
 
 Per side: the median step wall time (the slower rank), the median CPU seconds per step (both
 ranks, gloo's threads included), DP bytes rank 0 sent per timed step, and the final loss (mean
@@ -46,14 +46,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid.comm import CommCounter  # noqa: E402
-from hybrid.config import ModelConfig, OptimConfig  # noqa: E402
+from hybrid.planning.config import ModelConfig, OptimConfig  # noqa: E402
 from hybrid.data import MarkovDataset, rank_microbatches  # noqa: E402
 from hybrid.dp import GradSync  # noqa: E402
-from hybrid.dp_traffic import POWERSGD_MIN_COMPRESSION, DpOptions, gradient_bytes  # noqa: E402
+from hybrid.planning.cost.dp_traffic import POWERSGD_MIN_COMPRESSION, DpOptions, gradient_bytes  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
-from hybrid.layout import Layout  # noqa: E402
+from hybrid.planning.layout import Layout  # noqa: E402
 from hybrid.optim import build_adamw, lr_at, spec_of  # noqa: E402
-from hybrid.state_bytes import rank_shapes  # noqa: E402
+from hybrid.planning.cost.state_bytes import rank_shapes  # noqa: E402
 from hybrid.testing import spawn  # noqa: E402
 from dp_vs_ddp import ddp_step, hybrid_step  # noqa: E402  (bench/ is the script's path)
 
@@ -158,7 +158,7 @@ def summarise(records: list[dict], args) -> None:
               f"{statistics.mean(losses[-LAST:]):.4f}")
     compressed = DpOptions(compress="powersgd", powersgd_rank=args.rank,
                            powersgd_warmup=args.warmup)
-    print(f"predicted DP MiB/step (hybrid.dp_traffic): powersgd "
+    print(f"predicted DP MiB/step (hybrid.planning.cost.dp_traffic): powersgd "
           f"{predicted_bytes(args, compressed, args.steps) / 2**20:.3f}, exact "
           f"{predicted_bytes(args, DpOptions(), args.steps) / 2**20:.3f}")
     print(f"ratio={medians['hybrid powersgd'] / medians['torch powersgd']:.3f}")

@@ -19,7 +19,7 @@ after another:
 Per option: the final loss (mean of the last 5 steps' losses, each the mean over DP), its gap
 to exact's in percent (positive = worse), the DP bytes rank 0 sent per step (mean over all
 steps, as ``CommCounter`` counted them in ``metrics.jsonl``) and the mean that
-``hybrid.job.rank_dp_bytes`` predicts for the run's resolved config (asserted equal), the
+``hybrid.planning.job.rank_dp_bytes`` predicts for the run's resolved config (asserted equal), the
 bytes' ratio to exact's, and ``yes`` where the gap is under 2% of exact's final loss (a
 negative gap counts as under). Prints a markdown table, then ``ratio=<bytes per step of the
 cheapest option under 2% / exact's>`` last.
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hybrid.config import from_dict  # noqa: E402
-from hybrid.job import plan_job, rank_dp_bytes  # noqa: E402
+from hybrid.planning.config import from_dict  # noqa: E402
+from hybrid.planning.job import plan_job, rank_dp_bytes  # noqa: E402
 from hybrid.metrics import read_metrics  # noqa: E402
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")

@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.config import ModelConfig, OptimConfig  # noqa: E402
+from hybrid.planning.config import ModelConfig, OptimConfig  # noqa: E402
 from hybrid.dp import GradSync  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
-from hybrid.layout import Layout  # noqa: E402
+from hybrid.planning.layout import Layout  # noqa: E402
 from hybrid.model import GPT  # noqa: E402
 from hybrid.optim import build_adamw, lr_at, set_lr, spec_of  # noqa: E402
 from hybrid.testing import spawn  # noqa: E402

@@ -48,7 +48,7 @@ def model_parity(device: str, precision: str) -> str:
     """(a): one forward and backward of the 1-process GPT on ``device`` and on the CPU."""
     import torch
 
-    from hybrid.config import ModelConfig
+    from hybrid.planning.config import ModelConfig
 
     m = ModelConfig(**TINY)
     data = torch.Generator().manual_seed(7)
@@ -73,7 +73,7 @@ def _loss_and_grads(m, device: str, precision: str, tokens, labels):
     import torch
 
     from hybrid.groups import ParallelGroups
-    from hybrid.layout import Layout
+    from hybrid.planning.layout import Layout
     from hybrid.model import GPT
 
     dev = torch.device(device)
@@ -129,9 +129,9 @@ def trainer_parity(device: str, out: Path, losses_of: dict) -> str:
 
 def throughput(device: str, out: Path, small: bool) -> str:
     """(c): tokens/s and MFU of hybrid-train on one device (bf16), median of later steps."""
-    from hybrid.config import from_dict
-    from hybrid.devices import ACHIEVED_COMPUTE, PRESETS
-    from hybrid.steptime import model_flops_per_step
+    from hybrid.planning.config import from_dict
+    from hybrid.planning.cost.devices import ACHIEVED_COMPUTE, PRESETS
+    from hybrid.planning.cost.flops import model_flops_per_step
 
     shape = TINY_RUN[:2] if small else GPT2
     batch = ["train.global_batch=8", "train.micro_batch=4"] if small else [
@@ -142,7 +142,7 @@ def throughput(device: str, out: Path, small: bool) -> str:
     cfg = from_dict(json.loads((out / "c" / "config.json").read_text()))
     step_s = statistics.median(r["step_time_s"] for r in records[4:])
     tokens = cfg.train.global_batch * cfg.model.seq_len / step_s
-    # the H200's bf16 dense peak (hybrid/devices.py); on the CPU dry run, its preset's rate
+    # the H200's bf16 dense peak (hybrid/planning/cost/devices.py); on the CPU dry run, its preset's rate
     peak = PRESETS["h200" if device == "cuda" else "cpu"].flops["bf16"] / (
         ACHIEVED_COMPUTE if device == "cuda" else 1)
     mfu = model_flops_per_step(cfg) / step_s / peak

@@ -54,7 +54,7 @@ def pipeline_wait_share(run_dir: Path) -> float:
 
 
 def layers_per_stage(cfg) -> list[int]:
-    from hybrid.job import plan_job
+    from hybrid.planning.job import plan_job
 
     last = cfg.model.layers + 1
     return [sum(1 for b in st.blocks if 0 < b < last) for st in plan_job(cfg).stages]

@@ -111,10 +111,10 @@ def lone_trainer(cfg_dict: dict, run_dir: Path, store, timeout):
     rank alone (the job-wide gather of ``Trainer`` would wait for the sleeping ranks)."""
     import torch
 
-    from hybrid.config import from_dict
+    from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.validate import validate_config
+    from hybrid.planning.validate import validate_config
 
     class LoneTrainer(Trainer):
         def _gather(self, values):

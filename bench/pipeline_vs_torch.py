@@ -32,15 +32,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.config import ModelConfig  # noqa: E402
+from hybrid.planning.config import ModelConfig  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
-from hybrid.layout import Layout  # noqa: E402
+from hybrid.planning.layout import Layout  # noqa: E402
 from hybrid.model import build_blocks, lm_loss, num_blocks  # noqa: E402
-from hybrid.pipeline.partition import partition  # noqa: E402
-from hybrid.pipeline.rank_check import rank_stages  # noqa: E402
+from hybrid.planning.schedules.partition import partition  # noqa: E402
+from hybrid.planning.schedules.rank_check import rank_stages  # noqa: E402
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline  # noqa: E402
 from hybrid.pipeline.runtime import run_pipeline_step  # noqa: E402
-from hybrid.pipeline.schedules import (  # noqa: E402
+from hybrid.planning.schedules.builders import (  # noqa: E402
     add_communication, build_schedule, schedule_placement,
 )
 from hybrid.testing import spawn  # noqa: E402

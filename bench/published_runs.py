@@ -8,7 +8,7 @@ error, and ``ratio=<largest |error| / 15%>`` last (the issue's bound: at most 1)
 
 from __future__ import annotations
 
-from hybrid.published import compare_with_published
+from hybrid.planning.cost.published import compare_with_published
 
 BOUND = 0.15
 

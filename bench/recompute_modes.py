@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 from cost_vs_measured import train  # bench/ is on the path when a bench runs as a script
-from hybrid.devices import load_device
-from hybrid.job import plan_job
-from hybrid.steptime import predict_step
+from hybrid.planning.cost.devices import load_device
+from hybrid.planning.job import plan_job
+from hybrid.planning.cost.steptime import predict_step
 
 MODEL = ["model=small", "model.layers=8", "model.hidden=256", "model.heads=8",
          "model.seq_len=256", "train.global_batch=16", "train.micro_batch=4",

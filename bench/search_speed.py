@@ -12,8 +12,8 @@ import time
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hybrid.devices import load_device
-from hybrid.search import search
+from hybrid.planning.cost.devices import load_device
+from hybrid.planning.cost.search import search
 from launch.app import CONF_DIR, register_schemas
 
 BOUND_S = 10.0

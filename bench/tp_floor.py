@@ -219,7 +219,7 @@ def composed(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from hybrid.config import to_dict
+    from hybrid.planning.config import to_dict
     from launch.app import CONF_DIR, register_schemas
 
     register_schemas()
@@ -235,10 +235,10 @@ def cpu_trainer(cfg_dict: dict, run_dir):
 
     import torch
 
-    from hybrid.config import from_dict
+    from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.validate import validate_config
+    from hybrid.planning.validate import validate_config
     from hybrid.worker import init_distributed
 
     cfg = from_dict(cfg_dict)

@@ -46,9 +46,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid.comm import CommCounter, all_gather_flat, reduce_scatter_flat  # noqa: E402
-from hybrid.config import ModelConfig  # noqa: E402
+from hybrid.planning.config import ModelConfig  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
-from hybrid.layout import Layout  # noqa: E402
+from hybrid.planning.layout import Layout  # noqa: E402
 from hybrid.model import GPT, allreduce_sequence_parallel_grads  # noqa: E402
 from hybrid.testing import spawn  # noqa: E402
 

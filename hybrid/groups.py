@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybrid.layout import Layout, LayoutError
+from hybrid.planning.layout import Layout, LayoutError
 
 GROUP_AXES = ("dp", "tp", "pp", "tp-pp", "embedding")
 

@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from hybrid.config import Config
+from hybrid.planning.config import Config
 from hybrid.files import write_text
 
 FILE = "memory_check.json"
@@ -43,7 +43,7 @@ def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
 def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) -> None:
     """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer, DP option
     state, activation peak]``, with whether the state bytes all equal the prediction."""
-    from hybrid.job import plan_job, rank_state_bytes
+    from hybrid.planning.job import plan_job, rank_state_bytes
 
     plan = plan_job(cfg)
     ranks, equal = [], True

@@ -1,6 +1,6 @@
 """AdamW with weight-decay groups, and the learning-rate schedule (a pure function).
 
-Which parameters are decayed is part of each parameter's ``ParamSpec`` (``hybrid.params``):
+Which parameters are decayed is part of each parameter's ``ParamSpec`` (``hybrid.planning.params``):
 the matrices of the model (linear weights and the word-embedding table, which is also the
 output layer when tied), not biases, layer norms or the learned position table (each row is
 seen only at its own position, so decay would shrink rarely-updated rows). A parameter of a
@@ -15,8 +15,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hybrid.config import ADAMW_IMPLEMENTATIONS, OptimConfig
-from hybrid.params import ParamSpec, replicated_spec
+from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, OptimConfig
+from hybrid.planning.params import ParamSpec, replicated_spec
 
 
 def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig

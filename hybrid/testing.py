@@ -117,12 +117,12 @@ def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts
     (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
-    ``hybrid.job.rank_dp_bytes`` predicts for its layout and DP options."""
+    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options."""
     import json
     from pathlib import Path
 
-    from hybrid.config import from_dict
-    from hybrid.job import plan_job, rank_dp_bytes
+    from hybrid.planning.config import from_dict
+    from hybrid.planning.job import plan_job, rank_dp_bytes
     from hybrid.metrics import read_metrics
 
     run_dir = Path(run_dir)

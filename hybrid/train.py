@@ -26,26 +26,26 @@ from hybrid import faults
 from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
 from hybrid.files import write_text
-from hybrid.config import Config
+from hybrid.planning.config import Config
 from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
-from hybrid.dp_traffic import DpOptions
-from hybrid.job import plan_job, rank_dp_bytes
+from hybrid.planning.cost.dp_traffic import DpOptions
+from hybrid.planning.job import plan_job, rank_dp_bytes
 from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model.activations import SavedTensors
 from hybrid.model import build_blocks, lm_loss
 from hybrid.optim import lr_at
-from hybrid.pipeline.actions import Action
-from hybrid.pipeline.check import check_schedule
-from hybrid.pipeline.rank_check import RankPlan
+from hybrid.planning.schedules.actions import Action
+from hybrid.planning.schedules.check import check_schedule
+from hybrid.planning.schedules.rank_check import RankPlan
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
-from hybrid.pipeline.schedules import add_communication, build_schedule
+from hybrid.planning.schedules.builders import add_communication, build_schedule
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
 from hybrid.stall import who
-from hybrid.validate import microbatches
+from hybrid.planning.validate import microbatches
 from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
 
 

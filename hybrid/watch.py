@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hybrid import faults
 from hybrid.files import write_text
-from hybrid.pipeline.actions import Action
+from hybrid.planning.schedules.actions import Action
 from hybrid.stall import FAILURE_FILE, CoordsOf, failure_document, stall_line
 from hybrid.stragglers import WAIT_AXES
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybrid.config import Config, from_dict
+from hybrid.planning.config import Config, from_dict
 from hybrid.groups import ParallelGroups, backend_for, default_device
-from hybrid.validate import validate_config
+from hybrid.planning.validate import validate_config
 
 
 

@@ -31,6 +31,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from launch.failures import LaunchInterrupted, WorkerInterrupted, worker_failure_from
 from launch.rendezvous import Rendezvous, rendezvous_failure
 
+WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
+"""Imported once by the fork server, before any worker exists (no torch compute has run)."""
+MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
+"""PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
+and Apex are absent, expected on CPU and noise on a console."""
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 AGENT_LOG = "train.log"
 """The agent's messages go here, in the run directory (Hydra's log of the launcher too)."""

@@ -1,7 +1,7 @@
 """What every Hydra entry point shares: the schema registration and the DictConfig boundary.
 
 ``hybrid/`` never sees a DictConfig: ``to_dataclass`` turns the composed config into the plain
-dataclasses of ``hybrid.config`` right at the edge.
+dataclasses of ``hybrid.planning.config`` right at the edge.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hybrid.config import Config, PlanConfig
+from hybrid.planning.config import Config, PlanConfig
 from hybrid.files import RunDirError
+from launch.failures import interrupted_by
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USER_ERROR_EXIT = 2
@@ -47,8 +48,6 @@ def run_hydra_app(app: Callable[[], None]) -> None:
     try:
         app()
     except (HydraException, OmegaConfBaseException) as err:
-        from launch.console import interrupted_by
-
         interrupt = interrupted_by(err)
         if interrupt is not None:  # Ctrl-C while Hydra composed: not a config error
             raise interrupt from None

@@ -38,9 +38,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybrid.devices import PRESETS, Device, Link, calibrated_path
-from hybrid.steptime import ring_gather
-from launch.console import MEGATRON_IMPORT_WARNING
+from hybrid.planning.cost.devices import PRESETS, Device, Link, calibrated_path
+from hybrid.planning.cost.collectives import ring_gather
+from launch.agent import MEGATRON_IMPORT_WARNING
 
 SHAPES = tuple(itertools.product((128, 256, 512), (256, 1024)))  # (hidden, rows)
 REFERENCE = (256, 1024)
@@ -55,7 +55,7 @@ def _layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, 
     """Seconds of one forward + backward of hybrid's transformer layer."""
     import torch
 
-    from hybrid.config import ModelConfig
+    from hybrid.planning.config import ModelConfig
     from hybrid.model.blocks import TransformerLayer
 
     m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
@@ -79,9 +79,9 @@ def _layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, 
 
 
 def layer_flops(hidden: int, rows: int) -> float:
-    """Forward + backward FLOPs of one layer (``hybrid.steptime``'s count)."""
-    from hybrid.config import ModelConfig
-    from hybrid.steptime import layer_forward_flops
+    """Forward + backward FLOPs of one layer (``hybrid.planning.cost.steptime``'s count)."""
+    from hybrid.planning.config import ModelConfig
+    from hybrid.planning.cost.flops import layer_forward_flops
 
     m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
     return 3 * layer_forward_flops(m, rows // SEQ)
@@ -112,7 +112,7 @@ def _optimizer_seconds() -> float:
     zeroing the gradients (what ``GradSync.finish_step`` does besides communicating)."""
     import torch
 
-    from hybrid.config import OptimConfig
+    from hybrid.planning.config import OptimConfig
     from hybrid.optim import build_adamw
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4)) for _ in range(4)]
@@ -161,7 +161,7 @@ def tp_overhead(alone: float, split: float, cpu: float, device: Device) -> tuple
     layer took over its share of the layer's time alone (scaled by the fitted rates of the
     two widths), shared over its 4 all-reduces (2 forward, 2 backward); the CPU part is work,
     the rest waiting."""
-    from hybrid.steptime import ring_all_reduce
+    from hybrid.planning.cost.collectives import ring_all_reduce
 
     h, rows = TP_SHAPE
     compute = alone / 2 * device.compute_rate("fp32", h, rows) / device.compute_rate(

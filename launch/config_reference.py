@@ -2,7 +2,7 @@
 
     python -m launch.config_reference > docs/config.md
 
-A test regenerates it and compares, so the page cannot drift from ``hybrid/config.py``.
+A test regenerates it and compares, so the page cannot drift from ``hybrid/planning/config.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 from pathlib import Path
 
-from hybrid import config as schema
+from hybrid.planning import config as schema
 from launch.app import CONF_DIR
 
 SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
@@ -54,7 +54,7 @@ def _show(value: object) -> str:
 
 def render() -> str:
     lines = ["# Config reference", "",
-             "Generated from `hybrid/config.py` by `python -m launch.config_reference`; every key "
+             "Generated from `hybrid/planning/config.py` by `python -m launch.config_reference`; every key "
              "is typed, so a misspelt key or a wrong type fails when Hydra composes the config.",
              "Override any key on the command line: `hybrid-train parallel.tp=2 train.steps=50`.",
              "Defaults are those of the main job (`conf/config.yaml` composed with no overrides).",

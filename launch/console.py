@@ -14,25 +14,9 @@ from __future__ import annotations
 import os
 import sys
 
+from launch.failures import interrupted_by
+
 INTERRUPTED_EXIT = 130
-WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
-"""Imported once by the fork server, before any worker exists (no torch compute has run)."""
-MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
-"""PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
-and Apex are absent, expected on CPU and noise on a console."""
-
-
-def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C behind ``err``, if any: a KeyboardInterrupt that lands inside a library's
-    cleanup (OmegaConf restoring its flags while Hydra composes the config) comes back as
-    another exception whose context is the interrupt."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
 
 
 def train() -> None:
@@ -40,7 +24,7 @@ def train() -> None:
     try:
         early = may_start_workers_here(sys.argv[1:])
         if early:
-            from launch.agent import start_fork_server
+            from launch.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, start_fork_server
 
             os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
             start_fork_server(WORKER_PRELOAD)

@@ -76,3 +76,16 @@ def _tail(traceback: str) -> str:
         if not in_agent_frame:
             kept.append(line)
     return "\n".join(kept[-TRACEBACK_TAIL_LINES:])
+
+
+def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind ``err``, if any: a KeyboardInterrupt that lands inside a library's
+    cleanup (OmegaConf restoring its flags while Hydra composes the config) comes back as
+    another exception whose context is the interrupt."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

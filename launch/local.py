@@ -30,7 +30,7 @@ class LocalLauncher:
     """This machine runs the ranks: its memory and devices are the job's."""
 
     def check(self, cfg, layout) -> None:
-        from hybrid.layout import LayoutError
+        from hybrid.planning.layout import LayoutError
 
         if cfg.launcher.nnodes != 1:
             raise LayoutError(f"launcher=local runs one node, not launcher.nnodes="

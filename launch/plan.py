@@ -1,7 +1,7 @@
 """``hybrid-plan``: print what a config would run, without starting anything.
 
 Takes the same overrides as ``hybrid-train`` plus ``format=json``; ``search.world=N`` ranks
-every layout of N devices instead (``hybrid.search``)::
+every layout of N devices instead (``hybrid.planning.cost.search``)::
 
     hybrid-plan parallel.dp=2 parallel.tp=2 parallel.pp=2 format=json
     hybrid-plan model=gpt-1t train.global_batch=3072 search.world=3072 cost.device=a100-80gb
@@ -19,18 +19,18 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from hybrid.config import PlanConfig
-from hybrid.layout import LayoutError
-from hybrid.memory import memory_verdict
-from hybrid.cost import human_bytes
-from hybrid.devices import device_for
-from hybrid.dp_time import compare_dp_options
-from hybrid.job import plan_job
-from hybrid.pipeline.block_costs import resolve_block_costs
-from hybrid.plan import format_plan, plan_dict
-from hybrid.search import format_search, overrides_of, search
-from hybrid.steptime import predict_step
-from hybrid.validate import config_problems
+from hybrid.planning.config import PlanConfig
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.memory import memory_verdict
+from hybrid.planning.cost.sizes import human_bytes
+from hybrid.planning.cost.devices import device_for
+from hybrid.planning.cost.dp_options import compare_dp_options
+from hybrid.planning.job import plan_job
+from hybrid.planning.cost.block_costs import resolve_block_costs
+from hybrid.planning.view import format_plan, plan_dict
+from hybrid.planning.cost.search import format_search, overrides_of, search
+from hybrid.planning.cost.steptime import predict_step
+from hybrid.planning.validate import config_problems
 from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hybrid.validate import ranks_per_node
+from hybrid.planning.validate import ranks_per_node
 from launch.failures import LaunchFailed
 from launch.slurm_node import RDZV_PORT_ENV
 
@@ -102,7 +102,7 @@ class SlurmLauncher:
     """This machine's memory and devices are not the job's."""
 
     def check(self, cfg, layout) -> None:
-        from hybrid.layout import LayoutError
+        from hybrid.planning.layout import LayoutError
 
         if cfg.launcher.dry_run:
             return

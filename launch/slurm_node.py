@@ -55,7 +55,7 @@ def slurm_rendezvous(cfg, env: Mapping[str, str]) -> Rendezvous:
 
 
 class SlurmNodeLauncher:
-    """This node's part of a Slurm job (``launch.train.launch`` with this launcher)."""
+    """This node's part of a Slurm job (``launch.run.launch`` with this launcher)."""
 
     runs_here = True
 
@@ -68,7 +68,7 @@ class SlurmNodeLauncher:
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
                run_dir: Path, **options: Any) -> list[Any]:
         logs = Path(run_dir) / "nodes" / f"node{self.rendezvous.node_rank}"
-        from hybrid.validate import ranks_per_node
+        from hybrid.planning.validate import ranks_per_node
 
         return run_agent(entrypoint, args, nproc=ranks_per_node(cfg, layout),
                          rendezvous=self.rendezvous, run_dir=logs, **options)
@@ -78,9 +78,9 @@ def run_node(run_dir: str) -> dict:
     """Run this node's ranks of the run in ``run_dir``; what happened, as a dict that the
     submitting ``hybrid-train`` reads back: ``{"node": i, "results": [...]}`` (this node's
     ranks' summaries) or ``{"node": i, "error": "<one line>"}``."""
-    from hybrid.config import from_dict
-    from hybrid.validate import validate_config
-    from launch.train import failure_line, launch
+    from hybrid.planning.config import from_dict
+    from hybrid.planning.validate import validate_config
+    from launch.run import failure_line, launch
 
     path = Path(run_dir)
     cfg = from_dict(json.loads((path / "config.json").read_text()))
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     if "error" in outcome:
         sys.exit(f"error: node {outcome['node']}: {outcome['error']}")
     if outcome["node"] == 0:
-        from launch.train import report_results
+        from launch.run import report_results
 
         report_results(outcome["results"], Path(args[0]))
 

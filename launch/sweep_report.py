@@ -104,11 +104,11 @@ def _measured(cell: Path) -> dict:
 
 
 def _predicted(cell: Path) -> dict:
-    from hybrid.config import from_dict
-    from hybrid.devices import load_device
-    from hybrid.job import plan_job
-    from hybrid.layout import LayoutError
-    from hybrid.steptime import predict_step
+    from hybrid.planning.config import from_dict
+    from hybrid.planning.cost.devices import load_device
+    from hybrid.planning.job import plan_job
+    from hybrid.planning.layout import LayoutError
+    from hybrid.planning.cost.steptime import predict_step
 
     path = cell / "config.json"
     if not path.exists():

@@ -29,7 +29,7 @@ class TorchrunLauncher:
 
     def check(self, cfg, layout) -> None:
         """What only a multi-node run needs, beyond ``validate_config``'s launcher checks."""
-        from hybrid.layout import LayoutError
+        from hybrid.planning.layout import LayoutError
 
         ckpt = cfg.checkpoint
         if cfg.launcher.nnodes > 1 and (ckpt.every or ckpt.resume_from) and ckpt.dir is None:
@@ -47,7 +47,7 @@ class TorchrunLauncher:
 
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
                run_dir: Path, **options: Any) -> list[Any]:
-        from hybrid.validate import ranks_per_node
+        from hybrid.planning.validate import ranks_per_node
 
         nproc = ranks_per_node(cfg, layout)
         return run_agent(entrypoint, args, nproc=nproc, rendezvous=self.rendezvous(cfg),

@@ -11,12 +11,10 @@ torch's elastic agent; if any fails, all stop and the command exits 1 naming the
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,29 +25,20 @@ from hybrid.checkpoint.store import (
     CheckpointError, check_files, check_model_matches, checkpoint_dir, read_manifest,
     resolve_resume,
 )
-from hybrid.config import Config, to_dict
+from hybrid.planning.config import Config, to_dict
 from hybrid.data import DataError, validate_data
 from hybrid.files import RunDirError, write_error, write_text
-from hybrid.layout import Layout, LayoutError
-from hybrid.stall import FAILURE_FILE
-from hybrid.memory import check_memory
-from hybrid.pipeline.block_costs import resolve_block_costs
-from hybrid.validate import config_warnings, ranks_per_node, validate_config
-from launch.agent import default_omp_threads, start_fork_server
-from launch.console import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD
+from hybrid.planning.layout import Layout, LayoutError
+from hybrid.planning.memory import check_memory
+from hybrid.planning.cost.block_costs import resolve_block_costs
+from hybrid.planning.validate import config_warnings, validate_config
 from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
-
-WORKER_FAILED_EXIT = 1
-WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError", "NonFiniteError",
-                      "RunDirError")
-"""Exceptions a worker raises for bad input: reported as one line, without a traceback."""
-WORKER_DIAGNOSES = ("StallError",)
-"""Failures whose one line already names the ranks involved (``hybrid.watch``)."""
+from launch.run import WORKER_FAILED_EXIT, failure_line, launch, report_results
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> Path:
-    """The resolved config as JSON; ``hybrid.config.from_dict`` reloads it identically."""
+    """The resolved config as JSON; ``hybrid.planning.config.from_dict`` reloads it identically."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.json"
     write_text(path, json.dumps(to_dict(cfg), indent=1) + "\n")
@@ -134,56 +123,6 @@ def resolve_checkpointing(cfg: Config, run_dir: Path) -> None:
     ckpt.resume_from = None if path is None else str(path)
 
 
-def stall_diagnosis(run_dir: Path, since: float) -> Optional[str]:
-    """The diagnosis line of a stall in this launch (``failure.json`` newer than ``since``).
-
-    It wins over the agent's first failure: the rank that wrote it may have stopped a silent
-    rank (``hybrid.watch.stop_silent_ranks``), whose death the agent can see first.
-    """
-    path = run_dir / FAILURE_FILE
-    try:
-        if path.stat().st_mtime < since:
-            return None
-        return f"{json.loads(path.read_text())['diagnosis']}; every rank's state: {path}"
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def failure_line(err, run_dir: Path, since: float) -> str:
-    """The line a worker's failure ends in: a stall is its diagnosis; a user error raised in a
-    worker (a damaged checkpoint, a bad data window) is one line; anything else is a bug and
-    keeps its traceback."""
-    kind = err.error.split(":", 1)[0]
-    diagnosis = stall_diagnosis(run_dir, since)
-    if diagnosis is not None:
-        return diagnosis
-    if kind in WORKER_DIAGNOSES:
-        return err.error.split(":", 1)[1].strip()
-    if kind in WORKER_USER_ERRORS:
-        return f"rank {err.rank}: {err.error.split(':', 1)[1].strip()}"
-    return str(err)
-
-
-def launch(cfg: Config, layout: Layout, run_dir: Path, launcher=None) -> Optional[list]:
-    """Start the workers through ``launcher`` (default: the one ``launcher.name`` names);
-    their results by rank, or None when the launcher left them running (a Slurm job
-    submitted without waiting, a dry run)."""
-    launcher = launcher or launcher_for(cfg)
-    # Read when the fork server's interpreter starts, before it imports megatron-core, which
-    # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
-    os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
-    if cfg.launcher.start_method == "forkserver" and launcher.runs_here:
-        # Before this process imports torch: the server's imports and ours then overlap.
-        threads = cfg.launcher.omp_threads or default_omp_threads(ranks_per_node(cfg, layout))
-        start_fork_server(WORKER_PRELOAD, threads)
-    from hybrid.worker import worker_main
-
-    return launcher.launch(
-        worker_main, (to_dict(cfg), str(run_dir)), cfg, layout, run_dir,
-        omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
-        start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
-
-
 def prepare(cfg: Config, run_dir: Path) -> Layout:
     """Every check that can be made before a worker starts; writes ``config.json``."""
     layout = validate_config(cfg)
@@ -214,7 +153,7 @@ def run(cfg: Config, layout: Layout, run_dir: Path) -> bool:
 
     started = time.time()
     try:
-        results = launch(cfg, layout, run_dir)
+        results = launch(cfg, layout, run_dir, launcher_for(cfg))
     except WorkerFailure as err:
         raise RunFailed(failure_line(err, run_dir, started)) from None
     except LaunchFailed as err:
@@ -228,14 +167,6 @@ def run(cfg: Config, layout: Layout, run_dir: Path) -> bool:
         return False
     report_results(results, run_dir)
     return True
-
-
-def report_results(results: list, run_dir: Path) -> None:
-    losses, resumed = results[0]["losses"], results[0]["resumed_from"]
-    if resumed is not None:
-        print(f"resumed from {resumed} (step {results[0]['start_step']})")
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
-    print(f"run directory: {run_dir}")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")

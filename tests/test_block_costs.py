@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from hybrid.config import Config
-from hybrid.job import plan_job
-from hybrid.layout import LayoutError
-from hybrid.pipeline.block_costs import (
+from hybrid.planning.config import Config
+from hybrid.planning.job import plan_job
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.cost.block_costs import (
     calibration_record, partition_basis, predicted_block_costs, read_calibration,
     resolve_block_costs, write_calibration,
 )

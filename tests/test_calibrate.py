@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.devices import load_device
+from hybrid.planning.cost.devices import load_device
 from launch.calibrate import LARGE_BYTES, SHAPES, fit_rate, ring_link
 
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
@@ -23,7 +23,7 @@ def test_the_rate_fit_recovers_rate_and_half_sizes():
 
 
 def test_the_ring_link_inverts_the_ring_all_reduce_formula():
-    from hybrid.steptime import ring_all_reduce
+    from hybrid.planning.cost.collectives import ring_all_reduce
 
     link = ring_link(4, small_s=6e-4, large_s=0.02)
     assert ring_all_reduce(8, 4, link) == pytest.approx(6e-4, rel=1e-3)

@@ -168,10 +168,10 @@ def _loss_of_exported(rank, world, path, step):
     """The 1-process model with the exported weights, on the global batch of ``step``."""
     import torch
 
-    from hybrid.config import DataConfig, ModelConfig
+    from hybrid.planning.config import DataConfig, ModelConfig
     from hybrid.data import make_dataset, rank_microbatches
     from hybrid.groups import ParallelGroups
-    from hybrid.layout import Layout
+    from hybrid.planning.layout import Layout
     from hybrid.model import GPT, load_global_weights
 
     cfg = ModelConfig(layers=8)

@@ -10,7 +10,7 @@ from hybrid.checkpoint.store import (
     MANIFEST, CheckpointError, check_files, check_model_matches, complete_checkpoints,
     model_shape, prune, resolve_resume, write_manifest,
 )
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 
 
 def make_checkpoint(directory, step, *, complete=True, files=None):
@@ -94,7 +94,7 @@ def test_metadata_unpickler_refuses_anything_but_dcp_classes(tmp_path):
 
 
 def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(tmp_path):
-    from hybrid.config import Config, TrainConfig
+    from hybrid.planning.config import Config, TrainConfig
     from launch.train import resolve_checkpointing
 
     path = make_checkpoint(tmp_path / "checkpoints", 10)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid.config import OptimConfig
+from hybrid.planning.config import OptimConfig
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
-from hybrid.params import ParamSpec
+from hybrid.planning.layout import Layout
+from hybrid.planning.params import ParamSpec
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(180)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from hybrid.comm import CommCounter, wire_bytes
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from hybrid.config import ModelConfig
-from hybrid.cost import block_params, estimate_memory, param_count
+from hybrid.planning.config import ModelConfig
+from hybrid.planning.cost.sizes import block_params, estimate_memory, param_count
 
 MODEL = ModelConfig(layers=8, hidden=64, heads=4, vocab=256, seq_len=32)
 ALL = list(range(MODEL.layers + 2))

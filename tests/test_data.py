@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.config import DataConfig, ModelConfig, TrainConfig
+from hybrid.planning.config import DataConfig, ModelConfig, TrainConfig
 from hybrid.data import (DataError, MarkovDataset, TokenFileDataset, epoch_permutation,
                          global_batch_indices, make_dataset, markov_entropy, max_token,
                          rank_microbatches, steps_per_epoch, validate_data)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import launch.data
-from hybrid.config import DataConfig, ModelConfig, TrainConfig
+from hybrid.planning.config import DataConfig, ModelConfig, TrainConfig
 from hybrid.data import make_dataset, validate_data
 
 HYBRID_DATA = str(Path(sys.executable).parent / "hybrid-data")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from hybrid.stall import describe_wait, failure_document, never_arrived, stall_line
 from hybrid.stragglers import RankTimesLog, StragglerWatch, peer_sets, ratios, step_summary
 

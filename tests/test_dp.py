@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.comm import CommCounter
-from hybrid.config import OptimConfig
+from hybrid.planning.config import OptimConfig
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from hybrid.optim import build_adamw, lr_at, set_lr, spec_of
 from hybrid.testing import spawn
 
@@ -170,7 +170,7 @@ GPT_CFG = dict(layers=2, hidden=32, heads=4, vocab=120, vocab_pad_multiple=64, s
 
 
 def _gpt_against_reference(rank, world, tp, sp, zero, steps, microbatches):
-    from hybrid.config import ModelConfig
+    from hybrid.planning.config import ModelConfig
     from hybrid.model import GPT, gather_tp_param
 
     cfg = ModelConfig(**GPT_CFG)

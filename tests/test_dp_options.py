@@ -8,14 +8,14 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommCounter
-from hybrid.config import ModelConfig, OptimConfig
+from hybrid.planning.config import ModelConfig, OptimConfig
 from hybrid.dp import GradSync
-from hybrid.dp_traffic import (
+from hybrid.planning.cost.dp_traffic import (
     SCALAR, DpOptions, all_reduce_bytes, gradient_bytes, option_problem, step_bytes,
 )
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
-from hybrid.state_bytes import rank_shapes
+from hybrid.planning.layout import Layout
+from hybrid.planning.cost.state_bytes import rank_shapes
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout, LayoutError
+from hybrid.planning.layout import Layout, LayoutError
 from hybrid.testing import SpawnError, spawn
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from hybrid.layout import Layout, LayoutError
+from hybrid.planning.layout import Layout, LayoutError
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
 AXES = ["tp", "dp", "pp", "tp-pp", "tp-dp", "dp-pp", "tp-dp-pp"]

@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_pa
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from hybrid.model import megatron_adapter as adapter
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.sequence_parallel import (

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid.config import ModelConfig
-from hybrid.cost import activation_bytes_per_layer, head_activation_bytes
+from hybrid.planning.config import ModelConfig
+from hybrid.planning.cost.sizes import activation_bytes_per_layer, head_activation_bytes
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout, LayoutError
+from hybrid.planning.layout import Layout, LayoutError
 from hybrid.model import (
     GPT, ModelInputError, allreduce_sequence_parallel_grads, build_blocks,
     gather_tp_param, num_blocks, validate_batch,
@@ -24,7 +24,7 @@ from hybrid.model import (
 from hybrid.model.activations import SavedTensors
 from hybrid.model.gpt import lm_loss
 from hybrid.testing import spawn
-from hybrid.validate import check_model_shape
+from hybrid.planning.validate import check_model_shape
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid.config import ModelConfig, OptimConfig
+from hybrid.planning.config import ModelConfig, OptimConfig
 from hybrid.dp import plan_buckets
-from hybrid.params import model_param_specs
+from hybrid.planning.params import model_param_specs
 from hybrid.optim import (
     build_adamw, lr_at, optimizer_state_bytes, spec_of, step_count, unique_parameters,
 )

@@ -8,12 +8,12 @@ import pytest
 import torch
 import yaml
 
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
-from hybrid.cost import param_count
+from hybrid.planning.layout import Layout
+from hybrid.planning.cost.sizes import param_count
 from hybrid.testing import spawn
-from hybrid.validate import check_model_shape, valid_tp_sizes
+from hybrid.planning.validate import check_model_shape, valid_tp_sizes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hybrid.config import ModelConfig
-from hybrid.cost import param_count
-from hybrid.params import EMBEDDING_WEIGHT, block_param_specs, model_param_specs
+from hybrid.planning.config import ModelConfig
+from hybrid.planning.cost.sizes import param_count
+from hybrid.planning.params import EMBEDDING_WEIGHT, block_param_specs, model_param_specs
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,7 @@ def test_names_do_not_depend_on_the_layout_and_shards_tile_the_global_shape():
 
 def _built_specs_match_the_reference_by_name(rank, world):
     from hybrid.groups import ParallelGroups
-    from hybrid.layout import Layout
+    from hybrid.planning.layout import Layout
     from hybrid.model import GPT, gather_tp_param
 
     cfg = ModelConfig(layers=2, hidden=16, heads=4, vocab=100, tie_embeddings=True)

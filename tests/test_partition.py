@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from hybrid.pipeline.actions import rank_stages, stage_chunk, stage_rank
-from hybrid.pipeline.partition import (
+from hybrid.planning.schedules.actions import rank_stages, stage_chunk, stage_rank
+from hybrid.planning.schedules.partition import (
     PartitionError, format_partition, partition, stage_costs,
 )
 
@@ -179,8 +179,8 @@ def test_format_partition_lines():
 
 
 def test_a_job_plans_stages_where_the_placement_function_puts_them():
-    from hybrid.config import Config
-    from hybrid.job import plan_job
+    from hybrid.planning.config import Config
+    from hybrid.planning.job import plan_job
 
     cfg = Config()
     cfg.model.layers, cfg.parallel.pp, cfg.parallel.vpp = 8, 4, 2

@@ -16,20 +16,20 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from hybrid.model import (
     GPT, allreduce_sequence_parallel_grads, build_blocks, gather_tp_param, lm_loss, num_blocks,
 )
 from hybrid.model.linear import linear
 from hybrid.pipeline import backward
 from hybrid.pipeline.backward import full_backward, input_backward
-from hybrid.pipeline.partition import partition
-from hybrid.pipeline.rank_check import rank_stages
+from hybrid.planning.schedules.partition import partition
+from hybrid.planning.schedules.rank_check import rank_stages
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import run_pipeline_step
-from hybrid.pipeline.schedules import add_communication, build_schedule
+from hybrid.planning.schedules.builders import add_communication, build_schedule
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(240)

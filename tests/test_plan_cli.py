@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 
 SCRIPT = Path(sys.executable).parent / "hybrid-plan"
 
@@ -121,8 +121,8 @@ def test_every_problem_of_a_config_is_listed_and_hybrid_train_counts_the_rest(tm
 
 
 def test_plan_splits_by_an_existing_calibration_file(tmp_path):
-    from hybrid.config import Config
-    from hybrid.pipeline.block_costs import calibration_record, write_calibration
+    from hybrid.planning.config import Config
+    from hybrid.planning.cost.block_costs import calibration_record, write_calibration
 
     shape = {"layers": 6, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 16384,
              "seq_len": 32, "tie_embeddings": False, "recompute": "none"}

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
-from hybrid.pipeline.actions import Action, ScheduleError, from_text
+from hybrid.planning.layout import Layout
+from hybrid.planning.schedules.actions import Action, ScheduleError, from_text
 from hybrid.pipeline.p2p import fifo_mismatches, message_tag
-from hybrid.pipeline.partition import partition
-from hybrid.pipeline.rank_check import check_rank_actions, posting_plan
+from hybrid.planning.schedules.partition import partition
+from hybrid.planning.schedules.rank_check import check_rank_actions, posting_plan
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
-from hybrid.pipeline.schedules import (
+from hybrid.planning.schedules.builders import (
     SCHEDULE_NAMES, add_communication, build_schedule, schedule_placement,
 )
 from hybrid.testing import spawn

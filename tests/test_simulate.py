@@ -9,9 +9,9 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from hybrid.pipeline.actions import V_SHAPE, ScheduleError
-from hybrid.pipeline.schedules import SCHEDULE_NAMES, add_communication, build_schedule
-from hybrid.pipeline.simulate import Costs, peak_inflight, simulate
+from hybrid.planning.schedules.actions import V_SHAPE, ScheduleError
+from hybrid.planning.schedules.builders import SCHEDULE_NAMES, add_communication, build_schedule
+from hybrid.planning.schedules.simulate import Costs, peak_inflight, simulate
 
 SIZES = [(p, m) for p in (2, 3, 4, 8) for m in sorted({p, 2 * p, 4 * p, 8})]
 SMALL_M = [(p, m) for p in (2, 3, 4, 8) for m in (1, 3, 5) if m < p]
@@ -138,7 +138,7 @@ def test_simulate_checks_the_schedule_first():
 
 def test_closed_form_schedule_shapes_equal_the_simulation():
     """What the layout search uses instead of simulating thousands of schedules."""
-    from hybrid.pipeline.plan import closed_form_schedule, simulate_unit_costs
+    from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 
     checked = 0
     for name in SCHEDULE_NAMES:

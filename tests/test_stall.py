@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from test_train_cli import _alive, _descendants, _parent_of, _wait_for
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")

@@ -1,4 +1,4 @@
-"""The cost model (hybrid/steptime.py, hybrid/search.py): pure arithmetic, checked against
+"""The cost model (hybrid/planning/cost/steptime.py, hybrid/planning/cost/search.py): pure arithmetic, checked against
 published formulas, against hybrid's own simulator, and for the orderings it must get right."""
 
 import json
@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import Config, ModelConfig, TrainConfig
-from hybrid.devices import PRESETS, Link, with_inter_bandwidth
-from hybrid.job import plan_job
-from hybrid.search import overrides_of, search
-from hybrid.steptime import (model_flops_per_step, predict_step, ring_all_reduce,
-                             ring_gather)
+from hybrid.planning.config import Config, ModelConfig, TrainConfig
+from hybrid.planning.cost.devices import PRESETS, Link, with_inter_bandwidth
+from hybrid.planning.job import plan_job
+from hybrid.planning.cost.search import overrides_of, search
+from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
+from hybrid.planning.cost.flops import model_flops_per_step
+from hybrid.planning.cost.steptime import predict_step
 
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
 GPT_175B = ModelConfig(name="gpt3-175b", layers=96, hidden=12288, heads=96, vocab=51200,
@@ -84,7 +85,7 @@ def test_dp_options_pay_where_the_network_is_slow():
     """DP over two nodes at 10 Gb/s: compression and fewer syncs cut the exposed DP time in
     proportion to the bytes they save, and cost the memory they keep; inside one node at
     NVLink speed they buy far less. hybrid-plan prints the same table."""
-    from hybrid.dp_time import compare_dp_options
+    from hybrid.planning.cost.dp_options import compare_dp_options
 
     cfg = config(replace(GPT_175B, layers=8, hidden=2048, heads=16), global_batch=64, dp=16)
     slow = {r["option"]: r for r in compare_dp_options(cfg, with_inter_bandwidth(
@@ -151,7 +152,7 @@ def test_hybrid_plan_search_json_ranks_and_its_best_overrides_plan():
 def test_the_a100_preset_reproduces_korthikanti_2022_table_5():
     """Seconds per iteration of 22B-1T GPT, full recompute and SP + selective recompute,
     within 15% (closed-form bubble here; bench/published_runs.py simulates the schedule)."""
-    from hybrid.published import compare_with_published
+    from hybrid.planning.cost.published import compare_with_published
 
     rows = compare_with_published(simulated=False)
     assert len(rows) == 8

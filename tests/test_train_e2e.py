@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import Config, from_dict, to_dict
+from hybrid.planning.config import Config, from_dict, to_dict
 from hybrid.metrics import REQUIRED_KEYS, read_metrics
 from hybrid.testing import checked_records
 
@@ -72,7 +72,7 @@ def assert_zero2_holds_one_dp_share(run_dir: Path) -> None:
     layout holds with zero=0 (up to bucket padding and AdamW's 4-byte step counts)."""
     from dataclasses import replace
 
-    from hybrid.job import plan_job, rank_state_bytes
+    from hybrid.planning.job import plan_job, rank_state_bytes
 
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     unsharded = replace(cfg, parallel=replace(cfg.parallel, zero=0))

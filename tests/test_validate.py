@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from hybrid.config import (
+from hybrid.planning.config import (
     Config, LauncherConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
 )
-from hybrid.layout import LayoutError
-from hybrid.validate import microbatches, validate_config
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.validate import microbatches, validate_config
 
 
 def make(parallel=None, model=None, train=None, launcher=None, optim=None) -> Config:
@@ -120,7 +120,7 @@ def test_config_dataclasses_are_keyword_only_and_documented():
         ParallelConfig(2, 2, 2)  # noqa: positional use would silently swap axes
     import inspect
 
-    import hybrid.config as schema
+    import hybrid.planning.config as schema
 
     text = inspect.getsource(schema)
     for cls in (ParallelConfig, ModelConfig, TrainConfig):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid.config import OptimConfig
+from hybrid.planning.config import OptimConfig
 from hybrid.dp import Bucket, GradSync, Shard
 from hybrid.dp.state import OptimizerStateError
 from hybrid.groups import ParallelGroups
-from hybrid.layout import Layout
+from hybrid.planning.layout import Layout
 from hybrid.optim import optimizer_state_bytes
 from hybrid.testing import spawn
 

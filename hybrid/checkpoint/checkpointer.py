@@ -38,7 +38,7 @@ from hybrid.checkpoint.store import (
     FORMAT_VERSION, CheckpointError, checkpoint_dir, checkpoint_name, model_shape, partial_name,
     prune, read_manifest, resolve_resume, write_manifest,
 )
-from hybrid.config import to_dict
+from hybrid.planning.config import to_dict
 from hybrid.dp.option_state import PREFIX as OPTION_PREFIX
 from hybrid.dp.option_state import (
     load_option_state, option_state, option_targets, same_option_layout,

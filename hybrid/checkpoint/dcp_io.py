@@ -1,6 +1,6 @@
 """Reading and writing checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
-The DCP state dict is flat and keyed by global names (``hybrid.params``), so any layout loads
+The DCP state dict is flat and keyed by global names (``hybrid.planning.params``), so any layout loads
 any checkpoint; DCP reshards by itself:
 
 - ``model.<name>``: a TP-split parameter is a ``DTensor`` sharded on its ``tp_dim`` over the

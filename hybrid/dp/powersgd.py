@@ -2,7 +2,7 @@
 feedback and warm start, the algorithm of torch DDP's ``powerSGD_hook``.
 
 Per bucket and step, for every gradient matrix ``M`` (``n x m``: the gradient viewed as
-``shape[0]`` rows) that ``hybrid.dp_traffic.powersgd_compresses``, with this rank's error
+``shape[0]`` rows) that ``hybrid.planning.cost.dp_traffic.powersgd_compresses``, with this rank's error
 ``E`` and the shared warm-start ``Q`` (``m x r``)::
 
     M += E                      error feedback: what earlier steps' compression left out
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.reduce import ExactMean
 from hybrid.dp.zero import Shard
-from hybrid.dp_traffic import as_matrix, powersgd_compresses
+from hybrid.planning.cost.dp_traffic import as_matrix, powersgd_compresses
 
 Q_SEED = 20190527  # every DP rank draws the same initial Q
 

@@ -22,7 +22,7 @@ For power-of-two ``d`` the division is exact, so pre- and post-dividing agree bi
 Gradients are reduced in fp32 (the buffers are fp32; parameters stay fp32 master weights and
 bf16 compute runs under autocast, whose gradients arrive in the parameters' fp32).
 
-The DP options (``hybrid.dp_traffic``) plug in here: how a bucket becomes its mean
+The DP options (``hybrid.planning.cost.dp_traffic``) plug in here: how a bucket becomes its mean
 (``dp.reduce``: exact or bf16; ``dp.powersgd``), ZeRO-2's per-micro-batch staging
 (``dp.zero2``), and local SGD or one-step-delayed gradients (``dp.replicas``).
 """
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.config import OptimConfig
+from hybrid.planning.config import OptimConfig
 from hybrid.dp.buckets import Bucket, Piece, build_buckets
 from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm, scale_grads_
 from hybrid.dp.powersgd import PowerSGD
@@ -46,8 +46,8 @@ from hybrid.dp.replicas import DelayedMean, average_replicas
 from hybrid.dp.state import load_optimizer_state, optimizer_state
 from hybrid.dp.zero import Shard, all_gather_params
 from hybrid.dp.zero2 import StagedShards
-from hybrid.dp_traffic import DpOptions, option_problem
-from hybrid.params import ParamSpec
+from hybrid.planning.cost.dp_traffic import DpOptions, option_problem
+from hybrid.planning.params import ParamSpec
 from hybrid.optim import build_adamw, set_lr, unique_parameters
 
 MIB = 1024 * 1024
@@ -66,7 +66,7 @@ class GradSync:
 
     ``model``: this rank's module, or its list of model chunks (pipeline stages). All its
     trainable parameters must be fp32. ``bucket_mb``: bucket size in MiB. ``zero``: 0, 1 or
-    2. ``options``: the other DP options (``hybrid.dp_traffic.DpOptions``; default exact).
+    2. ``options``: the other DP options (``hybrid.planning.cost.dp_traffic.DpOptions``; default exact).
     ``optimizer`` is the AdamW it builds (over shard slices under ZeRO).
     """
 
@@ -117,7 +117,7 @@ class GradSync:
     @classmethod
     def from_config(cls, model: Union[nn.Module, Iterable[nn.Module]], groups,
                     cfg, wait: Optional[Callable[[dist.Work], None]] = None) -> "GradSync":
-        """From a ``hybrid.config.Config``: ``optim`` and ``parallel``'s DP options."""
+        """From a ``hybrid.planning.config.Config``: ``optim`` and ``parallel``'s DP options."""
         return cls(model, groups, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
                    zero=cfg.parallel.zero, options=DpOptions.of(cfg.parallel), wait=wait)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 from hybrid.model.megatron_adapter import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -44,7 +44,7 @@ def output_init(cfg: ModelConfig, generator: torch.Generator) -> Callable[[torch
 
 def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
     # Under sequence parallelism a norm sees only this rank's tokens, so its gradient is a
-    # partial sum over TP: its ParamSpec (hybrid.params) says so.
+    # partial sum over TP: its ParamSpec (hybrid.planning.params) says so.
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 

@@ -14,14 +14,14 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 from hybrid.groups import ParallelGroups
-from hybrid.layout import LayoutError
+from hybrid.planning.layout import LayoutError
 from hybrid.model.blocks import EmbeddingBlock, HeadBlock, TransformerLayer
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.inputs import validate_batch_across
-from hybrid.params import block_param_specs
-from hybrid.validate import check_model_shape
+from hybrid.planning.params import block_param_specs
+from hybrid.planning.validate import check_model_shape
 
 _SEED_STRIDE = 1_000_003  # a prime larger than any block count: streams never collide
 
@@ -59,7 +59,7 @@ def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
     Sharded over ``groups.tp``. With tied embeddings, a head built together with the embedding
     shares its Parameter; a head built without it gets its own copy (see ``HeadBlock``).
     ``sequence_parallel`` is ignored at tp=1. Every parameter gets its ``ParamSpec`` as
-    ``param.spec`` (``hybrid.params``): its one identity, whatever the layout.
+    ``param.spec`` (``hybrid.planning.params``): its one identity, whatever the layout.
     """
     check_model_shape(cfg, groups.layout.tp)
     tp_group, last = groups.tp, num_blocks(cfg) - 1
@@ -87,7 +87,7 @@ def attach_specs(block: nn.Module, specs: dict, tp: int) -> None:
     """Give every parameter of ``block`` its spec, checking that the block built exactly the
     parameters, with exactly the shard shapes, that the spec table describes."""
     named = dict(block.named_parameters(remove_duplicate=False))
-    if list(named) != list(specs):  # the order too: hybrid.state_bytes lays buckets out by it
+    if list(named) != list(specs):  # the order too: hybrid.planning.cost.state_bytes lays buckets out by it
         raise AssertionError(f"block {block.block_id} has parameters {list(named)}, its "
                              f"specs describe {list(specs)}")
     for local_name, param in named.items():

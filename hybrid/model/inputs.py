@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 
 
 class ModelInputError(ValueError):

@@ -29,10 +29,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.config import Config
+from hybrid.planning.config import Config
 from hybrid.groups import ParallelGroups
-from hybrid.pipeline.block_costs import FILE_NAME, calibration_record, write_calibration
-from hybrid.pipeline.partition import format_partition, partition
+from hybrid.planning.cost.block_costs import FILE_NAME, calibration_record, write_calibration
+from hybrid.planning.schedules.partition import format_partition, partition
 
 RUNS = 5
 """Timed forward + backward runs per block (after one warm-up); the median is kept."""

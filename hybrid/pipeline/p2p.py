@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.pipeline.actions import LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_rank
+from hybrid.planning.schedules.actions import LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_rank
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 
@@ -112,7 +112,7 @@ def wait_recv(pending: PendingRecv, timeout: Optional[timedelta], rank: int) -> 
         raise PipelineTimeout(
             f"pipeline rank {rank}: {pending.action} got nothing from stage "
             f"{peer_stage(pending.action)} after {waited:.1f}s; a peer failed or the schedule "
-            f"deadlocks (check it with hybrid.pipeline.check.check_schedule): {error}"
+            f"deadlocks (check it with hybrid.planning.schedules.check.check_schedule): {error}"
         ) from error
     return pending.buffer
 

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hybrid.pipeline.actions import COMPUTE_KINDS, LOOP, Action
-from hybrid.pipeline.simulate import Costs, simulate
+from hybrid.planning.schedules.actions import COMPUTE_KINDS, LOOP, Action
+from hybrid.planning.schedules.simulate import Costs, simulate
 from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
 
 Event = tuple[int, Action, float, float]  # (pipeline rank, action, start_s, end_s)

@@ -34,12 +34,12 @@ from torch.autograd.graph import get_gradient_edge
 
 from hybrid.groups import ParallelGroups
 from hybrid.pipeline import p2p
-from hybrid.pipeline.actions import (
+from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F,
     Action, ScheduleError, stage_rank,
 )
 from hybrid.pipeline.backward import full_backward, input_backward
-from hybrid.pipeline.rank_check import Posting, RankPlan, plan_rank
+from hybrid.planning.schedules.rank_check import Posting, RankPlan, plan_rank
 
 Microbatch = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # (tokens, labels)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

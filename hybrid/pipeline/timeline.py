@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 from hybrid.files import atomic_write, write_text
 
-from hybrid.pipeline.actions import (
+from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, Action,
 )
 

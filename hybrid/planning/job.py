@@ -1,7 +1,7 @@
 """One typed plan of a job (pure: no torch): ``plan_job(cfg) -> JobPlan``.
 
 The layout and where its ranks land, the pipeline stages (which blocks, on which pipeline rank
-as which chunk: ``hybrid.pipeline.actions.stage_rank`` / ``stage_chunk``, the one placement
+as which chunk: ``hybrid.planning.schedules.actions.stage_rank`` / ``stage_chunk``, the one placement
 function, with the schedule's ``layout.stage_placement``), the schedule's simulated shape, and
 the memory each pipeline rank needs. What
 ``hybrid-plan`` prints, what the trainer builds its chunks from and what the memory check and
@@ -14,13 +14,16 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from hybrid.config import Config
-from hybrid.cost import MemoryEstimate, estimate_memory
-from hybrid.dp_traffic import DpOptions, dp_state_bytes, step_bytes
-from hybrid.state_bytes import StateBytes, rank_shapes, state_bytes
-from hybrid.layout import Layout
-from hybrid.pipeline.actions import stage_chunk, stage_rank
-from hybrid.validate import microbatches, ranks_per_node, validate_config
+from hybrid.planning.config import Config
+from hybrid.planning.cost.sizes import MemoryEstimate, estimate_memory
+from hybrid.planning.cost.dp_traffic import DpOptions, dp_state_bytes, step_bytes
+from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes, state_bytes
+from hybrid.planning.layout import Layout
+from hybrid.planning.schedules.actions import stage_chunk, stage_rank
+from hybrid.planning.schedules.shapes import (
+    closed_form_schedule, partition_for_config, simulate_unit_costs,
+)
+from hybrid.planning.validate import microbatches, ranks_per_node, validate_config
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,6 @@ def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
     """Validate ``cfg`` (``LayoutError`` with one line) and plan it; ``simulated=False``
     takes the schedule's shape and the ranks' state bytes from closed forms instead of
     simulating the schedule and laying out the gradient buckets (what searches need)."""
-    from hybrid.pipeline.plan import partition_for_config
-
     layout = validate_config(cfg)
     ranges = partition_for_config(cfg)
     pp = layout.pp
@@ -112,8 +113,6 @@ def _stages_by_rank(stages: tuple[Stage, ...], pp: int) -> tuple[tuple[int, ...]
 
 
 def _schedule_plan(name: str, pp: int, m: int, vpp: int, simulated: bool) -> SchedulePlan:
-    from hybrid.pipeline.plan import closed_form_schedule, simulate_unit_costs
-
     if not simulated:
         bubble, peak = closed_form_schedule(name, pp, m, vpp)
         return SchedulePlan(name=name, microbatches=m, simulated=False,

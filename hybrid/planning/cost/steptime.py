@@ -7,13 +7,9 @@ included, is hybrid's own simulator run on those per-stage times; the DP reducti
 last micro-batch's backward and only what sticks out counts (ZeRO-1's parameter all-gather
 after the step never overlaps); the optimizer step follows. The achieved rate depends on the
 work's width per TP rank and its tokens per micro-batch, and on CPU on the threads each rank
-gets and the cores the node's ranks share (``hybrid.devices``).
+gets and the cores the node's ranks share (``hybrid.planning.cost.devices``).
 
-FLOPs per layer and micro-batch (forward, b sequences of s tokens, hidden h, MLP f):
-``8bsh² + 4bs²h + 4bshf`` (QKV and output projections, scores and their use, the MLP); the
-head ``2bshV``; backward twice the forward; full recompute one more forward of the layers,
-selective recompute one more of their attention cores (``4bs²h``).
-``tflops_per_device`` counts the model's FLOPs as Narayanan et al. 2021 do (their Eq. 3:
+FLOPs come from ``hybrid.planning.cost.flops``. ``tflops_per_device`` counts the model's FLOPs as Narayanan et al. 2021 do (their Eq. 3:
 with full recompute the extra forward counts; selective recompute's is not counted, as
 Korthikanti et al. 2022's model FLOPs do not), so it compares with their tables.
 """
@@ -22,13 +18,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from hybrid.config import Config, ModelConfig
-from hybrid.cost import BYTES
-from hybrid.devices import Device, Link
-from hybrid.job import JobPlan
-
-BUCKET_BYTES = 25 * 2**20
-"""DP gradient buckets (``parallel.bucket_mb``'s default order of size): one latency each."""
+from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
+from hybrid.planning.cost.devices import Device, Link
+from hybrid.planning.cost.dp_time import dp_times
+from hybrid.planning.cost.flops import (
+    attention_core_flops, head_forward_flops, layer_forward_flops, model_flops_per_step,
+)
+from hybrid.planning.cost.sizes import BYTES
+from hybrid.planning.job import JobPlan
 
 
 @dataclass(frozen=True)
@@ -52,42 +49,6 @@ class StepPrediction:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def layer_forward_flops(m: ModelConfig, b: int) -> float:
-    s, h = m.seq_len, m.hidden
-    return 8 * b * s * h * h + attention_core_flops(m, b) + 4 * b * s * h * m.ffn
-
-
-def attention_core_flops(m: ModelConfig, b: int) -> float:
-    """Scores and their use (``QK^T`` and ``softmax·V``): what selective recompute redoes."""
-    return 4 * b * m.seq_len * m.seq_len * m.hidden
-
-
-def head_forward_flops(m: ModelConfig, b: int) -> float:
-    return 2 * b * m.seq_len * m.hidden * m.padded_vocab
-
-
-def model_flops_per_step(cfg: Config) -> float:
-    """Narayanan et al. 2021, Eq. 3 generalised to any MLP width: layers 3x forward (4x with
-    full recompute), the head 3x."""
-    m, batch = cfg.model, cfg.train.global_batch
-    passes = 4 if m.recompute == "full" else 3
-    return (passes * m.layers * layer_forward_flops(m, batch)
-            + 3 * head_forward_flops(m, batch))
-
-
-def ring_all_reduce(nbytes: float, n: int, link: Link, messages: int = 1) -> float:
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency * messages
-
-
-def ring_gather(nbytes: float, n: int, link: Link, messages: int = 1) -> float:
-    """A reduce-scatter or an all-gather of ``nbytes`` in total."""
-    if n == 1:
-        return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency * messages
 
 
 def _link(plan: JobPlan, device: Device, axis: str) -> Link:
@@ -120,7 +81,7 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
     compute = layers * layer_forward_flops(m, b) / tp / rate
     # After attention and after the MLP: an all-reduce, or with sequence parallelism an
     # all-gather before and a reduce-scatter after (the same ring volume, not the same time
-    # on every backend: hybrid.devices).
+    # on every backend: hybrid.planning.cost.devices).
     if cfg.parallel.sequence_parallel and tp > 1:
         layer_wire = ring_gather(act, tp, tp_link) * (device.all_gather_factor
                                                       + device.reduce_scatter_factor)
@@ -170,8 +131,6 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
     else:
         makespan = max(busy) + _closed_form_bubble(plan, times, p2p)
     busiest = max(range(layout.pp), key=busy.__getitem__)
-    from hybrid.dp_time import dp_times  # it prices with this module's ring formulas
-
     dp_s, dp_exposed = dp_times(plan, device, _link(plan, device, "dp"),
                                 [sum(t.backward for t in ts) for ts in per_rank], makespan)
     optimizer = [est.optimizer_bytes / 8 * device.optimizer_s_per_param for est in plan.memory]
@@ -232,8 +191,8 @@ def _p2p_time(plan: JobPlan, device: Device) -> float:
 
 
 def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
-    from hybrid.pipeline.schedules import build_schedule
-    from hybrid.pipeline.simulate import StageCosts, simulate
+    from hybrid.planning.schedules.builders import build_schedule
+    from hybrid.planning.schedules.simulate import StageCosts, simulate
 
     layout, m = plan.layout, plan.schedule.microbatches
     costs = StageCosts(F=tuple(t.forward for t in times), B=tuple(t.backward for t in times),

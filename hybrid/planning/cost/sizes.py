@@ -10,9 +10,9 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid.config import ModelConfig
-from hybrid.params import EMBEDDING_WEIGHT, block_param_specs
-from hybrid.state_bytes import StateBytes
+from hybrid.planning.config import ModelConfig
+from hybrid.planning.params import EMBEDDING_WEIGHT, block_param_specs
+from hybrid.planning.cost.state_bytes import StateBytes
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -144,7 +144,7 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
     chunk, to stay on the safe side), plus the head's for ``head_inflight`` micro-batches on
     the rank that holds it. Full recompute keeps each layer's input, plus one layer's
     activations while it is recomputed. ``state``: the exact bytes of weights, gradients and
-    optimizer state (``hybrid.state_bytes``), else the closed form without bucket padding
+    optimizer state (``hybrid.planning.cost.state_bytes``), else the closed form without bucket padding
     and AdamW's step counts."""
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
     params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)

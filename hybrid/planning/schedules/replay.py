@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hybrid.pipeline.actions import (
+from hybrid.planning.schedules.actions import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
     LOOP, stage_rank,
 )

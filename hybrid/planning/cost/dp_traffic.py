@@ -1,6 +1,6 @@
 """What each data-parallel option sends and keeps, per rank and step (pure: no torch).
 
-The options (``parallel.*``, see ``hybrid.config.ParallelConfig``) and what they do to the DP
+The options (``parallel.*``, see ``hybrid.planning.config.ParallelConfig``) and what they do to the DP
 gradient mean of a step:
 
 - ``zero=0|1|2``: all-reduce the buckets; reduce-scatter them once per step and all-gather the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybrid.state_bytes import FP32, bucket_sizes
+from hybrid.planning.cost.state_bytes import FP32, bucket_sizes
 
 BF16 = 2
 SCALAR = 8  # one float64

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybrid.config import Config, ModelConfig, TrainConfig
+from hybrid.planning.config import Config, ModelConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ KORTHIKANTI_2022 = (
 
 def compare_with_published(simulated: bool = True) -> list[dict]:
     """One row per run and recompute mode: published and predicted seconds per iteration."""
-    from hybrid.devices import load_device
-    from hybrid.job import plan_job
-    from hybrid.steptime import predict_step
+    from hybrid.planning.cost.devices import load_device
+    from hybrid.planning.job import plan_job
+    from hybrid.planning.cost.steptime import predict_step
 
     rows = []
     for run in KORTHIKANTI_2022:

@@ -256,7 +256,7 @@ class CheckpointConfig:
 class CostConfig:
     device: str = "cpu"
     """What the cost model prices the job on: a preset (a100-80gb, h100-80gb, h200, cpu) or a
-    JSON file of a Device's fields (hybrid/devices.py)."""
+    JSON file of a Device's fields (hybrid/planning/cost/devices.py)."""
     gpus_per_node: int = 8
     """Ranks per node for the cost model's links, unless the launcher places the nodes
     (launcher.nnodes > 1 or launcher.nproc_per_node)."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 
-from hybrid.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
-from hybrid.dp_traffic import DpOptions, option_problem
-from hybrid.layout import Layout, LayoutError, valid_sizes
-from hybrid.pipeline.schedules import SCHEDULE_NAMES, schedule_placement
+from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
+from hybrid.planning.cost.dp_traffic import DpOptions, option_problem
+from hybrid.planning.layout import Layout, LayoutError, valid_sizes
+from hybrid.planning.schedules.builders import SCHEDULE_NAMES, schedule_placement
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")

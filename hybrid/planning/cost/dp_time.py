@@ -1,5 +1,5 @@
 """The data-parallel part of a predicted step: each DP option's time and what of it shows
-(pure: no torch; ``hybrid.steptime.predict_step`` calls it).
+(pure: no torch; ``hybrid.planning.cost.steptime.predict_step`` calls it).
 
 - exact, ``zero=0``: one all-reduce, hidden behind the last micro-batch's backward as far as
   it goes; ``zero=1``: the reduce-scatter there, then the parameter all-gather after the step;
@@ -11,7 +11,7 @@
   averaged over the H steps.
 - ``dp_delay=1``: the all-reduce runs during the whole next step; only what exceeds it shows.
 
-Bytes come from ``hybrid.dp_traffic`` (the same volumes the counter measures); per-call
+Bytes come from ``hybrid.planning.cost.dp_traffic`` (the same volumes the counter measures); per-call
 latency is paid once per bucket and collective.
 """
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 
-from hybrid.devices import Device, Link
-from hybrid.dp_traffic import (
+from hybrid.planning.cost.collectives import BUCKET_BYTES, ring_all_reduce, ring_gather
+from hybrid.planning.cost.devices import Device, Link
+from hybrid.planning.cost.dp_traffic import (
     BF16, DpOptions, all_reduce_bytes, as_matrix, bucket_shapes, gradient_bytes, powersgd_compresses,
 )
-from hybrid.job import JobPlan
-from hybrid.state_bytes import FP32, rank_shapes
-from hybrid.steptime import BUCKET_BYTES, ring_all_reduce, ring_gather
+from hybrid.planning.job import JobPlan
+from hybrid.planning.cost.state_bytes import FP32, rank_shapes
 
 
 def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[float],
@@ -107,38 +107,3 @@ def _powersgd_phases(shapes, dp: int, rank: int, bucket_mb: float) -> tuple[floa
 def _powersgd_flops(shapes, rank: int) -> float:
     """``P = MQ``, ``Q = M^T P`` and ``PQ^T``: ``2nmr`` each per compressed matrix."""
     return sum(6.0 * math.prod(s) * rank for s, _ in shapes if powersgd_compresses(s, rank))
-
-
-DP_CHOICES = (
-    ("exact", {}), ("zero=1", {"zero": 1}), ("zero=2", {"zero": 2}),
-    ("bf16", {"dp_compress": "bf16"}),
-    *((f"powersgd r{r}", {"dp_compress": "powersgd", "powersgd_rank": r}) for r in (1, 2, 4)),
-    *((f"sync_every {h}", {"dp_sync_every": h}) for h in (2, 4, 8)),
-    ("delay 1", {"dp_delay": 1}),
-)
-"""The options ``compare_dp_options`` prices (each alone on top of the config's layout)."""
-
-
-def compare_dp_options(cfg, device: Device) -> list[dict]:
-    """Each DP option on ``cfg``'s layout: predicted step time, DP time not hidden, DP bytes
-    per step (steady state, rank 0) and memory per rank; whether it is exact."""
-    from dataclasses import replace
-
-    from hybrid.job import plan_job, rank_dp_bytes
-    from hybrid.steptime import predict_step
-
-    rows = []
-    for name, fields in DP_CHOICES:
-        base = {"zero": 0, "dp_compress": "none", "dp_sync_every": 1, "dp_delay": 0,
-                "powersgd_warmup": 0}
-        option_cfg = replace(cfg, parallel=replace(cfg.parallel, **{**base, **fields}))
-        plan = plan_job(option_cfg, simulated=False)
-        step = DpOptions.of(option_cfg.parallel).sync_every  # a step that syncs
-        syncs_every = max(1, step)
-        predicted = predict_step(plan, device, simulated=False)
-        rows.append({"option": name, "exact": DpOptions.of(option_cfg.parallel).exact,
-                     "step_time_s": predicted.step_time_s,
-                     "dp_exposed_s": predicted.dp_exposed_s,
-                     "dp_bytes_per_step": rank_dp_bytes(option_cfg, plan, 0, step) / syncs_every,
-                     "mem_bytes_per_rank": predicted.mem_bytes_per_rank})
-    return rows

@@ -19,8 +19,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hybrid.config import ModelConfig
-from hybrid.params import TIED_HEAD_ALIAS, block_param_specs
+from hybrid.planning.config import ModelConfig
+from hybrid.planning.params import TIED_HEAD_ALIAS, block_param_specs
 
 MIB = 2**20
 FP32 = 4
@@ -33,7 +33,7 @@ class StateBytes:
     grad_bytes: int
     optimizer_bytes: int
     dp_state_bytes: int = 0
-    """What a DP option keeps besides (``hybrid.dp_traffic.dp_state_bytes``)."""
+    """What a DP option keeps besides (``hybrid.planning.cost.dp_traffic.dp_state_bytes``)."""
 
     def to_dict(self) -> dict:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,

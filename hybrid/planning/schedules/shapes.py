@@ -1,4 +1,4 @@
-"""The pipeline part of a job's plan (``hybrid.job``): which blocks each stage holds and the
+"""The pipeline part of a job's plan (``hybrid.planning.job``): which blocks each stage holds and the
 schedule's simulated shape. Pure (no torch).
 """
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import functools
 
-from hybrid.config import Config
-from hybrid.cost import block_params
-from hybrid.pipeline.block_costs import predicted_block_costs
-from hybrid.pipeline.partition import partition
-from hybrid.pipeline.schedules import build_schedule, schedule_placement
-from hybrid.pipeline.simulate import Costs, simulate
+from hybrid.planning.config import Config
+from hybrid.planning.cost.sizes import block_params
+from hybrid.planning.cost.block_costs import predicted_block_costs
+from hybrid.planning.schedules.partition import partition
+from hybrid.planning.schedules.builders import build_schedule, schedule_placement
+from hybrid.planning.schedules.simulate import Costs, simulate
 
 
 def block_costs(cfg: Config) -> list[float]:

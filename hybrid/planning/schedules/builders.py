@@ -8,7 +8,7 @@ proves either form complete and deadlock-free.
 
 from __future__ import annotations
 
-from hybrid.pipeline.actions import (
+from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
     LOOP, V_SHAPE, Action, ScheduleError, stage_rank,
 )

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from hybrid.config import ModelConfig
+from hybrid.planning.config import ModelConfig
 
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 TIED_HEAD_ALIAS = "word_embeddings_weight"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from hybrid.pipeline.actions import PLACEMENTS, stage_rank
+from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
 
 AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
@@ -48,7 +48,7 @@ class Layout:
     order: str = DEFAULT_ORDER
     vpp: int = 1
     stage_placement: str = "loop"
-    """Which pipeline rank holds each virtual stage: ``hybrid.pipeline.actions.stage_rank``
+    """Which pipeline rank holds each virtual stage: ``hybrid.planning.schedules.actions.stage_rank``
     ("loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this). It decides where the first and last stage, and so the tied
     embedding, live."""
     _axes: tuple[str, ...] = field(init=False, repr=False, compare=False)

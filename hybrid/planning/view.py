@@ -1,4 +1,4 @@
-"""``hybrid-plan``'s view of a job's plan (``hybrid.job``): layout, rank table, groups,
+"""``hybrid-plan``'s view of a job's plan (``hybrid.planning.job``): layout, rank table, groups,
 parameters, memory per rank, as plain data.
 
 ``build_plan(cfg)`` validates the config (raising ``LayoutError``) and returns a JSON-ready dict;
@@ -7,11 +7,11 @@ parameters, memory per rank, as plain data.
 
 from __future__ import annotations
 
-from hybrid.config import Config
-from hybrid.cost import human_bytes, param_count
-from hybrid.job import JobPlan, plan_job
-from hybrid.pipeline.block_costs import partition_basis
-from hybrid.pipeline.partition import format_partition
+from hybrid.planning.config import Config
+from hybrid.planning.cost.sizes import human_bytes, param_count
+from hybrid.planning.job import JobPlan, plan_job
+from hybrid.planning.cost.block_costs import partition_basis
+from hybrid.planning.schedules.partition import format_partition
 
 GROUP_KEYS = ("tp", "dp", "pp", "tp-pp", "embedding")
 

@@ -17,20 +17,19 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from hybrid.config import Config
+from hybrid.planning.config import Config
+from hybrid.planning.cost.flops import head_forward_flops, layer_forward_flops
 from hybrid.files import write_text
-from hybrid.layout import LayoutError
-from hybrid.pipeline.partition import block_names
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.schedules.partition import block_names
 
 FILE_NAME = "block_costs.json"
 """The calibration file in the run directory when ``parallel.partition_file`` is not set."""
 
 
 def predicted_block_costs(cfg: Config) -> list[float]:
-    """Forward + backward FLOPs per block from the cost model (``hybrid.steptime``): a stand-in
+    """Forward + backward FLOPs per block from the cost model (``hybrid.planning.cost.steptime``): a stand-in
     for measured seconds (the embedding's gather counts as nothing)."""
-    from hybrid.steptime import head_forward_flops, layer_forward_flops
-
     m, b = cfg.model, cfg.train.micro_batch
     return [0.0] + [3 * layer_forward_flops(m, b)] * m.layers + [3 * head_forward_flops(m, b)]
 

@@ -9,7 +9,7 @@ The GPU presets are the datasheet peaks scaled by what large multiplies achieve 
 dense peak for wide ones, half of that at a weight width of 400: ``matmul_half_width``) and
 links at 80% of line rate (NVLink, and a 200/400 Gb/s NIC per GPU). The two compute figures
 were chosen so that the A100 preset reproduces the iteration times Korthikanti et al. 2022
-published for 22B-1T models (``hybrid/published.py``: all eight within 7%); the H100 and H200
+published for 22B-1T models (``hybrid/planning/cost/published.py``: all eight within 7%); the H100 and H200
 presets assume the same fractions. ``hybrid-plan calibrate`` measures a machine instead.
 """
 
@@ -144,7 +144,7 @@ def load_device(name: str) -> Device:
         path = Path(name).expanduser()
     if not path.suffix == ".json" or not path.is_file():
         raise ValueError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
-                         f"calibrated) nor a JSON file of a device's fields (hybrid/devices.py)")
+                         f"calibrated) nor a JSON file of a device's fields (hybrid/planning/cost/devices.py)")
     data = json.loads(path.read_text())
     return Device(name=data["name"], flops=dict(data["flops"]),
                   memory_bytes=int(data["memory_bytes"]), intra=Link(**data["intra"]),

@@ -3,7 +3,7 @@
 For the config's model and global batch, every (dp, tp, pp, vpp, schedule, micro-batch,
 zero, sequence parallelism, recompute) that ``validate_config`` accepts is planned
 (``plan_job`` with closed-form schedule shapes), dropped when its largest rank does not fit in
-the device's memory, and priced (``hybrid.steptime``); the best are priced again with the
+the device's memory, and priced (``hybrid.planning.cost.steptime``); the best are priced again with the
 schedule simulated where that is cheap, and returned best first. Rejections are counted by
 reason. Tensor parallelism stays inside a node (``cost.gpus_per_node``), as every production
 recipe keeps it; gpipe is left out (1F1B's time with less memory).
@@ -16,12 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from hybrid.config import Config
-from hybrid.devices import Device
-from hybrid.job import plan_job
-from hybrid.layout import LayoutError, valid_sizes
-from hybrid.steptime import StepPrediction, predict_step
-from hybrid.validate import RECOMPUTE, microbatches, valid_tp_sizes
+from hybrid.planning.config import Config
+from hybrid.planning.cost.devices import Device
+from hybrid.planning.job import plan_job
+from hybrid.planning.layout import LayoutError, valid_sizes
+from hybrid.planning.cost.steptime import StepPrediction, predict_step
+from hybrid.planning.validate import RECOMPUTE, microbatches, valid_tp_sizes
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1))
 MICRO_BATCHES = (1, 2, 4, 8)

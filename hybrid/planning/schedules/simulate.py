@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybrid.pipeline.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, LOOP, Action
-from hybrid.pipeline.check import check_schedule
-from hybrid.pipeline.replay import replay
+from hybrid.planning.schedules.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, LOOP, Action
+from hybrid.planning.schedules.check import check_schedule
+from hybrid.planning.schedules.replay import replay
 
 Event = tuple[int, Action, float, float]  # (rank, action, start, end)
 

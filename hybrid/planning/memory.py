@@ -13,10 +13,10 @@ import copy
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid.config import Config
-from hybrid.cost import human_bytes
-from hybrid.layout import LayoutError
-from hybrid.job import plan_job
+from hybrid.planning.config import Config
+from hybrid.planning.cost.sizes import human_bytes
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.job import plan_job
 
 RUNTIME_BYTES_PER_PROCESS = 256 * 2**20
 """A worker's own footprint before any model: torch, megatron-core and gloo resident (this

@@ -18,12 +18,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hybrid.pipeline.actions import (
+from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, Action,
     ScheduleError, rank_stages,
 )
-from hybrid.pipeline.replay import dependencies, describe_key, result_key
-from hybrid.pipeline.schedules import add_communication
+from hybrid.planning.schedules.replay import dependencies, describe_key, result_key
+from hybrid.planning.schedules.builders import add_communication
 
 
 Posting = tuple[tuple[Action, ...], Optional[Action]]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hybrid.pipeline.actions import (
+from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
     LOOP, ScheduleError, stage_rank,
 )
-from hybrid.pipeline.replay import Deadlock, OrderViolation, describe_key, replay
+from hybrid.planning.schedules.replay import Deadlock, OrderViolation, describe_key, replay
 
 MARK = ">>"
 

@@ -1,0 +1,82 @@
+"""Start a prepared run's workers through a launcher, and say in one line how they ended.
+
+``launch.train`` (``hybrid-train``) and ``launch.slurm_node`` (each node of a Slurm job) both
+start workers through here; neither this module nor the launchers import ``launch.train``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from hybrid.planning.config import Config, to_dict
+from hybrid.planning.layout import Layout
+from hybrid.planning.validate import ranks_per_node
+from hybrid.stall import FAILURE_FILE
+from launch.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, default_omp_threads, \
+    start_fork_server
+
+WORKER_FAILED_EXIT = 1
+WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError", "NonFiniteError",
+                      "RunDirError")
+"""Exceptions a worker raises for bad input: reported as one line, without a traceback."""
+WORKER_DIAGNOSES = ("StallError",)
+"""Failures whose one line already names the ranks involved (``hybrid.watch``)."""
+
+
+def stall_diagnosis(run_dir: Path, since: float) -> Optional[str]:
+    """The diagnosis line of a stall in this launch (``failure.json`` newer than ``since``).
+
+    It wins over the agent's first failure: the rank that wrote it may have stopped a silent
+    rank (``hybrid.watch.stop_silent_ranks``), whose death the agent can see first.
+    """
+    path = run_dir / FAILURE_FILE
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return f"{json.loads(path.read_text())['diagnosis']}; every rank's state: {path}"
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def failure_line(err, run_dir: Path, since: float) -> str:
+    """The line a worker's failure ends in: a stall is its diagnosis; a user error raised in a
+    worker (a damaged checkpoint, a bad data window) is one line; anything else is a bug and
+    keeps its traceback."""
+    kind = err.error.split(":", 1)[0]
+    diagnosis = stall_diagnosis(run_dir, since)
+    if diagnosis is not None:
+        return diagnosis
+    if kind in WORKER_DIAGNOSES:
+        return err.error.split(":", 1)[1].strip()
+    if kind in WORKER_USER_ERRORS:
+        return f"rank {err.rank}: {err.error.split(':', 1)[1].strip()}"
+    return str(err)
+
+
+def launch(cfg: Config, layout: Layout, run_dir: Path, launcher) -> Optional[list]:
+    """Start the workers through ``launcher``; their results by rank, or None when the
+    launcher left them running (a Slurm job submitted without waiting, a dry run)."""
+    # Read when the fork server's interpreter starts, before it imports megatron-core, which
+    # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
+    os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
+    if cfg.launcher.start_method == "forkserver" and launcher.runs_here:
+        # Before this process imports torch: the server's imports and ours then overlap.
+        threads = cfg.launcher.omp_threads or default_omp_threads(ranks_per_node(cfg, layout))
+        start_fork_server(WORKER_PRELOAD, threads)
+    from hybrid.worker import worker_main
+
+    return launcher.launch(
+        worker_main, (to_dict(cfg), str(run_dir)), cfg, layout, run_dir,
+        omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
+        start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
+
+
+def report_results(results: list, run_dir: Path) -> None:
+    losses, resumed = results[0]["losses"], results[0]["resumed_from"]
+    if resumed is not None:
+        print(f"resumed from {resumed} (step {results[0]['start_step']})")
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"run directory: {run_dir}")
