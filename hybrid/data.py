@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hybrid.token_files import misread_file
+from hybrid.errors import UserError
 
 SOURCES = ("synthetic", "tokens")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -48,7 +49,7 @@ VOCAB_SCAN_CHUNK = 1 << 24
 _STREAM_CHAIN, _STREAM_SAMPLE, _STREAM_ORDER = 0, 1, 2
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data setting or data file that cannot work; the message names the field and the fix."""
 
 

@@ -13,8 +13,10 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from hybrid.errors import UserError
 
-class RunDirError(OSError):
+
+class RunDirError(UserError, OSError):
     """A file of the run could not be written: one line with the path and the fix."""
 
 

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from hybrid.errors import UserError
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, OptimConfig
 from hybrid.planning.params import ParamSpec, replicated_spec
 
@@ -27,10 +28,10 @@ def build_adamw(pieces: Sequence[tuple[torch.Tensor, bool]], optim: OptimConfig
     groups always exist (possibly empty), so group 0 is decayed and group 1 is not.
     """
     if optim.name != "adamw":
-        raise ValueError(f"optim.name={optim.name!r} is not supported; use optim.name=adamw")
+        raise UserError(f"optim.name={optim.name!r} is not supported; use optim.name=adamw")
     if optim.implementation not in ADAMW_IMPLEMENTATIONS:
-        raise ValueError(f"optim.implementation={optim.implementation!r} is unknown; choose "
-                         f"one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+        raise UserError(f"optim.implementation={optim.implementation!r} is unknown; choose "
+                        f"one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
     decayed = [t for t, decays in pieces if decays]
     plain = [t for t, decays in pieces if not decays]
     return torch.optim.AdamW(

@@ -47,6 +47,7 @@ from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
 from hybrid.stall import who
 from hybrid.planning.validate import microbatches
 from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
+from hybrid.errors import UserError
 
 
 def build_chunks(cfg: Config, groups: ParallelGroups) -> dict[int, nn.Module]:
@@ -80,7 +81,7 @@ def activation_shape(cfg: Config, groups: ParallelGroups) -> tuple[int, int, int
     return (seq, cfg.train.micro_batch, cfg.model.hidden)
 
 
-class NonFiniteError(ArithmeticError):
+class NonFiniteError(UserError):
     """The loss or the gradient norm of a step is NaN or infinite; the update was not applied."""
 
 

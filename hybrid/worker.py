@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybrid.errors import UserError
 from hybrid.planning.config import Config, from_dict
 from hybrid.groups import ParallelGroups, backend_for, default_device
 from hybrid.planning.validate import validate_config
@@ -31,7 +32,7 @@ def pick_device(cfg: Config) -> torch.device:
         return torch.device("cpu")
     device = default_device()
     if cfg.train.device == "cuda" and device.type != "cuda":
-        raise ValueError("train.device=cuda but CUDA is not available; use train.device=cpu")
+        raise UserError("train.device=cuda but CUDA is not available; use train.device=cpu")
     return device
 
 
@@ -77,6 +78,10 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
         groups = ParallelGroups.create(layout, device, timeout)
         cfg = settle_measured_partition(cfg, groups, Path(run_dir))
         return train(cfg, groups, Path(run_dir), store)
+    except UserError as err:
+        # The launcher prints a UserError's line and nothing else (launch.run.failure_line):
+        # bad input found on a rank (a damaged checkpoint, a diverging run) is no bug.
+        raise UserError(str(err)) from err
     finally:
         dist.destroy_process_group()
 

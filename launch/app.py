@@ -16,12 +16,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hybrid.errors import USER_ERROR_EXIT
 from hybrid.planning.config import Config, PlanConfig
 from hybrid.files import RunDirError
 from launch.failures import interrupted_by
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-USER_ERROR_EXIT = 2
 
 T = TypeVar("T", bound=Config)
 

@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hybrid.errors import USER_ERROR_EXIT, UserError
 from hybrid.checkpoint.store import CheckpointError, check_files, read_manifest, resolve_resume
 
-USER_ERROR_EXIT = 2
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise CheckpointError(f"the folder of {args.output} does not exist; create it or "
                                   f"choose another output path")
         count = export_model(path, args.output)
-    except (CheckpointError, OSError) as err:
+    except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     print(f"wrote {count:,} parameters of {path} (step {manifest['step']}) to "

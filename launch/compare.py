@@ -25,10 +25,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence, Union
 
+from hybrid.errors import USER_ERROR_EXIT, UserError
 from launch.loss_compare import (RTOL, CompareError, LossComparison, Run, compare_losses,
                                  numerics_differences, span, summary_line)
 
-USER_ERROR_EXIT = 2
 PARTED_EXIT = 1
 METRICS = "metrics.jsonl"
 
@@ -175,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = _parse(argv)
     try:
         base, results = _compare_all(args)
-    except (CompareError, OSError) as err:
+    except (UserError, OSError) as err:
         _user_error(err)
     if args.format == "json":
         print(_json(base, results, args))

@@ -20,12 +20,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hybrid.data import TOKEN_DTYPES
+from hybrid.errors import USER_ERROR_EXIT, UserError
 
-USER_ERROR_EXIT = 2
 READ_CHUNK_BYTES = 1 << 24
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """A bad command line argument; the message says what to pass instead."""
 
 
@@ -98,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = _parse(argv)
     try:
         count = tokenize_file(args.input, args.output, args.dtype, args.force)
-    except (InputError, OSError) as err:
+    except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     path = os.path.abspath(args.output)

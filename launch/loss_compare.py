@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
+from hybrid.errors import UserError
 
 RTOL = 1e-4  # DESIGN: fp32 layouts agree to 1e-5 at step 1 and to 1e-4 over 20 steps
 Losses = Union[Sequence[float], Mapping[int, float]]
@@ -27,7 +28,7 @@ LAYOUT_ONLY = ("parallel.", "train.micro_batch", "model.recompute", "launcher.",
                "train.skip_memory_check", "train.overwrite")
 
 
-class CompareError(Exception):
+class CompareError(UserError):
     """Input that cannot be compared: a user error, reported as one line."""
 
 

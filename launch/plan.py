@@ -19,6 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from hybrid.errors import UserError
 from hybrid.planning.config import PlanConfig
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import memory_verdict
@@ -51,7 +52,7 @@ def _plan(dict_cfg: DictConfig) -> None:
             return
         resolve_block_costs(cfg)  # partition=measured: plan with an existing calibration file
         job = plan_job(cfg)
-    except (LayoutError, ValueError) as err:
+    except UserError as err:
         exit_user_error(err)
     plan = plan_dict(job)  # one plan, printed and priced
     plan["predicted"] = predict_step(job, device).to_dict() | {"device": device.name}

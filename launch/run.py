@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from hybrid.errors import UserError
 from hybrid.planning.config import Config, to_dict
 from hybrid.planning.layout import Layout
 from hybrid.planning.validate import ranks_per_node
@@ -19,9 +20,8 @@ from launch.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, default_omp_th
     start_fork_server
 
 WORKER_FAILED_EXIT = 1
-WORKER_USER_ERRORS = ("CheckpointError", "DataError", "ModelInputError", "NonFiniteError",
-                      "RunDirError")
-"""Exceptions a worker raises for bad input: reported as one line, without a traceback."""
+WORKER_USER_ERROR = UserError.__name__
+"""What a worker's bad input is raised as (``hybrid.worker``): reported as its one line."""
 WORKER_DIAGNOSES = ("StallError",)
 """Failures whose one line already names the ranks involved (``hybrid.watch``)."""
 
@@ -51,7 +51,7 @@ def failure_line(err, run_dir: Path, since: float) -> str:
         return diagnosis
     if kind in WORKER_DIAGNOSES:
         return err.error.split(":", 1)[1].strip()
-    if kind in WORKER_USER_ERRORS:
+    if kind == WORKER_USER_ERROR:
         return f"rank {err.rank}: {err.error.split(':', 1)[1].strip()}"
     return str(err)
 

@@ -107,7 +107,7 @@ def _predicted(cell: Path) -> dict:
     from hybrid.planning.config import from_dict
     from hybrid.planning.cost.devices import load_device
     from hybrid.planning.job import plan_job
-    from hybrid.planning.layout import LayoutError
+    from hybrid.errors import UserError
     from hybrid.planning.cost.steptime import predict_step
 
     path = cell / "config.json"
@@ -116,7 +116,7 @@ def _predicted(cell: Path) -> dict:
     cfg = from_dict(json.loads(path.read_text()))
     try:
         p = predict_step(plan_job(cfg), load_device(cfg.cost.device))
-    except (LayoutError, ValueError):
+    except UserError:
         return {}
     return {"predicted_step_time_s": p.step_time_s,
             "predicted_mem_bytes_per_rank": p.mem_bytes_per_rank}

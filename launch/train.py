@@ -26,7 +26,8 @@ from hybrid.checkpoint.store import (
     resolve_resume,
 )
 from hybrid.planning.config import Config, to_dict
-from hybrid.data import DataError, validate_data
+from hybrid.data import validate_data
+from hybrid.errors import UserError
 from hybrid.files import RunDirError, write_error, write_text
 from hybrid.planning.layout import Layout, LayoutError
 from hybrid.planning.memory import check_memory
@@ -179,7 +180,7 @@ def _train(dict_cfg: DictConfig) -> None:
     cell = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         trained = run(cfg, prepare(cfg, run_dir), run_dir)
-    except (LayoutError, DataError, CheckpointError, RunDirError) as err:
+    except UserError as err:
         if not cell:
             exit_user_error(err)
         _record_cell(run_dir, "skipped", " ".join(str(err).split("\n")), hydra_cfg)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybrid.errors import UserError
 from hybrid.planning.config import ModelConfig, OptimConfig
 from hybrid.dp import plan_buckets
 from hybrid.planning.params import model_param_specs
@@ -70,9 +71,9 @@ def test_adamw_groups_and_exact_state_bytes():
     numel = sum(p.numel() for p in model.parameters())
     assert optimizer_state_bytes(optimizer) == {"per_element": 2 * 4 * numel,
                                                 "scalars": 4 * len(named)}
-    with pytest.raises(ValueError, match="optim.name=adamw"):
+    with pytest.raises(UserError, match="optim.name=adamw"):
         build_adamw([], OptimConfig(name="sgd"))
-    with pytest.raises(ValueError, match="optim.implementation='apex' is unknown"):
+    with pytest.raises(UserError, match="optim.implementation='apex' is unknown"):
         build_adamw([], OptimConfig(implementation="apex"))
 
 

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from hybrid.errors import UserError
 from hybrid.planning.schedules.actions import rank_stages, stage_chunk, stage_rank
 from hybrid.planning.schedules.partition import (
     PartitionError, format_partition, partition, stage_costs,
@@ -144,7 +145,7 @@ def test_errors_are_one_actionable_line(kwargs, match):
     with pytest.raises(PartitionError, match=match) as caught:
         partition(**kwargs)
     assert "\n" not in str(caught.value)
-    assert isinstance(caught.value, ValueError)
+    assert isinstance(caught.value, UserError)  # one line for the person, never a bug
 
 
 def test_placement_is_megatron_interleaved_and_rank_stages_inverts_it():

@@ -148,3 +148,37 @@ def test_hybrid_never_imports_launch():
     graph = import_graph()
     assert [(a, b) for a, bs in graph.items() for b in bs
             if a.startswith("hybrid") and b.startswith("launch")] == []
+
+
+NOT_USER_ERRORS = {
+    "StallError": "a diagnosis: its line names the ranks that waited (hybrid.watch)",
+    "PipelineTimeout": "a failed wait, turned into a StallError",
+    "SpawnError": "a test helper's failure",
+    "WorkerFailure": "a worker that raised or died; its line is the worker's",
+    "LaunchFailed": "the launch failed outside any worker (nodes that never met)",
+    "RendezvousFailure": "a LaunchFailed",
+    "WorkerInterrupted": "a signal",
+    "LaunchInterrupted": "a signal",
+    "RunFailed": "the launcher's carrier of a failure line and exit status",
+    "OrderViolation": "internal to the schedule replay, turned into a ScheduleError",
+    "Deadlock": "internal to the schedule replay, turned into a ScheduleError",
+}
+"""Exception classes that are not the user's to fix, and why; every other one must be."""
+
+
+def test_every_error_class_a_person_can_fix_is_a_user_error():
+    import importlib
+    import inspect
+
+    from hybrid.errors import UserError
+
+    defined = {}
+    for name in module_files():
+        module = importlib.import_module(name)
+        for cls_name, cls in vars(module).items():
+            if inspect.isclass(cls) and issubclass(cls, BaseException) \
+                    and cls.__module__ == name:
+                defined[cls_name] = cls
+    assert {name for name in NOT_USER_ERRORS if name not in defined} == set()
+    assert sorted(name for name, cls in defined.items()
+                  if name not in NOT_USER_ERRORS and not issubclass(cls, UserError)) == []

@@ -19,6 +19,7 @@ import re
 import shutil
 from pathlib import Path
 from typing import Optional
+from hybrid.errors import UserError
 
 MANIFEST = "hybrid.json"
 DCP_METADATA = ".metadata"
@@ -30,7 +31,7 @@ MODEL_SHAPE_FIELDS = ("layers", "hidden", "heads", "ffn", "vocab", "padded_vocab
 resolved sizes)."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint cannot be used as asked: one line with the path and the fix."""
 
 

@@ -18,12 +18,13 @@ import torch
 
 from hybrid.comm import all_gather_flat
 from hybrid.optim import step_count
+from hybrid.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_KEYS = MOMENTS + ("step",)
 
 
-class OptimizerStateError(RuntimeError):
+class OptimizerStateError(UserError):
     """The optimizer state to load does not cover what this rank steps."""
 
 

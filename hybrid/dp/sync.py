@@ -49,11 +49,12 @@ from hybrid.dp.zero2 import StagedShards
 from hybrid.planning.cost.dp_traffic import DpOptions, option_problem
 from hybrid.planning.params import ParamSpec
 from hybrid.optim import build_adamw, set_lr, unique_parameters
+from hybrid.errors import UserError
 
 MIB = 1024 * 1024
 
 
-class DataParallelConfigError(ValueError):
+class DataParallelConfigError(UserError):
     """A user error in the DP/ZeRO settings; one line, with the fix."""
 
 

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid.planning.config import ModelConfig
+from hybrid.errors import UserError
 
 
-class ModelInputError(ValueError):
+class ModelInputError(UserError):
     """A batch the model cannot take (ids outside the vocabulary, too long, wrong dtype)."""
 
 

@@ -7,7 +7,12 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from hybrid.errors import UserError
 from hybrid.optim import spec_of
+
+
+class WeightsError(UserError):
+    """Weights by global name that do not fit the model they are loaded into."""
 
 
 def gather_tp_param(tensor: torch.Tensor, param: torch.Tensor, groups) -> torch.Tensor:
@@ -37,7 +42,7 @@ def load_global_weights(params: Iterable[torch.nn.Parameter], weights: dict[str,
         full = weights.get(spec.name)
         if full is None or tuple(full.shape) != spec.shape:
             got = None if full is None else tuple(full.shape)
-            raise ValueError(f"{spec.name}: the weights hold {got}, the model needs "
+            raise WeightsError(f"{spec.name}: the weights hold {got}, the model needs "
                              f"{spec.shape}; export the checkpoint of this model")
         if spec.tp_dim is not None:
             size = spec.local_shape(tp)[spec.tp_dim]
@@ -47,5 +52,5 @@ def load_global_weights(params: Iterable[torch.nn.Parameter], weights: dict[str,
         used.add(spec.name)
     unused = sorted(set(weights) - used)
     if unused:
-        raise ValueError(f"{len(unused)} tensors have no parameter here (first: {unused[0]}); "
+        raise WeightsError(f"{len(unused)} tensors have no parameter here (first: {unused[0]}); "
                          f"build the model the checkpoint was saved from")

@@ -14,12 +14,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
+from hybrid.errors import UserError
 
 AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
     """A user error in the parallel layout or the config that it must fit; one line, with the fix."""
 
 

@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import Optional
 
+from hybrid.errors import UserError
 from hybrid.planning.config import Config
 from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.layout import LayoutError
@@ -76,7 +77,7 @@ def suggestion(cfg: Config, limit: int, device: str) -> Optional[str]:
     for label, changed in singles + pairs:
         try:
             need = memory_need(changed, device)
-        except (LayoutError, ValueError):
+        except UserError:
             continue  # that change is not a valid layout for this model
         if need.needed_bytes <= limit:
             return f"{label} would need {human_bytes(need.needed_bytes)}"

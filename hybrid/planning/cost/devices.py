@@ -20,10 +20,17 @@ import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from hybrid.errors import UserError
+
 GIB = 2**30
 ACHIEVED_COMPUTE = 0.8
 MATMUL_HALF_WIDTH = 400.0
 ACHIEVED_LINK = 0.8
+
+
+class DeviceError(UserError):
+    """``cost.device`` names no preset and no readable device file, or a link setting is
+    out of range: one line with the fix."""
 
 
 @dataclass(frozen=True)
@@ -138,13 +145,14 @@ def load_device(name: str) -> Device:
     if name == "calibrated":
         path = calibrated_path()
         if not path.is_file():
-            raise ValueError(f"cost.device=calibrated but {path} does not exist; run "
-                             f"hybrid-plan calibrate first")
+            raise DeviceError(f"cost.device=calibrated but {path} does not exist; run "
+                              f"hybrid-plan calibrate first")
     else:
         path = Path(name).expanduser()
     if not path.suffix == ".json" or not path.is_file():
-        raise ValueError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
-                         f"calibrated) nor a JSON file of a device's fields (hybrid/planning/cost/devices.py)")
+        raise DeviceError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
+                          f"calibrated) nor a JSON file of a device's fields "
+                          f"(hybrid/planning/cost/devices.py)")
     data = json.loads(path.read_text())
     return Device(name=data["name"], flops=dict(data["flops"]),
                   memory_bytes=int(data["memory_bytes"]), intra=Link(**data["intra"]),
@@ -173,6 +181,6 @@ def device_for(cost) -> Device:
     device = load_device(cost.device)
     if cost.inter_node_gbit is not None:
         if not cost.inter_node_gbit > 0:
-            raise ValueError(f"cost.inter_node_gbit={cost.inter_node_gbit} must be > 0 (Gb/s)")
+            raise DeviceError(f"cost.inter_node_gbit={cost.inter_node_gbit} must be > 0 (Gb/s)")
         device = with_inter_bandwidth(device, cost.inter_node_gbit)
     return device

@@ -18,6 +18,7 @@ import csv
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from hybrid.errors import UserError
 
 FORWARD = "F"
 BACKWARD = "B"  # full backward: input gradient and weight gradient together
@@ -35,7 +36,7 @@ _ACTION_PATTERN = re.compile(
 )
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError):
     """A schedule that cannot be built or does not hold; the first line says what to change."""
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from hybrid.planning.schedules.actions import LOOP, stage_chunk, stage_rank
+from hybrid.errors import UserError
 
 PARTITION_MODES = ("uniform", "balanced", "measured")
 
 
-class PartitionError(ValueError):
+class PartitionError(UserError):
     """The blocks cannot be split as asked; one line with the fix."""
 
 
