@@ -41,7 +41,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,9 +75,9 @@ def torch_powersgd(cfg: ModelConfig, groups, args):
     from hybrid.model import GPT
 
     model = GPT(cfg, groups, seed=SEED)
-    ddp = DistributedDataParallel(model, process_group=groups.dp, bucket_cap_mb=BUCKET_MB,
+    ddp = DistributedDataParallel(model, process_group=groups.gradient.pg, bucket_cap_mb=BUCKET_MB,
                                   gradient_as_bucket_view=True)
-    state = PowerSGDState(process_group=groups.dp, matrix_approximation_rank=args.rank,
+    state = PowerSGDState(process_group=groups.gradient.pg, matrix_approximation_rank=args.rank,
                           start_powerSGD_iter=args.warmup,
                           min_compression_rate=POWERSGD_MIN_COMPRESSION,
                           use_error_feedback=True, warm_start=True)
@@ -113,11 +112,11 @@ def _worker(rank: int, world: int, args) -> dict:
     for step in range(1, args.steps + 1):
         micro = rank_microbatches(data, step - 1, global_batch=args.global_batch,
                                   micro_batch=args.micro_batch, dp=world,
-                                  dp_rank=groups.dp_rank, seed=SEED)
+                                  dp_rank=groups.data.rank(), seed=SEED)
         lr = lr_at(step, OPTIM, args.steps)
         turn = step % len(SIDES)
         for name in SIDES[turn:] + SIDES[:turn]:
-            dist.barrier(group=groups.dp)
+            groups.gradient.barrier()
             with counter.track():
                 wall, cpu = time.perf_counter(), time.process_time()
                 loss = sides[name](micro, lr)  # GradSync counts its steps from 1

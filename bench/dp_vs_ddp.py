@@ -92,7 +92,7 @@ def _worker(rank, world, args):
     hybrid_model = GPT(cfg, groups, seed=SEED)
     sync = GradSync(hybrid_model, groups, OPTIM, bucket_mb=BUCKET_MB)
     torch_model = GPT(cfg, groups, seed=SEED)
-    ddp = DistributedDataParallel(torch_model, process_group=groups.dp, bucket_cap_mb=BUCKET_MB,
+    ddp = DistributedDataParallel(torch_model, process_group=groups.gradient.pg, bucket_cap_mb=BUCKET_MB,
                                   gradient_as_bucket_view=True)
     optimizer = build_adamw([(p, spec_of(p, n).weight_decay)
                              for n, p in torch_model.named_parameters()], OPTIM)
@@ -100,10 +100,10 @@ def _worker(rank, world, args):
                "ddp": lambda micro, lr: ddp_step(ddp, optimizer, micro, lr)}
     record = {name: {"wall": [], "cpu": [], "loss": []} for name in runners}
     for step in range(1, args.steps + 2):  # step 1 is the warm-up
-        micro = batch(step, args, groups.dp_rank, world)
+        micro = batch(step, args, groups.data.rank(), world)
         lr = lr_at(step, OPTIM, args.steps + 1)
         for name, run in runners.items():
-            torch.distributed.barrier(group=groups.dp)
+            groups.gradient.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
             loss = run(micro, lr)
             record[name]["wall"].append(time.perf_counter() - wall)

@@ -77,7 +77,7 @@ def _torch_runner(args, groups, chunks, torch_name, batch):
 
     pp, m = args.pp, args.microbatches
     n_stages = pp * len(chunks)
-    stages = [PipelineStage(chunks[s], s, n_stages, groups.device, group=groups.pp)
+    stages = [PipelineStage(chunks[s], s, n_stages, groups.device, group=groups.pipeline.pg)
               for s in sorted(chunks)]
     schedule = _torch_schedule(torch_name, stages, m, functools.partial(lm_loss, groups=groups))
     tokens, labels = batch
@@ -94,16 +94,16 @@ def _torch_runner(args, groups, chunks, torch_name, batch):
 def _timed(step, groups, chunks):
     for chunk in chunks.values():
         chunk.zero_grad(set_to_none=True)
-    dist.barrier(group=groups.pp)
+    dist.barrier(group=groups.pipeline.pg)
     wall, cpu = time.perf_counter(), time.process_time()
     loss = step()
     spans = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu])
     held = torch.tensor([0.0 if loss is None else loss])  # the last stage's rank has it
-    dist.all_reduce(held, group=groups.pp)
-    dist.barrier(group=groups.pp)
+    dist.all_reduce(held, group=groups.pipeline.pg)
+    dist.barrier(group=groups.pipeline.pg)
     wall_max = spans[:1].clone()
-    dist.all_reduce(wall_max, op=dist.ReduceOp.MAX, group=groups.pp)
-    dist.all_reduce(spans, group=groups.pp)
+    dist.all_reduce(wall_max, op=dist.ReduceOp.MAX, group=groups.pipeline.pg)
+    dist.all_reduce(spans, group=groups.pipeline.pg)
     return held.item(), wall_max.item(), spans[1].item()
 
 
@@ -138,9 +138,9 @@ def _bench_rank(rank, world, args):
 def _draw(args, cfg, groups, chunks, name, vpp, batch):
     recorder = ActionRecorder(groups.pp_rank)
     step, lists = _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch, recorder)
-    dist.barrier(group=groups.pp)
+    dist.barrier(group=groups.pipeline.pg)
     step()
-    events = gather_events(recorder.events, group=groups.pp, dst=groups.ranks["pp"][0])
+    events = gather_events(recorder.events, group=groups.pipeline, dst=groups.pipeline.ranks[0])
     if events is not None:
         prefix = Path(args.timeline) / f"timeline_{name}_pp{args.pp}"
         report = write_timeline(events, lists, prefix, pp=args.pp, m=args.microbatches,

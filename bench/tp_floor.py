@@ -43,83 +43,71 @@ LAYOUTS = {"tp2": ["parallel=single", "parallel.tp=2"], "2x2x2": [],
            "tp2 sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"]}
 
 
+COLLECTIVES = {"all_reduce": 0, "all_gather_into": 0, "all_gather": 0, "reduce_scatter_into": 1}
+"""hybrid's ``Group`` collectives, and which argument holds the payload ``CommCounter`` counts."""
+
+
 @contextlib.contextmanager
 def tp_collectives(group, log: list | None = None, stub: bool = False):
-    """Within the block, log ``(method, payload bytes)`` of each collective on ``group`` and,
-    with ``stub``, answer it at once with a completed ``Work`` instead of communicating."""
+    """Within the block, log ``(method, payload bytes)`` of each collective on ``group`` (a
+    ``hybrid.comm.Group``) and, with ``stub``, answer it at once instead of communicating.
+    The bench replaces the methods of this one group object, never anything of torch."""
     import torch
-    import torch.distributed as dist
 
-    from hybrid.comm import _METHODS, tensor_bytes
-
-    cls = dist.ProcessGroup
-    # Every collective method CommCounter knows (it pins the list), not point-to-point.
-    raw = {name: cls.__dict__[name] for name, (_, kind) in _METHODS.items()
-           if name in cls.__dict__ and kind not in ("send", "recv")}
+    from hybrid.comm import tensor_bytes
 
     def wrap(name, original):
-        def call(pg, *args, **kwargs):
-            if pg is not group:
-                return original(pg, *args, **kwargs)
+        def call(*args, **kwargs):
             if log is not None:
-                log.append((name, tensor_bytes(args[_METHODS[name][0]])))
+                log.append((name, tensor_bytes(args[COLLECTIVES[name]])))
             if not stub:
-                return original(pg, *args, **kwargs)
+                return original(*args, **kwargs)
             if "gather" in name:  # fresh memory: every slot as if each rank sent ours
                 fill_gathered(name, args)
+            if not kwargs.get("async_op"):
+                return None
             done = torch.futures.Future()
             done.set_result(None)
             return torch._C._distributed_c10d._create_work_from_future(done)
         return call
 
-    for name, entry in raw.items():
-        setattr(cls, name, wrap(name, getattr(cls, name)))
+    for name in COLLECTIVES:
+        setattr(group, name, wrap(name, getattr(group, name)))
     try:
         yield
     finally:
-        for name, entry in raw.items():
-            setattr(cls, name, entry)
+        for name in COLLECTIVES:
+            delattr(group, name)  # the class's methods again
 
 
 def fill_gathered(name: str, args: tuple) -> None:
     """A stubbed all-gather's output, every rank's slot holding this rank's input (the loss
     then stays finite: the cross entropy divides by a gathered sum)."""
-    if name in ("_allgather_base", "all_gather_single"):
+    if name == "all_gather_into":
         out, mine = args[0], args[1]
         out.view(-1, mine.numel()).copy_(mine.reshape(1, -1))
         return
-    for out in _tensors(args[0]):
+    for out in args[0]:
         out.zero_()
-
-
-def _tensors(value):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)] if isinstance(value, (list, tuple)) else []
 
 
 def replay_cpu(log: list, group, reps: int) -> float:
     """Median CPU seconds (this rank, gloo's threads included) to issue ``log`` back to back."""
     import torch
-    import torch.distributed as dist
-
-    from hybrid.comm import all_gather_flat, reduce_scatter_flat
 
     world, calls = group.size(), []
     for name, payload in log:
         full = torch.ones(max(1, payload // 4))
         part = torch.ones(max(1, full.numel() // world))
-        if "reduce_scatter" in name:
-            calls.append(lambda f=full, p=part: reduce_scatter_flat(p, f, group=group))
+        if name == "reduce_scatter_into":
+            calls.append(lambda f=full, p=part: group.reduce_scatter_into(p, f))
         elif "gather" in name:
-            calls.append(lambda f=full, p=part: all_gather_flat(f, p, group=group))
+            calls.append(lambda f=full, p=part: group.all_gather_into(f, p))
         else:
-            calls.append(lambda f=full: dist.all_reduce(f, group=group))
+            calls.append(lambda f=full: group.all_reduce(f))
     times = []
     for _ in range(1 + reps):
-        dist.barrier(group=group)
+        group.barrier()
         start = time.process_time()
         for call in calls:
             call()
@@ -140,13 +128,13 @@ def measure(cfg_dict: dict, run_dir: str, blocks: int, steps: int, profile: bool
         for mode in (("real", "local") if block % 2 else ("local", "real")):
             for _ in range(steps):
                 step += 1
-                with tp_collectives(groups.tp, stub=mode == "local"):
+                with tp_collectives(groups.tensor, stub=mode == "local"):
                     report = trainer.step(step)
                 if block:  # block 0 warms up both modes
                     cpu[mode].append(report.cpu_s)
-    with tp_collectives(groups.tp, log=log):
+    with tp_collectives(groups.tensor, log=log):
         trainer.step(step + 1)
-    replay = replay_cpu(log, groups.tp, reps=blocks * steps)
+    replay = replay_cpu(log, groups.tensor, reps=blocks * steps)
     table = None
     if profile:
         table = profile_steps(trainer, step + 2, steps, on=dist.get_rank() == 0)

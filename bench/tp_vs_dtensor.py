@@ -39,13 +39,12 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.comm import CommCounter, all_gather_flat, reduce_scatter_flat  # noqa: E402
+from hybrid.comm import CommCounter  # noqa: E402
 from hybrid.planning.config import ModelConfig  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
 from hybrid.planning.layout import Layout  # noqa: E402
@@ -56,27 +55,15 @@ SEED, WARMUP = 7, 2
 
 
 class SizedCounter(CommCounter):
-    """A ``CommCounter`` that also keeps each call's ProcessGroup method and payload bytes."""
+    """A ``CommCounter`` that also keeps each collective's kind and payload bytes."""
 
     def __init__(self, groups):
         super().__init__(groups)
         self.log: list[tuple[str, int]] = []
-        self._method = ""
 
-    def _wrap(self, name, original):
-        counted = super()._wrap(name, original)
-
-        def named(group, *args, **kwargs):
-            self._method = name
-            return counted(group, *args, **kwargs)
-        named.hybrid_counter = self
-        return named
-
-    def record(self, axis, kind, payload, group_size):
-        super().record(axis, kind, payload, group_size)
-        op = ("all-reduce" if "allreduce" in self._method else "reduce-scatter"
-              if "reduce_scatter" in self._method else "all-gather")
-        self.log.append((op, payload))
+    def collective(self, group, op, kind, payload, issue, waits):
+        self.log.append((op.replace("_", "-"), payload))
+        return super().collective(group, op, kind, payload, issue, waits)
 
 
 # ----- the plain torch model: hybrid's parameter names, activations [b, s, h] ------------------
@@ -167,7 +154,7 @@ def hybrid_step(model: GPT, groups, batch, sp: bool) -> float:
     loss = model(*batch)
     loss.backward()
     if sp:
-        allreduce_sequence_parallel_grads(model.blocks, groups.tp)
+        allreduce_sequence_parallel_grads(model.blocks, groups.tensor)
     return loss.item()
 
 
@@ -204,13 +191,13 @@ def replay(log: list[tuple[str, int]], group, reps: int) -> float:
     for op, payload in log:
         full = torch.ones(max(1, payload // 4))  # fp32; the 8-byte int64 flag becomes 2 floats
         part = torch.ones(full.numel() // world)
-        calls.append({"all-reduce": lambda f=full: dist.all_reduce(f, group=group),
-                      "all-gather": lambda f=full, p=part: all_gather_flat(f, p, group=group),
-                      "reduce-scatter": lambda f=full, p=part: reduce_scatter_flat(p, f, group=group),
+        calls.append({"all-reduce": lambda f=full: group.all_reduce(f),
+                      "all-gather": lambda f=full, p=part: group.all_gather_into(f, p),
+                      "reduce-scatter": lambda f=full, p=part: group.reduce_scatter_into(p, f),
                       }[op])
     times = []
     for _ in range(WARMUP + reps):
-        dist.barrier(group=group)
+        group.barrier()
         start = time.perf_counter()
         for call in calls:
             call()
@@ -219,7 +206,7 @@ def replay(log: list[tuple[str, int]], group, reps: int) -> float:
 
 
 def _timed(run, group) -> tuple[float, float, float]:
-    dist.barrier(group=group)
+    group.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
     loss = run()
     return time.perf_counter() - wall, time.process_time() - cpu, loss
@@ -247,12 +234,12 @@ def _worker(rank, world, args):
         record = {side: [] for side in runs}
         for _ in range(WARMUP + args.steps):
             for side, run in runs.items():
-                record[side].append(_timed(run, groups.tp))
+                record[side].append(_timed(run, groups.tensor))
         counter = SizedCounter(groups)
         with counter.track():
             runs["hybrid"]()
         out[sp] = dict(record=record, log=counter.log, dtensor=dtensor_collectives(runs["dtensor"]),
-                       floor=replay(counter.log, groups.tp, args.steps))
+                       floor=replay(counter.log, groups.tensor, args.steps))
     return out
 
 

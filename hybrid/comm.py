@@ -1,75 +1,53 @@
-"""``CommCounter``: calls and bytes of every collective this process issues, per parallel axis.
+"""``Group``: a process group hybrid made, and the one way hybrid's code communicates.
 
-Inside ``with counter.track():`` every collective and point-to-point operation is counted and
-attributed to the axis whose process group it ran on (``dp``, ``tp``, ``pp``; everything else,
-e.g. the ``tp-pp`` group of the norm reduction, the ``embedding`` group or the world, goes to
-``other``). This includes the ones megatron-core's TP layers issue internally.
+Every collective and point-to-point message hybrid issues goes through a ``Group`` method: the
+model's tensor-parallel regions (megatron-core's layers are built so that they issue none of
+their own, ``hybrid.model.megatron_adapter``), the pipeline's messages, the DP reductions,
+clipping and the trainer's per-step reductions. A group knows its torch group (``pg``), its
+global ranks, its backend and the ``label`` its traffic is counted under (the axes of its role:
+``dp``, ``tp``, ``pp``, ``tp-pp``, ``embedding``, or ``world``).
 
-Where the counting hooks in: every ``torch.distributed`` collective, however it is reached
-(``dist.all_reduce``, ``dist.batch_isend_irecv``, megatron's import-time aliases of
-``all_gather_into_tensor``), ends in one method call on the ``ProcessGroup`` object, with the
-group as ``self``. So the counter wraps those ``ProcessGroup`` methods, for the duration of the
-block only, and restores them on exit. This is the only place in hybrid that does so; it is a
-private seam of torch, pinned by ``tests/test_comm.py``.
+While an observer is attached and active (``CommCounter``, during each training step), every
+operation is counted and handed to the observer's ``RankWatch``, which times this rank's waits
+and can say which operation a failed wait was, and which stops a rank on purpose for the tests
+of the hang diagnosis (``hybrid.faults``). Nothing in torch is replaced or patched: a test
+(``tests/test_comm.py``) runs training steps under a torch dispatch mode that sees every c10d
+operation and checks that each one was counted here.
 
 Byte definitions, for a tensor payload of ``n`` bytes in a group of ``d`` ranks:
 
 - ``payload``: the bytes of the tensors this rank hands in (all-reduce: the tensor; reduce-
   scatter: the full input; all-gather: the full output; send/recv: the tensor).
 - ``bytes``: the bytes this rank *sends* on the wire under ring algorithms: all-reduce
-  ``2(d-1)/d·n``; reduce-scatter, all-gather, broadcast, reduce, all-to-all ``(d-1)/d·n``;
-  send ``n``; recv ``0`` (the sender counts it). A 1-rank group moves nothing: ``0``.
-  Summed over the ranks of a group this is the group's total traffic.
+  ``2(d-1)/d·n``; reduce-scatter, all-gather ``(d-1)/d·n``; send ``n``; recv ``0`` (the
+  sender counts it). A 1-rank group moves nothing: ``0``. Summed over the ranks of a group
+  this is the group's total traffic.
 
-Calls count operations issued (a ``batch_isend_irecv`` of two ops counts two).
-
-Given a ``watch`` (``hybrid.watch.RankWatch``), the same seam also hands it every collective
-issued, with its options (whether the caller waits at once), so that it can time this rank's
-waits per axis and say which operation a failed wait was.
+Calls count operations issued (a batch of two point-to-point messages counts two).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 REPORTED_AXES = ("dp", "tp", "pp", "other")
+"""The labels ``CommCounter`` reports; a group labelled otherwise counts as ``other``."""
+ALL_REDUCE, GATHER_SCATTER, SEND, RECV = "all_reduce", "gather_scatter", "send", "recv"
 
 # The flat-tensor collectives, by their torch 2.13 names (the old ones print a FutureWarning);
 # torch >= 2.5 is allowed, which has only the old.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# ProcessGroup method -> (index of the argument that holds the payload, wire factor kind).
-_ALL_REDUCE, _SCATTER_GATHER, _SEND, _RECV = "all_reduce", "scatter_gather", "send", "recv"
-_METHODS: dict[str, tuple[int, str]] = {
-    "allreduce": (0, _ALL_REDUCE),
-    "allreduce_coalesced": (0, _ALL_REDUCE),
-    "reduce_scatter": (1, _SCATTER_GATHER),
-    "reduce_scatter_single": (1, _SCATTER_GATHER),
-    "reduce_scatter_single_coalesced": (1, _SCATTER_GATHER),
-    "reduce_scatter_tensor_coalesced": (1, _SCATTER_GATHER),
-    "_reduce_scatter_base": (1, _SCATTER_GATHER),
-    "allgather": (0, _SCATTER_GATHER),
-    "allgather_coalesced": (0, _SCATTER_GATHER),
-    "all_gather_single": (0, _SCATTER_GATHER),
-    "all_gather_single_coalesced": (0, _SCATTER_GATHER),
-    "allgather_into_tensor_coalesced": (0, _SCATTER_GATHER),
-    "_allgather_base": (0, _SCATTER_GATHER),
-    "broadcast": (0, _SCATTER_GATHER),
-    "reduce": (0, _SCATTER_GATHER),
-    "alltoall": (1, _SCATTER_GATHER),
-    "alltoall_base": (1, _SCATTER_GATHER),
-    "all_to_all_single": (1, _SCATTER_GATHER),
-    "send": (0, _SEND),
-    "recv": (0, _RECV),
-    "recv_anysource": (0, _RECV),
-}
-_PATCH_LOCK = threading.Lock()
+
+def reported_axis(label: str) -> str:
+    """The axis a group's traffic is reported under: its label, or ``other``."""
+    return label if label in REPORTED_AXES else "other"
 
 
 def tensor_bytes(value: Any) -> int:
@@ -85,29 +63,138 @@ def wire_bytes(kind: str, payload: int, group_size: int) -> float:
     """Bytes this rank sends for ``payload`` bytes under a ring algorithm (see module doc)."""
     if group_size <= 1:
         return 0.0
-    if kind == _ALL_REDUCE:
+    if kind == ALL_REDUCE:
         return 2.0 * (group_size - 1) / group_size * payload
-    if kind == _SCATTER_GATHER:
+    if kind == GATHER_SCATTER:
         return (group_size - 1) / group_size * payload
-    return float(payload) if kind == _SEND else 0.0
+    return float(payload) if kind == SEND else 0.0
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a batch: ``send`` or ``recv`` of ``tensor`` with the
+    global rank ``peer``, matched on both ends by ``tag``."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+
+
+@dataclass(eq=False)
+class Group:
+    """A torch process group as hybrid uses it (see the module doc)."""
+
+    pg: dist.ProcessGroup
+    ranks: list[int]
+    """Global ranks, in group-rank order."""
+    label: str
+    backend: str
+    observer: Optional["CommCounter"] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._size, self._rank = self.pg.size(), self.pg.rank()
+
+    @classmethod
+    def world(cls) -> "Group":
+        """The default group of every process of the job."""
+        pg = dist.group.WORLD
+        return cls(pg, list(range(dist.get_world_size())), "world", dist.get_backend(pg))
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        """This rank's place in the group."""
+        return self._rank
+
+    # ----- collectives -----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In-place sum (or ``op``) of ``tensor`` over the group."""
+        return self._collective("all_reduce", ALL_REDUCE, tensor_bytes(tensor), async_op,
+                                lambda: dist.all_reduce(tensor, op=op, group=self.pg,
+                                                        async_op=True))
+
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        """Every rank's ``tensor`` into ``out`` (``size()`` times larger, rank order)."""
+        return self._collective("all_gather", GATHER_SCATTER, tensor_bytes(out), async_op,
+                                lambda: _all_gather_flat(out, tensor, group=self.pg,
+                                                         async_op=True))
+
+    def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor`` into the list ``outs`` (one tensor per rank)."""
+        self._collective("all_gather", GATHER_SCATTER, tensor_bytes(outs), False,
+                         lambda: dist.all_gather(outs, tensor, group=self.pg, async_op=True))
+
+    def reduce_scatter_into(self, out: torch.Tensor, tensor: torch.Tensor,
+                            async_op: bool = False):
+        """The sum over the group of ``tensor``'s ``rank()``-th slice, into ``out``."""
+        return self._collective("reduce_scatter", GATHER_SCATTER, tensor_bytes(tensor),
+                                async_op, lambda: _reduce_scatter_flat(
+                                    out, tensor, group=self.pg, async_op=True))
+
+    def _collective(self, op: str, kind: str, payload: int, async_op: bool,
+                    issue: Callable[[], dist.Work]):
+        """Issue ``issue()`` (always asynchronous underneath); a synchronous call waits here.
+        With an active observer it is counted and watched first."""
+        observer = self.observer
+        if observer is not None and observer.active:
+            work = observer.collective(self, op, kind, payload, issue, waits=not async_op)
+        else:
+            work = issue()
+        if async_op:
+            return work
+        if work is not None:
+            work.wait()
+        return None
+
+    # ----- objects and barriers (between steps: not counted) --------------------------------
+    def all_gather_objects(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, in group-rank order."""
+        out = [None] * self.size()
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def gather_objects(self, obj: Any, dst: int) -> Optional[list]:
+        """Every rank's picklable ``obj`` on global rank ``dst`` (None on the others)."""
+        out = [None] * self.size() if dist.get_rank() == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.pg)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.pg)
+
+    # ----- point-to-point --------------------------------------------------------------------
+    def exchange(self, messages: Sequence[Message]) -> list[dist.Work]:
+        """Post ``messages`` as one ``batch_isend_irecv``; one ``Work`` per message."""
+        ops = [dist.P2POp(dist.isend if m.kind == SEND else dist.irecv, m.tensor, m.peer,
+                          self.pg, m.tag) for m in messages]
+        observer = self.observer
+        if observer is not None and observer.active:
+            works = observer.exchange(self, messages, lambda: dist.batch_isend_irecv(ops))
+        else:
+            works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            # NCCL-style coalescing returns one Work that stands for the whole batch.
+            assert len(works) == 1, f"{len(works)} works for {len(ops)} point-to-point ops"
+            works = works * len(ops)
+        return works
 
 
 class CommCounter:
-    """Counts collectives per axis of ``groups`` while ``track()`` is active.
+    """Counts every operation of ``groups``' ``Group``s per label while ``track()`` is active.
 
     ``snapshot()`` -> ``{"dp": {"calls": int, "bytes": float, "payload": int}, "tp": ...,
     "pp": ..., "other": ...}``; ``reset()`` zeroes it (call both once per step for per-step
-    figures). Process-local: each rank counts what it issues.
+    figures). Process-local: each rank counts what it issues. ``watch``
+    (``hybrid.watch.RankWatch``) is handed every operation too, to time the waits.
     """
 
     def __init__(self, groups: Optional[Any] = None, watch: Optional[Any] = None):
-        self.groups, self.watch = groups, watch
-        self._axis_of_group: dict[int, str] = {}
-        if groups is not None:
-            for axis in ("dp", "tp", "pp"):
-                if axis in groups.group:
-                    self._axis_of_group[id(groups.group[axis])] = axis
+        self.watch, self.active = watch, False
         self._counts = self._empty()
+        if groups is not None:
+            groups.observe(self)
 
     @staticmethod
     def _empty() -> dict[str, dict[str, float]]:
@@ -119,78 +206,50 @@ class CommCounter:
     def reset(self) -> None:
         self._counts = self._empty()
 
-    def record(self, axis: str, kind: str, payload: int, group_size: int) -> None:
-        entry = self._counts[axis]
+    @contextlib.contextmanager
+    def track(self) -> Iterator["CommCounter"]:
+        """Count every operation issued inside the block (not re-entrant)."""
+        if self.active:
+            raise RuntimeError("this CommCounter is already tracking; nest the work in one "
+                               "track() instead")
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+    def record(self, label: str, kind: str, payload: int, group_size: int) -> None:
+        entry = self._counts[reported_axis(label)]
         entry["calls"] += 1
         entry["payload"] += payload
         entry["bytes"] += wire_bytes(kind, payload, group_size)
 
-    def axis_of(self, group: dist.ProcessGroup, kind: str, peer: Optional[int]) -> str:
-        """The axis of ``group``; a point-to-point op on another group (e.g. the world) is
-        attributed by its peer's global rank."""
-        axis = self._axis_of_group.get(id(group))
-        if axis is not None:
-            return axis
-        if kind in (_SEND, _RECV) and peer is not None and self.groups is not None:
-            peer_global = dist.get_global_rank(group, peer)
-            for candidate in ("pp", "dp", "tp"):
-                if peer_global in self.groups.ranks.get(candidate, ()):
-                    return candidate
-        return "other"
-
-    @contextlib.contextmanager
-    def track(self) -> Iterator["CommCounter"]:
-        """Count every collective issued inside the block (not re-entrant, one at a time)."""
-        with _PATCH_LOCK:
-            if getattr(dist.ProcessGroup.__dict__.get("allreduce"), "hybrid_counter", None):
-                raise RuntimeError("another CommCounter is already tracking in this process; "
-                                   "nest the work in one counter's track() instead")
-            cls = dist.ProcessGroup
-            names = [name for name in _METHODS if hasattr(cls, name)]
-            # Restore the raw class-dict entries: getattr on a pybind11 class unwraps the
-            # method into a plain builtin that would no longer bind ``self``.
-            raw = {name: cls.__dict__.get(name) for name in names}
-            for name in names:
-                setattr(cls, name, self._wrap(name, getattr(cls, name)))
+    # ----- called by Group -------------------------------------------------------------------
+    def collective(self, group: Group, op: str, kind: str, payload: int,
+                   issue: Callable[[], dist.Work], waits: bool) -> Optional[dist.Work]:
+        self.record(group.label, kind, payload, group.size())
+        watch = self.watch
+        if watch is None:
+            return issue()
+        axis = reported_axis(group.label)
+        watch.before_issue(axis)
         try:
-            yield self
-        finally:
-            with _PATCH_LOCK:
-                for name, entry in raw.items():
-                    if entry is None:
-                        delattr(cls, name)
-                    else:
-                        setattr(cls, name, entry)
+            work = issue()
+        except Exception:  # a peer already gone: the failure is this operation's
+            watch.issue_failed(axis, op, group, None)
+            raise
+        return watch.issued(work, axis, op, group, waits)
 
-    def _wrap(self, name: str, original: Any) -> Any:
-        arg_index, kind = _METHODS[name]
-        counter = self
-
-        def counted(group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
-            payload = tensor_bytes(args[arg_index]) if len(args) > arg_index else 0
-            # send(tensors, dst, tag) / recv(tensors, src, tag); recv_anysource has no peer.
-            peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
-            axis = counter.axis_of(group, kind, peer)
-            counter.record(axis, kind, payload, group.size())
-            watch = counter.watch
-            if watch is None:
-                return original(group, *args, **kwargs)
-            watch.before_issue(axis)
-            try:
-                work = original(group, *args, **kwargs)
-            except Exception:  # a peer already gone: the failure is this operation's
-                watch.issue_failed(axis, name, group, peer)
-                raise
-            return watch.issued(work, axis, name, group, _options(args, kwargs))
-
-        counted.__name__ = name
-        counted.hybrid_counter = self  # marks the method as wrapped (see track)
-        return counted
-
-
-def _options(args: tuple, kwargs: dict) -> Any:
-    """The collective's options object (``AllreduceOptions``, ...; has ``asyncOp``), if any."""
-    for value in (*args, *kwargs.values()):
-        if hasattr(value, "asyncOp"):
-            return value
-    return None
+    def exchange(self, group: Group, messages: Sequence[Message],
+                 issue: Callable[[], list]) -> list:
+        axis = reported_axis(group.label)
+        for message in messages:
+            self.record(group.label, message.kind, tensor_bytes(message.tensor), group.size())
+            if self.watch is not None:
+                self.watch.before_issue(axis)
+        try:
+            return issue()
+        except Exception:
+            if self.watch is not None:
+                self.watch.issue_failed(axis, messages[0].kind, group, messages[0].peer)
+            raise

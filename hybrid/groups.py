@@ -1,9 +1,12 @@
-"""``ParallelGroups``: torch process groups for one ``Layout``, passed explicitly.
+"""``ParallelGroups``: the process groups of one ``Layout``, by role, passed explicitly.
 
 Nothing here is module-level state: build one object per layout and hand it to whatever needs
-a group. Several layouts can live in one process (a reference model beside a parallel one), and
-a layout smaller than the world is replicated: with 8 processes, ``Layout(tp=2)`` gives four
-independent 2-rank replicas, and ``Layout()`` gives every process its own 1-rank model.
+a group. Consumers ask for a role (``groups.gradient``, ``groups.tensor``, ...; the roles and
+the axes they span are declared in ``hybrid.planning.layout.ROLES``), never for an axis; roles
+over the same axes share one ``hybrid.comm.Group``. Several layouts can live in one process (a
+reference model beside a parallel one), and a layout smaller than the world is replicated: with
+8 processes, ``Layout(tp=2)`` gives four independent 2-rank replicas, and ``Layout()`` gives
+every process its own 1-rank model.
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybrid.planning.layout import Layout, LayoutError
-
-GROUP_AXES = ("dp", "tp", "pp", "tp-pp", "embedding")
+from hybrid.comm import Group
+from hybrid.planning.layout import EMBEDDING, Layout, LayoutError, group_keys, role_key
 
 
 def default_device() -> torch.device:
@@ -34,19 +36,19 @@ def backend_for(device: torch.device) -> str:
 
 @dataclass
 class ParallelGroups:
-    """The process groups of one layout, seen from the calling rank.
+    """The groups of one layout, seen from the calling rank: one ``Group`` per role.
 
-    ``ranks[axis]`` is the global rank list of this rank's group along ``axis`` and
-    ``group[axis]`` the matching torch ``ProcessGroup``. Shorthands: ``dp``, ``tp``, ``pp``,
-    ``mp`` (tp-pp, the model-parallel group) and ``embedding``.
+    ``by_key[key]`` is this rank's group along ``key`` (``"dp"``, ``"tp"``, ``"pp"``,
+    ``"tp-pp"``, ``"embedding"``: ``hybrid.planning.layout.role_key``); the role properties
+    below are what consumers use. ``world`` is every process of the job.
     """
 
     layout: Layout
     global_rank: int
     replica_offset: int
     device: torch.device
-    group: dict[str, dist.ProcessGroup] = field(repr=False)
-    ranks: dict[str, list[int]]
+    by_key: dict[str, Group] = field(repr=False)
+    world: Group = field(repr=False)
 
     @classmethod
     def create(cls, layout: Layout, device: torch.device | None = None,
@@ -69,19 +71,69 @@ class ParallelGroups:
         device = device or default_device()
         backend = backend_for(device)
         replicas = world // layout.world_size
-        mine_offset = me - me % layout.world_size
-        groups, ranks = {}, {}
-        for axis in GROUP_AXES:
+        by_key = {}
+        for key in group_keys():
             for replica in range(replicas):
                 offset = replica * layout.world_size
-                for local in layout.groups(axis):
+                for local in layout.groups(key):
                     members = [offset + r for r in local]
                     # new_group is collective over the world: every rank makes every group.
                     pg = dist.new_group(members, backend=backend, timeout=timeout)
                     if me in members:
-                        groups[axis], ranks[axis] = pg, members
-        return cls(layout=layout, global_rank=me, replica_offset=mine_offset, device=device,
-                   group=groups, ranks=ranks)
+                        by_key[key] = Group(pg, members, key, backend)
+        return cls(layout=layout, global_rank=me, replica_offset=me - me % layout.world_size,
+                   device=device, by_key=by_key, world=Group.world())
+
+    def role(self, name: str) -> Group:
+        """This rank's group of role ``name`` (``hybrid.planning.layout.ROLES``)."""
+        return self.by_key[role_key(name)]
+
+    def observe(self, observer) -> None:
+        """Hand every operation on these groups to ``observer`` (a ``hybrid.comm.CommCounter``;
+        None: stop)."""
+        for group in (*self.by_key.values(), self.world):
+            group.observer = observer
+
+    # ----- the roles -------------------------------------------------------------------------
+    @property
+    def data(self) -> Group:
+        """Ranks that read different samples: this rank reads share ``data.rank()``."""
+        return self.role("data")
+
+    @property
+    def gradient(self) -> Group:
+        """Ranks whose gradients are averaged once per step."""
+        return self.role("gradient")
+
+    @property
+    def sharding(self) -> Group:
+        """Ranks a ZeRO stage shards optimizer state (and gradients) over."""
+        return self.role("sharding")
+
+    @property
+    def loss(self) -> Group:
+        """Ranks whose last-stage losses are averaged into the step's loss."""
+        return self.role("loss")
+
+    @property
+    def tensor(self) -> Group:
+        """Ranks that split each weight matrix."""
+        return self.role("tensor")
+
+    @property
+    def pipeline(self) -> Group:
+        """The stages of this rank's pipeline, in stage order."""
+        return self.role("pipeline")
+
+    @property
+    def model(self) -> Group:
+        """Ranks that hold one copy of every parameter between them (global norms)."""
+        return self.role("model")
+
+    @property
+    def embedding(self) -> Group:
+        """This pipeline's first and last stage (a tied embedding's two copies)."""
+        return self.by_key[EMBEDDING]
 
     # ----- this rank's coordinates -----------------------------------------------------------
     @property
@@ -93,16 +145,14 @@ class ParallelGroups:
         return self.layout.coords(self.local_rank_in_layout)
 
     @property
-    def dp_rank(self) -> int:
-        return self.coords["dp"]
-
-    @property
     def tp_rank(self) -> int:
-        return self.coords["tp"]
+        """Which slice of each weight matrix this rank holds."""
+        return self.tensor.rank()
 
     @property
     def pp_rank(self) -> int:
-        return self.coords["pp"]
+        """Which pipeline rank this is (the stages it holds: ``stage_rank``)."""
+        return self.pipeline.rank()
 
     @property
     def is_first_stage(self) -> bool:
@@ -114,32 +164,11 @@ class ParallelGroups:
 
     def pp_neighbour(self, step: int) -> int:
         """Global rank of the stage ``step`` positions later in this pipeline (wrapping)."""
-        members = self.ranks["pp"]
+        members = self.pipeline.ranks
         return members[(self.pp_rank + step) % len(members)]
-
-    # ----- shorthands ------------------------------------------------------------------------
-    @property
-    def dp(self) -> dist.ProcessGroup:
-        return self.group["dp"]
-
-    @property
-    def tp(self) -> dist.ProcessGroup:
-        return self.group["tp"]
-
-    @property
-    def pp(self) -> dist.ProcessGroup:
-        return self.group["pp"]
-
-    @property
-    def mp(self) -> dist.ProcessGroup:
-        return self.group["tp-pp"]
-
-    @property
-    def embedding(self) -> dist.ProcessGroup:
-        return self.group["embedding"]
 
     def destroy(self) -> None:
         """Release this layout's groups (optional; the default group outlives them)."""
-        for pg in {id(g): g for g in self.group.values()}.values():
-            dist.destroy_process_group(pg)
-        self.group.clear()
+        for group in {id(g): g for g in self.by_key.values()}.values():
+            dist.destroy_process_group(group.pg)
+        self.by_key.clear()

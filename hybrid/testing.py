@@ -113,6 +113,25 @@ def _kill(procs: list) -> None:
         p.join(timeout=10)
 
 
+def c10d_ops_mode():
+    """A torch dispatch mode that lists every ``c10d`` operation dispatched on this thread
+    while it is active: what torch itself saw, whoever issued it (``.ops``, by name). The tests
+    compare it with what hybrid's groups counted, to show that nothing bypasses them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class C10dOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return C10dOps()
+
+
 def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts

@@ -158,10 +158,10 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        t, layout = self.cfg.train, self.groups.layout
+        t, data = self.cfg.train, self.groups.data
         pairs = rank_microbatches(self.dataset, step - 1, global_batch=t.global_batch,
-                                  micro_batch=t.micro_batch, dp=layout.dp,
-                                  dp_rank=self.groups.dp_rank, seed=self.cfg.seed)
+                                  micro_batch=t.micro_batch, dp=data.size(),
+                                  dp_rank=data.rank(), seed=self.cfg.seed)
         # No per-step id check here: validate_data scanned the token file before launch and
         # the dataset checks each window as it reads it (every model-parallel rank reads the
         # same windows, so a bad one stops them all alike).
@@ -232,19 +232,20 @@ class Trainer:
             grace_s=min(REPORT_GRACE_S, self.cfg.train.collective_timeout_s / 2))
 
     def _global_loss(self, loss: Optional[float]) -> float:
-        """The step's loss on the whole global batch: from the last stage, mean over DP."""
+        """The step's loss on the whole global batch: from the last stage, mean over the
+        loss group (the DP replicas)."""
         value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64,
                              device=self.device)
-        dist.all_reduce(value, group=self.groups.pp)  # only the last stage holds a loss
-        dist.all_reduce(value, group=self.groups.dp)
-        return value.item() / self.groups.layout.dp
+        self.groups.pipeline.all_reduce(value)  # only the last stage holds a loss
+        self.groups.loss.all_reduce(value)
+        return value.item() / self.groups.loss.size()
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (one all-gather over the job), by rank."""
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64,
                           device=self.device)
-        dist.all_gather_single(out, mine)
+        self.groups.world.all_gather_into(out, mine)
         return out.view(-1, len(values)).tolist()
 
     def run(self) -> dict:
@@ -329,8 +330,8 @@ class Trainer:
 
     def _write_timeline(self, recorder: ActionRecorder, step: int) -> None:
         """Rank 0's pipeline writes ``timeline.json``/``.png`` and the measured bubble."""
-        pp_ranks = self.groups.ranks["pp"]
-        events = gather_events(recorder.events, group=self.groups.pp, dst=pp_ranks[0])
+        pipeline = self.groups.pipeline
+        events = gather_events(recorder.events, group=pipeline, dst=pipeline.ranks[0])
         if dist.get_rank() != 0:
             return
         layout = self.groups.layout

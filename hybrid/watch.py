@@ -1,9 +1,9 @@
 """``RankWatch``: what this rank is doing and waiting on, how long it waited per axis, and the
 diagnosis when a wait fails.
 
-The communication seam (``hybrid.comm.CommCounter.track``) tells the watch about every
-collective this rank issues: a synchronous one is waited on right there, timed; an
-asynchronous one (the DP buckets) is timed where the gradient sync waits for it
+hybrid's groups (``hybrid.comm.Group``, through the step's ``CommCounter``) tell the watch
+about every collective this rank issues: a synchronous one is waited on right there, timed;
+an asynchronous one (the DP buckets) is timed where the gradient sync waits for it
 (``wait_async``). The pipeline runtime tells it which action runs and which RECV it waits on.
 Per step that gives the seconds blocked per axis (the straggler figures; on CPU/gloo, where a
 wait blocks the process) and, when a wait fails past ``train.collective_timeout_s``, exactly
@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from hybrid import faults
+from hybrid.comm import RECV, SEND
 from hybrid.files import write_text
 from hybrid.planning.schedules.actions import Action
 from hybrid.stall import FAILURE_FILE, CoordsOf, failure_document, stall_line
@@ -40,15 +41,6 @@ from hybrid.stragglers import WAIT_AXES
 REPORT_GRACE_S = 5.0
 """How long a failed rank waits for the others' reports before it stops: every rank blocked
 on the same stalled one times out within about one step of the first."""
-OP_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
-            "allgather": "all_gather", "_allgather_base": "all_gather",
-            "all_gather_single": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
-            "allgather_coalesced": "all_gather", "all_gather_single_coalesced": "all_gather",
-            "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-            "reduce_scatter_tensor_coalesced": "reduce_scatter",
-            "reduce_scatter_single_coalesced": "reduce_scatter",
-            "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}
-P2P_OPS = ("send", "recv", "recv_anysource")
 
 
 class StallError(RuntimeError):
@@ -69,7 +61,6 @@ class RankWatch:
         self.wait_s = dict.fromkeys(WAIT_AXES, 0.0)
         self._seq: dict[int, int] = {}  # id(group) -> collectives issued this step
         self._issued: dict[int, dict] = {}  # id(async work) -> its description, until waited
-        self._ranks: dict[int, list[int]] = {}  # id(group) -> global ranks
         self._stall = faults.stall_request(rank)
         self._thread = threading.current_thread()
 
@@ -96,47 +87,44 @@ class RankWatch:
         if self.waiting is not None and self.waiting["peer"] is not None:
             self._done_waiting()
 
-    # ----- fed by the communication seam and the gradient sync -------------------------------
+    # ----- fed by hybrid's groups (hybrid.comm) and the gradient sync ------------------------
     def before_issue(self, axis: str) -> None:
         if self._stall is not None and self._stall == (axis, self.step):
             self._stall = None
             faults.stall_now()
 
-    def issued(self, work: Any, axis: str, method: str, group: Any, options: Any) -> Any:
-        """An operation was issued. A synchronous collective (its caller waits at once) is
-        waited here, timed and described; an asynchronous one is described for
-        ``wait_async``. Point-to-point traffic is the runtime's (``started``)."""
-        if work is None or not self.enabled or method in P2P_OPS \
-                or threading.current_thread() is not self._thread:
+    def issued(self, work: Any, axis: str, op: str, group: Any, waits: bool) -> Any:
+        """A collective was issued on ``group`` (a ``hybrid.comm.Group``). One its caller
+        waits for at once (``waits``) is waited here, timed and described; an asynchronous
+        one is described for ``wait_async``. Point-to-point traffic is the runtime's
+        (``started``)."""
+        if work is None or not self.enabled or threading.current_thread() is not self._thread:
             return work
         self._seq[id(group)] = self._seq.get(id(group), 0) + 1
-        wait = self._collective(axis, method, group)
-        if getattr(options, "asyncOp", True):
-            self._issued[id(work)] = wait  # the id only: a reference would keep its buffers
-        else:
+        wait = self._collective(axis, op, group)
+        if waits:
             self._timed_wait(work, wait)  # the caller's own wait then returns at once
+        else:
+            self._issued[id(work)] = wait  # the id only: a reference would keep its buffers
         return work
 
-    def issue_failed(self, axis: str, method: str, group: Any, peer: Optional[int]) -> None:
-        """Issuing an operation raised (its peer's connection is already closed)."""
+    def issue_failed(self, axis: str, op: str, group: Any, peer: Optional[int]) -> None:
+        """Issuing an operation raised (its peer's connection is already closed); ``peer``:
+        the global rank at the other end of a point-to-point message."""
         if not self.enabled or self.waiting is not None:
             return
-        if method in P2P_OPS:
-            peer = None if peer is None else dist.get_global_rank(group, peer)
-            wait = {"axis": axis, "op": method, "ranks": [peer], "seq": None, "peer": peer,
+        if op in (SEND, RECV):
+            wait = {"axis": axis, "op": op, "ranks": [peer], "seq": None, "peer": peer,
                     "action": None}
         else:  # the collective it would have been
             self._seq[id(group)] = self._seq.get(id(group), 0) + 1
-            wait = self._collective(axis, method, group)
+            wait = self._collective(axis, op, group)
         self.waiting = dict(wait, since=time.perf_counter())
 
-    def _collective(self, axis: str, method: str, group: Any) -> dict:
+    def _collective(self, axis: str, op: str, group: Any) -> dict:
         """The description of this step's latest collective on ``group``."""
-        ranks = self._ranks.get(id(group))
-        if ranks is None:
-            ranks = self._ranks[id(group)] = dist.get_process_group_ranks(group)
-        return {"axis": axis, "op": OP_NAMES.get(method, method), "ranks": ranks,
-                "seq": self._seq[id(group)], "peer": None, "action": None}
+        return {"axis": axis, "op": op, "ranks": group.ranks, "seq": self._seq[id(group)],
+                "peer": None, "action": None}
 
     def wait_async(self, work: Any) -> None:
         """``work.wait()`` for an asynchronous collective (the DP buckets), timed."""

@@ -87,6 +87,16 @@ def layer_flops(hidden: int, rows: int) -> float:
     return 3 * layer_forward_flops(m, rows // SEQ)
 
 
+def _own_group(rank: int, world: int):
+    """This rank's own 1-rank TP group, as hybrid's layers take it (a collective: every rank
+    makes every rank's)."""
+    import torch.distributed as dist
+
+    from hybrid.comm import Group
+
+    return Group([dist.new_group([r]) for r in range(world)][rank], [rank], "tp", "gloo")
+
+
 def _compute_rates(rank: int, world: int, min_seconds: float, threads: int,
                    shapes=SHAPES) -> dict:
     """FLOP/s of the layer by shape (fp32), bf16 at one shape, and the seconds per parameter
@@ -95,8 +105,7 @@ def _compute_rates(rank: int, world: int, min_seconds: float, threads: int,
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes all
-    own = groups[rank]
+    own = _own_group(rank, world)
     dist.barrier()  # every core starts together
     rates = {f"{h}x{rows}": layer_flops(h, rows) / _layer_seconds(h, rows, "fp32", min_seconds,
                                                                     own)
@@ -143,14 +152,17 @@ def _tp_layer_seconds(rank: int, world: int, min_seconds: float) -> tuple[float,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    own = [dist.new_group([r]) for r in range(world)][rank]
+    from hybrid.comm import Group
+
+    own = _own_group(rank, world)
+    every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
     alone, split, cpu = [], [], []
     for _ in range(3):  # alternate, so that both see the machine's same moods
         dist.barrier()
         alone.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, own))
         dist.barrier()
         cpu_started, started = time.process_time(), time.perf_counter()
-        split.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, dist.group.WORLD))
+        split.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, every))
         runs = round((time.perf_counter() - started) / split[-1])
         cpu.append((time.process_time() - cpu_started) / max(runs, 1))
     return statistics.median(alone), statistics.median(split), statistics.median(cpu)

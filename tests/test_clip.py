@@ -72,7 +72,7 @@ class Probe(nn.Module):
             if attrs.get("sequence_partial"):
                 coeff = coeff * (self.groups.tp_rank + 1)
             total = total + (getattr(self, name) * coeff).sum()
-        return total * (self.groups.dp_rank + 1)
+        return total * (self.groups.data.rank() + 1)
 
 
 def one_process_norm(layout: Layout) -> float:

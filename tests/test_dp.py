@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -139,7 +138,7 @@ def _dp_traffic(rank, world, microbatches, zero):
         sync.clip_grad_norm_(CLIP)
         sync.optimizer_step(lr=1e-3)
         sync.zero_grad()
-    members = groups.ranks["dp"]
+    members = groups.gradient.ranks
     expected = unit_model.out.bias.grad * sum(m + 1 for m in members) / len(members)
     error = (reduced - expected).abs().max().item()
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
@@ -190,7 +189,7 @@ def _gpt_against_reference(rank, world, tp, sp, zero, steps, microbatches):
         sync.start_step(microbatches)
         losses = []
         for chunk in range(microbatches):
-            first = (groups.dp_rank * microbatches + chunk) * MICRO
+            first = (groups.data.rank() * microbatches + chunk) * MICRO
             loss = model(x[first:first + MICRO], y[first:first + MICRO])
             (loss / microbatches).backward()
             losses.append(loss.item())
@@ -208,10 +207,10 @@ def _gpt_against_reference(rank, world, tp, sp, zero, steps, microbatches):
     replicated = [p for p in model.parameters() if p.spec.tp_dim is None]
     copies = [[torch.empty_like(p) for _ in range(tp)] for p in replicated]
     for p, shards in zip(replicated, copies):
-        dist.all_gather(shards, p.detach().contiguous(), group=groups.tp)
+        groups.tensor.all_gather(shards, p.detach().contiguous())
     out["tp_replicas_identical"] = all(torch.equal(c, p) for p, shards in zip(replicated, copies)
                                        for c in shards)
-    out["dp_rank"], out["late"] = groups.dp_rank, len(sync.buckets) - sync.num_overlapped
+    out["dp_rank"], out["late"] = groups.data.rank(), len(sync.buckets) - sync.num_overlapped
     out["overlap"] = (sync.launched_in_backward, sync.num_overlapped)
     return out
 

@@ -111,7 +111,7 @@ def _finish(sync, options: DpOptions, step: int) -> None:
         sync.optimizer_step(1e-2)
     if options.sync_every > 1 and step % options.sync_every == 0:
         from hybrid.dp.replicas import average_replicas
-        average_replicas(sync.buckets, sync.optimizer, sync.groups.dp, sync.wait, moments=True)
+        average_replicas(sync.buckets, sync.optimizer, sync.gradient, sync.wait, moments=True)
     sync.zero_grad()
     return applied
 

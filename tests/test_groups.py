@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.groups import ParallelGroups
-from hybrid.planning.layout import Layout, LayoutError
+from hybrid.planning.layout import EMBEDDING, ROLES, Layout, role_key
 from hybrid.testing import SpawnError, spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -16,37 +16,43 @@ pytestmark = pytest.mark.timeout(180)
 def _all_reduce_members(rank, world, layout_kwargs):
     layout = Layout(**layout_kwargs)
     groups = ParallelGroups.create(layout)
-    seen = {}
-    for axis in ("dp", "tp", "pp", "tp-pp", "embedding"):
+    seen, ranks = {}, {}
+    for role in (*ROLES, EMBEDDING):
         # Each rank contributes a one-hot of its own rank: the sum says who took part.
         onehot = torch.zeros(world)
         onehot[rank] = 1.0
-        dist.all_reduce(onehot, group=groups.group[axis])
-        seen[axis] = [int(i) for i in torch.nonzero(onehot).flatten()]
-    return seen, groups.coords, groups.ranks
+        group = groups.role(role) if role != EMBEDDING else groups.embedding
+        group.all_reduce(onehot)
+        seen[role] = [int(i) for i in torch.nonzero(onehot).flatten()]
+        ranks[role] = (group.ranks, group.rank(), group.label)
+    return seen, groups.coords, ranks
 
 
 @pytest.mark.parametrize("layout_kwargs", [
     {"dp": 2, "tp": 2, "pp": 2},
     {"dp": 2, "tp": 2, "pp": 2, "order": "pp-dp-tp"},
 ])
-def test_all_reduce_on_each_axis_sums_exactly_the_layout_group(layout_kwargs):
+def test_all_reduce_in_each_role_sums_exactly_the_layout_group(layout_kwargs):
     layout = Layout(**layout_kwargs)
     results = spawn(_all_reduce_members, 8, layout_kwargs)
     for rank, (seen, coords, ranks) in enumerate(results):
         assert coords == layout.coords(rank)
-        for axis, members in seen.items():
-            assert members == sorted(layout.group_of(axis, rank)), (rank, axis)
-            assert ranks[axis] == layout.group_of(axis, rank)
+        for role, members in seen.items():
+            expected = layout.group_of(role_key(role), rank)
+            assert members == sorted(expected), (rank, role)
+            assert ranks[role] == (expected, expected.index(rank), role_key(role))
+        # a single-axis role's group rank is the rank's coordinate on that axis
+        assert ranks["pipeline"][1] == coords["pp"] and ranks["tensor"][1] == coords["tp"]
+        assert ranks["data"][1] == coords["dp"]
 
 
 def _two_layouts_in_one_process(rank, world):
     parallel = ParallelGroups.create(Layout(tp=2, dp=world // 2))
     reference = ParallelGroups.create(Layout())  # a 1-rank replica on every process
     x = torch.ones(1)
-    dist.all_reduce(x, group=parallel.tp)
+    parallel.tensor.all_reduce(x)
     y = torch.ones(1)
-    dist.all_reduce(y, group=reference.tp)
+    reference.tensor.all_reduce(y)
     return x.item(), y.item(), reference.coords, reference.replica_offset
 
 

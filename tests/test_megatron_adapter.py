@@ -10,7 +10,6 @@ One 2-process gloo job computes every observation; the tests assert on them.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core import tensor_parallel as mcore_tp
@@ -21,7 +20,7 @@ from hybrid.groups import ParallelGroups
 from hybrid.planning.layout import Layout
 from hybrid.model import megatron_adapter as adapter
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
-from hybrid.model.sequence_parallel import (
+from hybrid.model.mappings import (
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region as our_rs,
     scatter_to_sequence_parallel_region,
 )
@@ -82,18 +81,46 @@ def _forward_semantics(tp, r) -> dict:
         # The input gradient is all-reduced over TP unless the caller gathered the input.
         expected = (torch.ones(4, 2, 4) @ col.weight).detach()
         if not gathered:
-            dist.all_reduce(expected, group=tp)
+            tp.all_reduce(expected)
         out[f"column_input_grad_as_expected_gathered={gathered}"] = torch.allclose(xi.grad, expected)
     row = adapter.RowParallelLinear(8, 6, tp_group=tp, init_method=init, bias=True)
     xr = torch.randn(4, 2, 4, generator=torch.Generator().manual_seed(2 + r))
     partial = F.linear(xr, row.weight).detach()
-    dist.all_reduce(partial, group=tp)
+    tp.all_reduce(partial)
     out["row_all_reduces_then_adds_bias"] = torch.allclose(row(xr), partial + row.bias)
     emb = adapter.VocabParallelEmbedding(8, 6, tp_group=tp, init_method=init)
     # An id outside the vocabulary is masked to a zero vector on tp > 1, not an error: the
     # reason hybrid validates batches before the forward pass.
     out["out_of_vocab_id_gives_zeros"] = not emb(torch.tensor([[99]])).any().item()
+    # hybrid's own forwards of the row-parallel layer and the embedding give megatron's values
+    ids = torch.tensor([[0, 3, 5, 7], [6, 4, 2, 1]])
+    out["embedding_forward_is_megatrons"] = torch.equal(
+        emb(ids), mcore_tp.VocabParallelEmbedding.forward(emb, ids))
+    mine, bias = mcore_tp.RowParallelLinear.forward(row, xr)
+    out["row_forward_is_megatrons"] = torch.allclose(row(xr), mine + bias, rtol=0, atol=1e-6)
+    out["layers_issue_collectives_only_through_hybrid"] = _only_hybrid_collectives(tp, init, ids)
     return out
+
+
+def _only_hybrid_collectives(tp, init, ids) -> bool:
+    """Forward and backward of the three layers: torch's dispatcher sees exactly the
+    collectives hybrid's group counted (megatron issues none of its own)."""
+    from hybrid.comm import CommCounter
+    from hybrid.testing import c10d_ops_mode
+
+    emb = adapter.VocabParallelEmbedding(8, 6, tp_group=tp, init_method=init)
+    col = adapter.ColumnParallelLinear(6, 8, tp_group=tp, init_method=init, bias=True)
+    row = adapter.RowParallelLinear(8, 6, tp_group=tp, init_method=init, bias=True)
+    counter = CommCounter()
+    tp.observer = counter
+    try:
+        with c10d_ops_mode() as seen, counter.track():
+            hidden = emb(ids).transpose(0, 1).contiguous().requires_grad_()
+            row(col(hidden)).sum().backward()
+    finally:
+        tp.observer = None
+    calls = sum(entry["calls"] for entry in counter.snapshot().values())
+    return len(seen.ops) == calls == 3  # the embedding's sum, the input gradient, the row sum
 
 
 def _what_megatron_cannot_do_here(tp) -> dict:
@@ -106,7 +133,7 @@ def _what_megatron_cannot_do_here(tp) -> dict:
         out["global_group_cross_entropy"] = str(err)
     if not torch.cuda.is_available():
         try:
-            reduce_scatter_to_sequence_parallel_region(torch.ones(4, 1, 2), group=tp)
+            reduce_scatter_to_sequence_parallel_region(torch.ones(4, 1, 2), group=tp.pg)
             out["sequence_parallel_mapping_on_cpu"] = "ran"
         except (RuntimeError, AssertionError) as err:
             out["sequence_parallel_mapping_on_cpu"] = str(err)
@@ -118,7 +145,7 @@ def _autocast_backward(single) -> dict:
     init = torch.nn.init.normal_
     raw = mcore_tp.RowParallelLinear(8, 6, config=adapter._layer_config(), init_method=init,
                                      bias=False, input_is_parallel=True, skip_bias_add=False,
-                                     tp_group=single)
+                                     tp_group=single.pg)
     ours = adapter.RowParallelLinear(8, 6, tp_group=single, init_method=init, bias=True)
     for name, layer in (("megatron", lambda t: raw(t)[0]), ("ours", ours)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -159,12 +186,12 @@ def _our_cross_entropy_and_mappings(tp, r) -> dict:
 def _adapter_job(rank, world):
     groups = ParallelGroups.create(Layout(tp=2))
     single = ParallelGroups.create(Layout())
-    tp, r = groups.tp, groups.tp_rank
-    out = {"passes_group_through": get_tensor_model_parallel_group_if_none(tp) is tp}
+    tp, r = groups.tensor, groups.tp_rank
+    out = {"passes_group_through": get_tensor_model_parallel_group_if_none(tp.pg) is tp.pg}
     out["init"] = _init_and_attributes(tp, r)
     out["forward"] = _forward_semantics(tp, r)
     out["cannot"] = _what_megatron_cannot_do_here(tp)
-    out["autocast"] = _autocast_backward(single.tp)
+    out["autocast"] = _autocast_backward(single.tensor)
     out["ours"] = _our_cross_entropy_and_mappings(tp, r)
     out["parallel_state_untouched"] = not parallel_state.is_initialized()
     return out

@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybrid.planning.config import ModelConfig
 from hybrid.planning.cost.sizes import activation_bytes_per_layer, head_activation_bytes
@@ -71,7 +70,7 @@ def _loss_and_backward(model: GPT, case: Case, tokens, labels) -> float:
         loss = model(tokens, labels)
     loss.backward()  # outside autocast, as a training loop does
     if model.sequence_parallel:
-        allreduce_sequence_parallel_grads(model.blocks, model.groups.tp)
+        allreduce_sequence_parallel_grads(model.blocks, model.groups.tensor)
     return loss.item()
 
 
@@ -144,13 +143,13 @@ def _block_independence(groups) -> dict:
 
 def _replicas_identical(model: GPT) -> list[str]:
     """Names of TP-replicated parameters that differ (bitwise) from TP rank 0's copy."""
-    tp = model.groups.tp
+    tp = model.groups.tensor
     differ = []
     for name, p in model.named_parameters():
         if p.spec.tp_dim is not None:
             continue
         copies = [torch.empty_like(p) for _ in range(tp.size())]
-        dist.all_gather(copies, p.detach(), group=tp)
+        tp.all_gather(copies, p.detach())
         if not all(torch.equal(c, copies[0]) for c in copies):
             differ.append(name)
     return differ

@@ -94,7 +94,7 @@ def _numel_job(rank, world):
             else:
                 replicated += p.numel()
         total = torch.tensor([sharded])
-        torch.distributed.all_reduce(total, group=tp2.tp)
+        tp2.tensor.all_reduce(total)
         out.append((full, int(total) + replicated))
     return out
 

@@ -88,7 +88,7 @@ def _run_case(case, groups, reference, tokens, labels, recorder=None) -> dict:
         groups=groups, pp=pp, vpp=vpp, loss_fn=functools.partial(lm_loss, groups=groups),
         act_shape=(seq, MICRO_BATCH, CFG["hidden"]), act_dtype=torch.float32, recorder=recorder)
     if sp:
-        allreduce_sequence_parallel_grads(list(chunks.values()), groups.tp)
+        allreduce_sequence_parallel_grads(list(chunks.values()), groups.tensor)
     ref_params = dict(reference.named_parameters())
     bad, worst, names = [], 0.0, []
     for name, param in _named_params(chunks):
@@ -123,7 +123,7 @@ def _timeline(groups, reference, tokens, labels):
     """Record one interleaved step, gather it on the first stage's rank and draw it there."""
     recorder = ActionRecorder(groups.pp_rank)
     _run_case(CASES["pp4-interleaved-1f1b"], groups, reference, tokens, labels, recorder)
-    events = gather_events(recorder.events, group=groups.pp, dst=groups.ranks["pp"][0])
+    events = gather_events(recorder.events, group=groups.pipeline, dst=groups.pipeline.ranks[0])
     if events is None:
         return None
     lists = add_communication(build_schedule("interleaved-1f1b", 4, M, vpp=2), 4, 2)

@@ -3,7 +3,9 @@
 - no import cycle among ``hybrid`` and ``launch`` modules, function-level imports included;
 - the planning package (``hybrid/planning``) imports no torch and nothing of the runtime,
   neither at module level nor inside functions, and importing all of it loads no torch;
-- ``hybrid`` never imports ``launch``.
+- ``hybrid`` never imports ``launch``;
+- nothing outside the tests sets or deletes an attribute of a torch class, module or object;
+- every error class a person can fix derives from ``hybrid.errors.UserError``.
 """
 
 from __future__ import annotations
@@ -148,6 +150,66 @@ def test_hybrid_never_imports_launch():
     graph = import_graph()
     assert [(a, b) for a, bs in graph.items() for b in bs
             if a.startswith("hybrid") and b.startswith("launch")] == []
+
+
+def torch_names(tree: ast.AST) -> set[str]:
+    """Names in a module that stand for torch objects: imported from torch, or assigned from
+    an expression rooted at such a name (``cls = dist.ProcessGroup``), to a fixed point."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names
+                      if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names}
+    assigns = [node for node in ast.walk(tree) if isinstance(node, ast.Assign)]
+    while True:
+        grown = {t.id for node in assigns if _root(node.value) in names
+                 for t in node.targets if isinstance(t, ast.Name)} - names
+        if not grown:
+            return names
+        names |= grown
+
+
+def _root(node: ast.AST):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def patches(source: str) -> list[int]:
+    """Lines that set or delete an attribute of a torch object."""
+    tree = ast.parse(source)
+    torch_objects = torch_names(tree)
+    lines = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "setattr", "delattr") and node.args:
+            targets = [node.args[0]]
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            assigned = node.targets if isinstance(node, (ast.Assign, ast.Delete)) \
+                else [node.target]
+            targets = [t.value for t in assigned if isinstance(t, ast.Attribute)]
+        if any(_root(t) in torch_objects for t in targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_patch_finder_sees_aliases():
+    assert patches("import torch.distributed as dist\ncls = dist.ProcessGroup\n"
+                   "setattr(cls, 'allreduce', None)\n") == [3]
+    assert patches("from torch.distributed import ProcessGroup as P\nP.send = 1\n") == [2]
+    assert patches("import torch\nx = torch.zeros(1)\ny = {}\ny['a'] = x\n") == []
+
+
+def test_nothing_patches_torch_classes_or_modules():
+    """No attribute of a torch class, module or object is set or deleted outside the tests
+    (``dist.ProcessGroup.allreduce = ...``): counting and fault injection go through hybrid's
+    own group wrapper (``hybrid.comm``)."""
+    bad = [f"{path.relative_to(ROOT)}:{line}" for path in module_files().values()
+           for line in patches(path.read_text())]
+    assert bad == []
 
 
 NOT_USER_ERRORS = {

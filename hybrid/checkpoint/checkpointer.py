@@ -54,7 +54,7 @@ class Checkpointer:
     def __init__(self, cfg, groups, chunks: dict, sync, run_dir: Path):
         self.cfg, self.groups, self.sync = cfg, groups, sync
         self.directory = checkpoint_dir(cfg, run_dir)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = groups.world.rank(), groups.world.size()
         self.mesh = tp_mesh(groups)
         self.params = unique_parameters(chunks.values())
         self.specs = {spec.name: spec for spec, _ in self.params}
@@ -100,7 +100,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # a save interrupted at this step
             partial.mkdir(parents=True)
-        dist.barrier()
+        self.groups.world.barrier()
         writer = FileSystemWriter(partial)
         if self.async_group is None:
             with _write_errors_named(partial):
@@ -124,7 +124,7 @@ class Checkpointer:
         if block:
             future.result()
         done = torch.tensor([1 if future.done() else 0], dtype=torch.int64)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        self.groups.world.all_reduce(done, op=dist.ReduceOp.MIN)
         return bool(done.item())
 
     def _finish_pending(self) -> None:
@@ -137,13 +137,12 @@ class Checkpointer:
     def _finish(self, step: int, partial: Path) -> None:
         """Every rank's files are written: record them, then make the checkpoint visible."""
         faults.maybe_die("die_in_save", step=step, rank=self.rank)
-        files = [None] * self.world
-        dist.all_gather_object(files, file_checksums(partial, self.rank))
+        files = self.groups.world.all_gather_objects(file_checksums(partial, self.rank))
         if self.rank == 0:
             write_manifest(partial, self._manifest(step, partial, files))
             _replace_dir(partial, self.directory / checkpoint_name(step))
             prune(self.directory, self.cfg.checkpoint.keep)
-        dist.barrier()
+        self.groups.world.barrier()
 
     def _manifest(self, step: int, partial: Path, files: list[dict]) -> dict:
         metadata = read_metadata(partial)
@@ -181,7 +180,7 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Load checkpoint ``path`` (saved on any layout) into this rank's model and AdamW."""
         manifest = read_manifest(path)
-        verify_files(path, manifest, self.rank, self.world)
+        verify_files(path, manifest, self.groups.world)
         targets, moments = self._targets()
         options = same_option_layout(manifest["config"], self.cfg)
         if options:
@@ -223,8 +222,7 @@ class Checkpointer:
 
     def _check_every_key_loaded(self, path: Path, targets: dict) -> None:
         """A key of the checkpoint that no rank asked for would be silently dropped."""
-        asked = [None] * self.world
-        dist.all_gather_object(asked, sorted(targets))
+        asked = self.groups.world.all_gather_objects(sorted(targets))
         saved = set(read_metadata(path).state_dict_metadata)
         # DP option state is left out on purpose where the layout changed (dp.option_state)
         unused = sorted(key for key in saved - set().union(*map(set, asked))

@@ -92,7 +92,7 @@ def read_metadata(path: Path):
 
 
 def tp_mesh(groups) -> DeviceMesh:
-    return DeviceMesh.from_group(groups.tp, device_type=groups.device.type)
+    return DeviceMesh.from_group(groups.tensor.pg, device_type=groups.device.type)
 
 
 def as_global(tensor: torch.Tensor, spec, mesh: DeviceMesh) -> torch.Tensor:
@@ -159,14 +159,15 @@ def crc32_of(file: Path) -> int:
     return crc
 
 
-def verify_files(path: Path, manifest: dict, rank: int, world: int) -> None:
-    """Each rank checks every ``world``-th data file's CRC-32 against the manifest; if any
-    differs, every rank raises ``CheckpointError`` naming the first bad file."""
+def verify_files(path: Path, manifest: dict, world) -> None:
+    """Each rank of the ``world`` group checks every ``world.size()``-th data file's CRC-32
+    against the manifest; if any differs, every rank raises ``CheckpointError`` naming the
+    first bad file."""
     names = sorted(manifest["files"])
-    bad = [name for name in names[rank::world]
+    bad = [name for name in names[world.rank()::world.size()]
            if crc32_of(Path(path) / name) != manifest["files"][name]["crc32"]]
     flags = torch.tensor([names.index(bad[0]) if bad else len(names)], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    world.all_reduce(flags, op=dist.ReduceOp.MIN)
     first = int(flags.item())
     if first < len(names):
         raise CheckpointError(f"checkpoint file {Path(path) / names[first]} does not match "

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
+from hybrid.comm import Group
 from hybrid.optim import spec_of
 
 GRAD_DTYPE = torch.float32  # reduction happens in fp32 whatever the compute precision
@@ -77,7 +77,7 @@ class Bucket:
     offsets: list[int]
     numel: int
     grad: torch.Tensor
-    reduce_first: Optional[dist.ProcessGroup] = None
+    reduce_first: Optional[Group] = None
     data: Optional[torch.Tensor] = None
     # per-step state, reset by start_step
     accumulations: list[int] = field(default_factory=list)
@@ -88,7 +88,7 @@ class Bucket:
 
     @classmethod
     def allocate(cls, index: int, params: list[torch.nn.Parameter], *, pad_to: int,
-                 reduce_first: Optional[dist.ProcessGroup] = None,
+                 reduce_first: Optional[Group] = None,
                  grad_buffer: bool = True) -> "Bucket":
         """``grad_buffer=False`` (ZeRO-2): no persistent buffer, ``.grad`` stays autograd's
         and ``hybrid.dp.zero2`` stages it per micro-batch."""
@@ -151,12 +151,12 @@ class Bucket:
 
 
 def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
-    """The group whose partial gradients must be summed before the DP mean, if any:
-    ``"tp"`` for sequence-parallel parameters (each TP rank saw its slice of the sequence),
-    ``"embedding"`` for a tied embedding split over the first and last pipeline stage."""
+    """The role whose partial gradients must be summed before the DP mean, if any:
+    ``"tensor"`` for sequence-parallel parameters (each TP rank saw its slice of the
+    sequence), ``"embedding"`` for a tied embedding split over the first and last stage."""
     spec = spec_of(param)
     if spec.sequence_partial and groups.layout.tp > 1:
-        return "tp"
+        return "tensor"
     if spec.tied and groups.layout.pp > 1:
         return "embedding"
     return None
@@ -170,12 +170,12 @@ def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int
     own at the end (simplest correct way: summed over their group in ``reduce_gradients``,
     then DP-reduced like any other). ZeRO pads each to the DP size and flattens the
     parameters; ZeRO-2 keeps no gradient buffer (``hybrid.dp.zero2`` stages it)."""
-    late: dict[str, list] = {"tp": [], "embedding": []}
+    late: dict[str, list] = {"tensor": [], "embedding": []}
     overlapped = []
     for param in reversed(params):
         axis = reduce_first_axis(param, groups)
         (late[axis] if axis else overlapped).append(param)
-    pad_to = groups.dp.size() if zero else 1
+    pad_to = groups.sharding.size() if zero else 1
     buffer = zero != 2
     buckets = [Bucket.allocate(i, ps, pad_to=pad_to, grad_buffer=buffer)
                for i, ps in enumerate(plan_buckets(overlapped, bucket_bytes))]
@@ -183,7 +183,7 @@ def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int
     for axis, ps in late.items():
         if ps:
             buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
-                                           reduce_first=groups.group[axis], grad_buffer=buffer))
+                                           reduce_first=groups.role(axis), grad_buffer=buffer))
     if zero:
         for bucket in buckets:
             bucket.flatten_params()

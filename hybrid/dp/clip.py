@@ -12,9 +12,9 @@ counted exactly once across the job:
 - under ZeRO-1 each DP rank holds the reduced gradient of its own shard only, so shards add up
   over DP as well; without ZeRO every DP rank holds the same full gradient and counts it.
 
-Each rank sums the squares it counts; the sums are all-reduced over ``groups.mp`` (TP x PP),
-and also over ``groups.dp`` under ZeRO-1. Clipping then follows
-``torch.nn.utils.clip_grad_norm_``: gradients are scaled by ``max_norm / (norm + 1e-6)`` when
+Each rank sums the squares it counts; the sums are all-reduced over ``groups.model`` (the
+ranks that hold one copy of the model: TP x PP), and also over ``groups.sharding`` under ZeRO.
+Clipping then follows ``torch.nn.utils.clip_grad_norm_``: gradients are scaled by ``max_norm / (norm + 1e-6)`` when
 that is below 1.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from hybrid.optim import spec_of
 
@@ -41,8 +40,8 @@ def counts_in_norm(param: torch.Tensor, groups) -> bool:
 def global_grad_norm(grads: Sequence[torch.Tensor], groups, *, sharded_over_dp: bool) -> float:
     """The L2 norm of the whole model's gradient; ``grads`` are the tensors this rank counts.
 
-    Collective over ``groups.mp`` (and ``groups.dp`` when ``sharded_over_dp``): every rank of
-    those groups must call it. Each tensor's sum of squares is added up in float64, across
+    Collective over ``groups.model`` (and ``groups.sharding`` when ``sharded_over_dp``): every
+    rank of those groups must call it. Each tensor's sum of squares is added up in float64, across
     tensors and ranks.
     """
     device = grads[0].device if grads else groups.device
@@ -50,10 +49,10 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups, *, sharded_over_dp: 
     for grad in grads:
         flat = grad.reshape(-1)
         squares += torch.dot(flat, flat).double()
-    if groups.mp.size() > 1:
-        dist.all_reduce(squares, group=groups.mp)
-    if sharded_over_dp and groups.dp.size() > 1:
-        dist.all_reduce(squares, group=groups.dp)
+    if groups.model.size() > 1:
+        groups.model.all_reduce(squares)
+    if sharded_over_dp and groups.sharding.size() > 1:
+        groups.sharding.all_reduce(squares)
     return float(squares.sqrt())
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.reduce import ExactMean
 from hybrid.dp.zero import Shard
@@ -53,7 +53,7 @@ class _InFlight:
 class PowerSGD(ExactMean):
     """The PowerSGD reducer: ``launch`` in the backward, ``finish`` after it."""
 
-    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket], *, rank: int,
+    def __init__(self, group: Group, buckets: Sequence[Bucket], *, rank: int,
                  warmup: int):
         super().__init__(group)
         self.approx_rank, self.warmup = rank, warmup
@@ -94,11 +94,11 @@ class PowerSGD(ExactMean):
                 if s not in compressed]
         if rest:
             flat = torch.cat(rest).mul_(1.0 / self.d)
-            bucket.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+            bucket.works.append(self.group.all_reduce(flat, async_op=True))
             bucket.on_done.append(lambda: _scatter_back(flat, rest))
         matrices = [bucket.grad_view(x.slot).view(x.rows, x.cols).add_(x.error) for x in mats]
         p = torch.cat([(mat @ x.q).reshape(-1) for mat, x in zip(matrices, mats)])
-        bucket.works.append(dist.all_reduce(p, group=self.group, async_op=True))
+        bucket.works.append(self.group.all_reduce(p, async_op=True))
         self.in_flight[bucket.index] = _InFlight(matrices, p)
 
     def finish(self, buckets: Sequence[Bucket], wait: Callable) -> None:
@@ -107,8 +107,7 @@ class PowerSGD(ExactMean):
             flight = self.in_flight.get(bucket.index)
             if flight is not None:
                 flight.q = self._new_q(self.matrices[bucket.index], flight)
-                bucket.works.append(dist.all_reduce(flight.q, group=self.group,
-                                                    async_op=True))
+                bucket.works.append(self.group.all_reduce(flight.q, async_op=True))
         for bucket in buckets:
             bucket.wait(wait)
             flight = self.in_flight.pop(bucket.index, None)

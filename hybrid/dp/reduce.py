@@ -12,17 +12,16 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from hybrid.dp.buckets import Bucket
-from hybrid.comm import reduce_scatter_flat
+from hybrid.comm import Group
 from hybrid.dp.zero import Shard
 
 
 class ExactMean:
     """fp32 all-reduce, or under ZeRO a reduce-scatter into the shard."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: Group):
         self.group, self.d = group, group.size()
 
     def start_step(self, step: int) -> None:
@@ -31,9 +30,9 @@ class ExactMean:
     def launch(self, bucket: Bucket, shard: Optional[Shard]) -> None:
         bucket.grad.mul_(1.0 / self.d)
         if shard is not None:
-            shard.launchreduce_scatter_flat(self.group)
+            shard.launch_reduce_scatter(self.group)
         else:
-            bucket.works.append(dist.all_reduce(bucket.grad, group=self.group, async_op=True))
+            bucket.works.append(self.group.all_reduce(bucket.grad, async_op=True))
 
     def finish(self, buckets: Sequence[Bucket], wait: Callable) -> None:
         for bucket in buckets:
@@ -48,8 +47,8 @@ class Bf16Mean(ExactMean):
         low = bucket.grad.mul(1.0 / self.d).to(torch.bfloat16)
         if shard is not None:
             out = torch.empty(shard.end - shard.start, dtype=torch.bfloat16, device=low.device)
-            bucket.works.append(reduce_scatter_flat(out, low, group=self.group, async_op=True))
+            bucket.works.append(self.group.reduce_scatter_into(out, low, async_op=True))
             bucket.on_done.append(lambda: shard.grad.copy_(out))
         else:
-            bucket.works.append(dist.all_reduce(low, group=self.group, async_op=True))
+            bucket.works.append(self.group.all_reduce(low, async_op=True))
             bucket.on_done.append(lambda: bucket.grad.copy_(low))

@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 
 
 def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer,
-                     group: dist.ProcessGroup, wait: Callable, *, moments: bool) -> None:
+                     group: Group, wait: Callable, *, moments: bool) -> None:
     """Replace every parameter (and its moments) by its mean over the DP group."""
     d = group.size()
     if d == 1:
@@ -34,7 +34,7 @@ def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer
                       for key in ("exp_avg", "exp_avg_sq")]
         for tensors in kinds:
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, tensors))
+            pending.append((group.all_reduce(flat, async_op=True), flat, tensors))
     for work, flat, tensors in pending:
         wait(work)
         flat.mul_(1.0 / d)
@@ -47,7 +47,7 @@ def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer
 class DelayedMean:
     """The gradients' DP mean applied one step late (see module doc)."""
 
-    def __init__(self, group: dist.ProcessGroup, buckets: Sequence[Bucket]):
+    def __init__(self, group: Group, buckets: Sequence[Bucket]):
         self.group, self.buckets = group, list(buckets)
         self.in_flight: Optional[list[torch.Tensor]] = None
         """Per bucket, the previous step's mean (being reduced until ``works`` are done)."""
@@ -63,7 +63,7 @@ class DelayedMean:
         ready = self.in_flight is not None
         for bucket, previous in zip(self.buckets, self.in_flight or []):
             bucket.grad.copy_(previous)
-        self.works = [dist.all_reduce(t, group=self.group, async_op=True) for t in started]
+        self.works = [self.group.all_reduce(t, async_op=True) for t in started]
         self.in_flight = started
         return ready
 

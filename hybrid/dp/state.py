@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.comm import all_gather_flat
 from hybrid.optim import step_count
 from hybrid.errors import UserError
 
@@ -70,7 +69,7 @@ def _gathered_moment(sync, shard, key: str) -> torch.Tensor:
     if sync.dp_size == 1:
         return local
     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
-    all_gather_flat(full, local, group=sync.groups.dp)
+    sync.sharding.all_gather_into(full, local)
     return full
 
 

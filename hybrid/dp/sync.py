@@ -78,7 +78,7 @@ class GradSync:
         """``wait(work)`` waits for each asynchronous DP collective (default ``work.wait()``;
         the trainer's ``RankWatch.wait_async`` times it and says what it was)."""
         options = DpOptions(zero=zero) if options is None else replace(options, zero=zero)
-        problem = option_problem(options, groups.dp.size())
+        problem = option_problem(options, groups.gradient.size())
         if problem:
             raise DataParallelConfigError(problem)
         if not bucket_mb > 0:
@@ -89,7 +89,10 @@ class GradSync:
         _check_fp32(named)
         self.groups, self.zero, self.options = groups, zero, options
         self.wait = wait or _plain_wait
-        self.dp_size, self.dp_rank = groups.dp.size(), groups.dp_rank
+        self.gradient, self.sharding = groups.gradient, groups.sharding
+        """The ranks gradients are averaged over, and those a ZeRO stage shards over (the same
+        ranks: ZeRO reduce-scatters the gradient mean into the shards)."""
+        self.dp_size, self.dp_rank = self.gradient.size(), self.sharding.rank()
         self.specs = {id(p): spec for spec, p in named}
         """Every parameter's spec, by ``id``: a plain module's gets one named by its place."""
         self.uses = {id(p): sum(any(p is q for q in m.parameters()) for m in modules)
@@ -124,7 +127,7 @@ class GradSync:
 
     # ----- construction ----------------------------------------------------------------------
     def _build_strategies(self) -> None:
-        options, dp = self.options, self.groups.dp
+        options, dp = self.options, self.gradient
         if options.compress == "powersgd" and self.dp_size > 1:
             self.reducer = PowerSGD(dp, self.buckets, rank=options.powersgd_rank,
                                     warmup=options.powersgd_warmup)
@@ -242,7 +245,7 @@ class GradSync:
         self._launch_ready_in_order(in_backward=False)
         for bucket in self.buckets[self.num_overlapped:]:
             if bucket.reduce_first.size() > 1:
-                dist.all_reduce(bucket.grad, group=bucket.reduce_first)
+                bucket.reduce_first.all_reduce(bucket.grad)
             self._launch(bucket)
         self.reducer.finish(self.buckets, self.wait)
 
@@ -258,7 +261,7 @@ class GradSync:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self.zero:
-            all_gather_params(self.shards, self.groups.dp, self.wait)
+            all_gather_params(self.shards, self.sharding, self.wait)
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (``.grad`` stays a view of them)."""
@@ -281,7 +284,7 @@ class GradSync:
             self.optimizer_step(lr)
         every = self.options.sync_every
         if every > 1 and self.step % every == 0:
-            average_replicas(self.buckets, self.optimizer, self.groups.dp, self.wait,
+            average_replicas(self.buckets, self.optimizer, self.gradient, self.wait,
                              moments=self.options.sync_moments)
         self.zero_grad()
         return norm

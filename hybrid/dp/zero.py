@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.dp.buckets import Bucket, Piece
-from hybrid.comm import all_gather_flat, reduce_scatter_flat
+from hybrid.comm import Group
 
 
 
@@ -69,13 +69,13 @@ class Shard:
                                decays=decays(param), counts_in_norm=counts_in_norm(param)))
         return found
 
-    def launchreduce_scatter_flat(self, group: dist.ProcessGroup) -> None:
+    def launch_reduce_scatter(self, group: Group) -> None:
         """Start the (sum) reduce-scatter of the bucket's gradients into ``self.grad``."""
-        work = reduce_scatter_flat(self.grad, self.bucket.grad, group=group, async_op=True)
+        work = group.reduce_scatter_into(self.grad, self.bucket.grad, async_op=True)
         self.bucket.works.append(work)
 
 
-def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup,
+def all_gather_params(shards: Sequence[Shard], group: Group,
                       wait: Callable[[dist.Work], None] = dist.Work.wait) -> None:
     """Rebuild every bucket's flat parameters from the DP ranks' updated shards (in place).
 
@@ -84,7 +84,7 @@ def all_gather_params(shards: Sequence[Shard], group: dist.ProcessGroup,
     """
     if group.size() == 1:
         return
-    works = [all_gather_flat(s.bucket.data, s.bucket.data[s.start:s.end], group=group,
-                         async_op=True) for s in shards]
+    works = [group.all_gather_into(s.bucket.data, s.bucket.data[s.start:s.end], async_op=True)
+             for s in shards]
     for work in works:
         wait(work)

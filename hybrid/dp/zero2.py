@@ -18,10 +18,9 @@ from collections import deque
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from hybrid.dp.buckets import GRAD_DTYPE, Bucket
-from hybrid.comm import reduce_scatter_flat
+from hybrid.comm import Group
 from hybrid.dp.zero import Shard
 
 MAX_IN_FLIGHT = 2
@@ -30,7 +29,7 @@ MAX_IN_FLIGHT = 2
 class StagedShards:
     """Per-micro-batch staging and reduce-scatter of every bucket into its shard."""
 
-    def __init__(self, shards: Sequence[Shard], group: dist.ProcessGroup, wait: Callable):
+    def __init__(self, shards: Sequence[Shard], group: Group, wait: Callable):
         self.shards, self.group, self.wait = list(shards), group, wait
         self.d = group.size()
         self.staging: dict[int, torch.Tensor] = {}
@@ -60,7 +59,7 @@ class StagedShards:
             shard.grad.add_(staging)
             return
         out = torch.empty_like(shard.grad)
-        work = reduce_scatter_flat(out, staging, group=self.group, async_op=True)
+        work = self.group.reduce_scatter_into(out, staging, async_op=True)
         self.pending.append((work, out, shard))
         while len(self.pending) > MAX_IN_FLIGHT:
             self._settle_oldest()
@@ -78,7 +77,7 @@ class StagedShards:
             if bucket.index not in self.staging:
                 continue
             if bucket.late and bucket.reduce_first.size() > 1:
-                dist.all_reduce(self.staging[bucket.index], group=bucket.reduce_first)
+                bucket.reduce_first.all_reduce(self.staging[bucket.index])
             self._launch(shard)
         while self.pending:
             self._settle_oldest()

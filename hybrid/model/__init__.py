@@ -14,8 +14,9 @@ _EXPORTS = {
     "hybrid.model.cross_entropy": ["vocab_parallel_cross_entropy"],
     "hybrid.model.inputs": ["ModelInputError", "validate_batch", "validate_batch_across"],
     "hybrid.model.shards": ["gather_tp_param", "load_global_weights"],
-    "hybrid.model.sequence_parallel": [
+    "hybrid.model.mappings": [
         "allreduce_sequence_parallel_grads", "sequence_parallel_params",
+        "copy_to_tensor_region", "reduce_from_tensor_region",
         "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
         "scatter_to_sequence_parallel_region"],
 }

@@ -13,18 +13,18 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hybrid.comm import Group
 from hybrid.planning.config import ModelConfig
 from hybrid.model.megatron_adapter import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from hybrid.model.sequence_parallel import (
+from hybrid.model.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -48,7 +48,7 @@ def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
-def word_embedding(cfg: ModelConfig, tp_group: dist.ProcessGroup,
+def word_embedding(cfg: ModelConfig, tp_group: Group,
                    generator: torch.Generator) -> VocabParallelEmbedding:
     return VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, tp_group=tp_group,
                                   init_method=normal_init(cfg.init_std, generator))
@@ -57,7 +57,7 @@ def word_embedding(cfg: ModelConfig, tp_group: dist.ProcessGroup,
 class EmbeddingBlock(nn.Module):
     """Token + learned position embedding: tokens ``[b, s]`` -> ``[s(/tp), b, h]``."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+    def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
@@ -82,7 +82,7 @@ class SelfAttention(nn.Module):
     output dimension holds whole heads, and the 1-process model uses the same layout.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+    def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
@@ -122,7 +122,7 @@ def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 class MLP(nn.Module):
     """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+    def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
@@ -142,7 +142,7 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``[s,b,h]`` -> same."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+    def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool):
         super().__init__()
         self.recompute = cfg.recompute == "full"
@@ -173,7 +173,7 @@ class HeadBlock(nn.Module):
     gradient sync sums it with the embedding over ``groups.embedding``.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup, *,
+    def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool,
                  embedding: Optional[EmbeddingBlock] = None,
                  embedding_generator: Optional[torch.Generator] = None):

@@ -20,18 +20,16 @@ instead of three is what this buys. The loss is computed in fp32 whatever the lo
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from hybrid.comm import all_gather_flat
-
+from hybrid.comm import Group
 
 
-def _gather_stats(stats: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _gather_stats(stats: torch.Tensor, group: Group) -> torch.Tensor:
     """``[3, tokens]`` per rank -> ``[tp, 3, tokens]``, every rank's, in rank order."""
     if group.size() == 1:
         return stats.unsqueeze(0)
     out = stats.new_empty((group.size() * stats.size(0), stats.size(1)))
-    all_gather_flat(out, stats, group=group)  # gloo wants the ranks along dim 0
+    group.all_gather_into(out, stats)  # gloo wants the ranks along dim 0
     return out.view(group.size(), *stats.shape)
 
 
@@ -67,7 +65,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 group: dist.ProcessGroup) -> torch.Tensor:
+                                 group: Group) -> torch.Tensor:
     """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/tp]`` and targets ``[s, b]``."""
     device_type = vocab_parallel_logits.device.type
     shape = target.shape

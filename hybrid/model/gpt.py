@@ -56,13 +56,13 @@ def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
                  sequence_parallel: bool = False) -> list[nn.Module]:
     """Build the requested blocks (all if None), in order, on ``groups.device``.
 
-    Sharded over ``groups.tp``. With tied embeddings, a head built together with the embedding
+    Sharded over ``groups.tensor``. With tied embeddings, a head built together with the embedding
     shares its Parameter; a head built without it gets its own copy (see ``HeadBlock``).
     ``sequence_parallel`` is ignored at tp=1. Every parameter gets its ``ParamSpec`` as
     ``param.spec`` (``hybrid.planning.params``): its one identity, whatever the layout.
     """
     check_model_shape(cfg, groups.layout.tp)
-    tp_group, last = groups.tp, num_blocks(cfg) - 1
+    tp_group, last = groups.tensor, num_blocks(cfg) - 1
     sequence_parallel = sequence_parallel and groups.layout.tp > 1
     blocks: list[nn.Module] = []
     embedding: Optional[EmbeddingBlock] = None
@@ -102,7 +102,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups) 
     """Mean token cross-entropy (fp32 scalar) of vocab-parallel logits ``[s, b, V/tp]``
     against ``labels`` ``[b, s]``; identical on every TP rank."""
     labels_sb = labels.t().contiguous()  # [s, b], the logits' layout
-    return vocab_parallel_cross_entropy(logits, labels_sb, groups.tp).mean()
+    return vocab_parallel_cross_entropy(logits, labels_sb, groups.tensor).mean()
 
 
 class GPT(nn.Module):
@@ -122,7 +122,8 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean loss over the micro-batch; every TP rank validates it before communicating."""
         shards = self.groups.layout.tp if self.sequence_parallel else 1
-        validate_batch_across(tokens, labels, self.cfg, self.groups.tp, sequence_shards=shards)
+        validate_batch_across(tokens, labels, self.cfg, self.groups.tensor,
+                              sequence_shards=shards)
         hidden = tokens
         for block in self.blocks:
             hidden = block(hidden)

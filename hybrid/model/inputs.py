@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.comm import Group
 from hybrid.planning.config import ModelConfig
 from hybrid.errors import UserError
 
@@ -61,7 +62,7 @@ def validate_batch(tokens, labels, cfg: ModelConfig, *, sequence_shards: int = 1
         raise ModelInputError(problem)
 
 
-def validate_batch_across(tokens, labels, cfg: ModelConfig, group: dist.ProcessGroup, *,
+def validate_batch_across(tokens, labels, cfg: ModelConfig, group: Group, *,
                           sequence_shards: int = 1) -> None:
     """``validate_batch`` on every rank of ``group``, then all raise if any batch was bad.
 
@@ -73,7 +74,7 @@ def validate_batch_across(tokens, labels, cfg: ModelConfig, group: dist.ProcessG
         # Highest bad rank + 1, or 0 when every rank's batch is fine.
         flag = torch.tensor([group.rank() + 1 if problem else 0], dtype=torch.int64,
                             device=_flag_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        group.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad_rank = int(flag.item()) - 1
         if problem is None and bad_rank >= 0:
             problem = (f"rank {bad_rank} of this rank's model-parallel group got an invalid batch "
@@ -82,8 +83,8 @@ def validate_batch_across(tokens, labels, cfg: ModelConfig, group: dist.ProcessG
         raise ModelInputError(problem)
 
 
-def _flag_device(group: dist.ProcessGroup) -> torch.device:
+def _flag_device(group: Group) -> torch.device:
     # NCCL groups need a CUDA tensor; gloo takes CPU tensors.
-    if dist.get_backend(group) == "nccl":
+    if group.backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

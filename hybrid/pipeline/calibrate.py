@@ -104,8 +104,8 @@ def agreed_block_seconds(cfg: Config, groups: ParallelGroups,
     every rank of the job, identical on every rank."""
     forwards, backwards = measure_block_kinds(cfg, groups, runs)
     mine = torch.tensor(forwards + backwards, dtype=torch.float64, device=groups.device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    everyone = [torch.empty_like(mine) for _ in range(groups.world.size())]
+    groups.world.all_gather(everyone, mine)
     mean = torch.stack(everyone).mean(dim=0).tolist()
 
     def per_block(embedding: float, layer: float, head: float) -> list[float]:

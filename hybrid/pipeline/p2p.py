@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.comm import RECV, SEND, Group, Message
 from hybrid.planning.schedules.actions import LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_rank
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
@@ -65,35 +66,30 @@ class PendingRecv:
     posted_s: float
 
 
-def post(actions: list[Action], payloads: dict[Action, torch.Tensor], *, pp_ranks: list[int],
-         group: dist.ProcessGroup, n_microbatches: int,
-         recv_buffer: Callable[[], torch.Tensor], placement: str = LOOP
+def post(actions: list[Action], payloads: dict[Action, torch.Tensor], *, group: Group,
+         n_microbatches: int, recv_buffer: Callable[[], torch.Tensor], placement: str = LOOP
          ) -> tuple[list[tuple[Action, torch.Tensor, dist.Work]], list[PendingRecv]]:
-    """Post consecutive SEND/RECV actions as one ``batch_isend_irecv`` call.
+    """Post consecutive SEND/RECV actions as one batch on the pipeline ``group``.
 
     ``payloads`` holds the tensor of each SEND; ``recv_buffer()`` makes an empty buffer for a
-    RECV. Peers are global ranks of the PP group (``pp_ranks[pipeline rank]``).
+    RECV. Peers are global ranks of the group (``group.ranks[pipeline rank]``).
     """
-    pp = len(pp_ranks)
-    ops, sends, recvs = [], [], []
+    pp = group.size()
+    messages, sends, recvs = [], [], []
     for action in actions:
-        peer = pp_ranks[stage_rank(peer_stage(action), pp, placement)]
+        peer = group.ranks[stage_rank(peer_stage(action), pp, placement)]
         tag = message_tag(action, n_microbatches)
         if action.kind in (SEND_F, SEND_B):
             tensor = payloads[action]
-            ops.append(dist.P2POp(dist.isend, tensor, peer, group, tag))
+            messages.append(Message(SEND, tensor, peer, tag))
             sends.append((action, tensor))
         else:
             tensor = recv_buffer()
-            ops.append(dist.P2POp(dist.irecv, tensor, peer, group, tag))
+            messages.append(Message(RECV, tensor, peer, tag))
             recvs.append((action, tensor))
     posted_s = time.time()
-    works = dist.batch_isend_irecv(ops)
-    if len(works) != len(ops):
-        # NCCL-style coalescing returns one Work that stands for the whole batch.
-        assert len(works) == 1, f"{len(works)} works for {len(ops)} point-to-point ops"
-        works = works * len(ops)
-    kinds = [op.op is dist.isend for op in ops]
+    works = group.exchange(messages)
+    kinds = [message.kind == SEND for message in messages]
     send_works = [(a, t, w) for (a, t), w in zip(sends, [w for s, w in zip(kinds, works) if s])]
     pending = [PendingRecv(a, w, t, posted_s)
                for (a, t), w in zip(recvs, [w for s, w in zip(kinds, works) if not s])]

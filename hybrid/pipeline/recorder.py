@@ -12,8 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-import torch.distributed as dist
-
+from hybrid.comm import Group
 from hybrid.planning.schedules.actions import COMPUTE_KINDS, LOOP, Action
 from hybrid.planning.schedules.simulate import Costs, simulate
 from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
@@ -35,14 +34,11 @@ class ActionRecorder:
         self.events = []
 
 
-def gather_events(events: list[Event], group: Optional[dist.ProcessGroup] = None,
-                  dst: int = 0) -> Optional[list[Event]]:
-    """All ranks' events on global rank ``dst`` (None elsewhere); a collective over ``group``
-    (default: the world). For one pipeline pass ``groups.pp`` and ``groups.ranks["pp"][0]``."""
+def gather_events(events: list[Event], group: Group, dst: int) -> Optional[list[Event]]:
+    """All ranks' events on global rank ``dst`` (None elsewhere); a collective over ``group``.
+    For one pipeline pass ``groups.pipeline`` and ``groups.pipeline.ranks[0]``."""
     texts = [(rank, str(action), start, end) for rank, action, start, end in events]
-    size = dist.get_world_size(group)
-    gathered = [None] * size if dist.get_rank() == dst else None
-    dist.gather_object(texts, gathered, dst=dst, group=group)
+    gathered = group.gather_objects(texts, dst)
     if gathered is None:
         return None
     return sorted(((rank, Action.parse(text), start, end)

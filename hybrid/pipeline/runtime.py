@@ -28,7 +28,6 @@ from datetime import timedelta
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
@@ -113,16 +112,16 @@ def prepare_rank(actions: Sequence[Action], chunks: dict[int, nn.Module], *,
                  ) -> RankPlan:
     """This rank's ``RankPlan`` for ``run_pipeline_step``: ``actions`` lowered, checked
     against the stages in ``chunks``, and their messages planned for the PP group's backend."""
-    if placement != LOOP and pp > 1 and dist.get_backend(groups.pp) != "gloo":
+    if placement != LOOP and pp > 1 and groups.pipeline.backend != "gloo":
         raise ScheduleError(f"the {placement} placement's messages are matched by tag, which "
                             f"only gloo does; use a loop-placed schedule (zb-h1) on "
-                            f"{dist.get_backend(groups.pp)}")
+                            f"{groups.pipeline.backend}")
     return plan_rank(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
                      placement=placement, recv_lookahead=recv_lookahead(groups))
 
 
 def recv_lookahead(groups: ParallelGroups) -> int:
-    return GLOO_RECV_LOOKAHEAD if dist.get_backend(groups.pp) == "gloo" else 0
+    return GLOO_RECV_LOOKAHEAD if groups.pipeline.backend == "gloo" else 0
 
 
 class _Step:
@@ -144,7 +143,7 @@ class _Step:
         self.arrived: dict[Action, torch.Tensor] = {}  # RECVs waited on, not yet consumed
         self.deferred: dict[tuple[int, int], Callable[[], None]] = {}  # W work left by I
         self.losses: list[torch.Tensor] = []
-        self.sends = p2p.SendsInFlight(threaded=dist.get_backend(groups.pp) == "gloo")
+        self.sends = p2p.SendsInFlight(threaded=groups.pipeline.backend == "gloo")
 
     def run(self, posting: Sequence[Posting]) -> Optional[float]:
         compute = {FORWARD: self.forward, BACKWARD: self.backward,
@@ -196,8 +195,8 @@ class _Step:
     def communicate(self, batch: list[Action]) -> None:
         payloads = {a: self.outbox.pop(a) for a in batch if a.kind in (SEND_F, SEND_B)}
         sends, recvs = p2p.post(
-            batch, payloads, pp_ranks=self.groups.ranks["pp"], group=self.groups.pp,
-            n_microbatches=self.m, recv_buffer=self._recv_buffer, placement=self.placement)
+            batch, payloads, group=self.groups.pipeline, n_microbatches=self.m,
+            recv_buffer=self._recv_buffer, placement=self.placement)
         del payloads  # the sends hold the only references now
         for action, tensor, work in sends:
             self.sends.add(work, tensor, label=action)
@@ -232,7 +231,7 @@ class _Step:
 
     def _peer_of(self, action: Action) -> int:
         """The global rank at the other end of a SEND/RECV action."""
-        return self.groups.ranks["pp"][
+        return self.groups.pipeline.ranks[
             stage_rank(p2p.peer_stage(action), self.pp, self.placement)]
 
     def _started(self, action: Action) -> None:

@@ -1,11 +1,19 @@
-"""Pure rank arithmetic for a DP x TP x PP layout (no torch).
+"""The rank layout of a job: named axes in one declared order, and the roles built on them
+(pure: no torch).
 
-A layout is a grid of ``dp * tp * pp`` ranks. The ``order`` string names the axes from the
-fastest-varying to the slowest, exactly as megatron-core's ``RankGenerator`` reads it: with the
-default ``"tp-dp-pp"`` the ranks of one TP group are consecutive (so they sit inside one node),
-and ``rank = tp + dp * tp_size + pp * tp_size * dp_size``.
+A layout is a grid of ``dp * tp * pp`` ranks. The axes are declared once, in ``AXES``; the
+``order`` string names them from the fastest-varying to the slowest, exactly as megatron-core's
+``RankGenerator`` reads it: with the default ``"tp-dp-pp"`` the ranks of one TP group are
+consecutive (so they sit inside one node), and ``rank = tp + dp * tp_size + pp * tp_size *
+dp_size``. Every group of every axis is a slice of this one grid, so all groups agree.
 
-Every group of every axis is a slice of this one grid, so all groups agree with each other.
+Nothing outside this module asks for "the dp group". Consumers ask for a *role* (``ROLES``):
+which ranks split the data, average gradients, make the step's loss, shard optimizer state,
+split weight matrices, form a pipeline, hold one copy of the model. Each role is a set of
+axes; ``ParallelGroups`` (``hybrid.groups``) makes one process group per distinct set, so
+roles over the same axes share one group. A new axis (context parallelism: ``cp``, which joins
+the gradient, loss and sharding roles as megatron's ``dp_cp`` does) is declared in ``AXES``,
+as a ``Layout`` field and in the roles that span it; the consumers do not change.
 """
 
 from __future__ import annotations
@@ -13,11 +21,61 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
 from hybrid.errors import UserError
+from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
 
 AXES = ("tp", "dp", "pp")
-DEFAULT_ORDER = "tp-dp-pp"
+"""The parallel axes, in Megatron's default order (fastest-varying first): the one place that
+names them. Each is also a ``Layout`` field holding its size."""
+DEFAULT_ORDER = "-".join(AXES)
+COORD_ORDER = ("dp", "tp", "pp")
+"""The same axes in the order people read them: ``Layout.coords``' keys, rank tables."""
+AXIS_TRAFFIC = {
+    "tp": "TP all-reduces run every layer: keep TP inside a node",
+    "pp": "PP sends activations between neighbouring stages",
+    "dp": "DP all-reduces gradients once per step",
+}
+"""What crosses each axis's groups, heaviest first: why a group that spans nodes is slow."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a group of ranks does together: the axes its ranks differ in."""
+
+    axes: tuple[str, ...]
+    doc: str
+
+
+ROLES = {
+    "data": Role(("dp",), "read different samples of the global batch (the loader's split)"),
+    "gradient": Role(("dp",), "average their gradients once per step (DP reduction)"),
+    "sharding": Role(("dp",), "share one copy of optimizer state (and gradients) under ZeRO"),
+    "loss": Role(("dp",), "average the last stage's losses into the step's loss"),
+    "tensor": Role(("tp",), "split each weight matrix (tensor and sequence parallelism)"),
+    "pipeline": Role(("pp",), "run the stages of one pipeline (point-to-point messages)"),
+    "model": Role(("tp", "pp"), "hold one copy of every parameter between them (global norms)"),
+}
+"""The roles every consumer asks for (``ParallelGroups.<role>``); ``EMBEDDING`` is the one
+role not made of whole axes."""
+EMBEDDING = "embedding"
+"""The ranks of each pipeline holding its first and last stage (a tied embedding's copies)."""
+
+
+def role_key(role: str) -> str:
+    """The group a role runs on, as ``Layout.groups`` names it: its axes in ``AXES`` order
+    (``"tp-pp"`` for the model role), or ``"embedding"``; also the label its traffic is
+    counted under."""
+    if role == EMBEDDING:
+        return EMBEDDING
+    if role not in ROLES:
+        raise LayoutError(f"unknown role {role!r}; roles are {', '.join(ROLES)}, {EMBEDDING}")
+    return "-".join(axis for axis in AXES if axis in ROLES[role].axes)
+
+
+def group_keys() -> list[str]:
+    """The distinct groups the roles need, in a fixed order (every rank makes them alike)."""
+    keys = [role_key(role) for role in ROLES] + [EMBEDDING]
+    return list(dict.fromkeys(keys))
 
 
 class LayoutError(UserError):
@@ -49,13 +107,13 @@ class Layout:
     order: str = DEFAULT_ORDER
     vpp: int = 1
     stage_placement: str = "loop"
-    """Which pipeline rank holds each virtual stage: ``hybrid.planning.schedules.actions.stage_rank``
-    ("loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this). It decides where the first and last stage, and so the tied
-    embedding, live."""
+    """Which pipeline rank holds each virtual stage (``hybrid.planning.schedules.actions.
+    stage_rank``: "loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this).
+    It decides where the first and last stage, and so the tied embedding, live."""
     _axes: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "vpp"):
+        for name in (*AXES, "vpp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be an integer >= 1")
@@ -67,7 +125,10 @@ class Layout:
     # ----- sizes and coordinates -------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        size = 1
+        for axis in AXES:
+            size *= self.size(axis)
+        return size
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -75,7 +136,9 @@ class Layout:
         return self._axes
 
     def size(self, axis: str) -> int:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]
+        if axis not in AXES:
+            raise LayoutError(f"unknown axis {axis!r}; the axes are {', '.join(AXES)}")
+        return getattr(self, axis)
 
     def _strides(self) -> dict[str, int]:
         strides, stride = {}, 1
@@ -85,19 +148,22 @@ class Layout:
         return strides
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> ``{"dp": i, "tp": j, "pp": k}``."""
+        """Rank -> its coordinate on every axis, ``{"dp": i, "tp": j, "pp": k}``."""
         self._check_rank(rank)
         strides = self._strides()
-        return {axis: (rank // strides[axis]) % self.size(axis) for axis in ("dp", "tp", "pp")}
+        return {axis: (rank // strides[axis]) % self.size(axis) for axis in COORD_ORDER}
 
-    def rank(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
-        """``(dp, tp, pp)`` coordinates -> global rank."""
-        coords = {"dp": dp, "tp": tp, "pp": pp}
-        for axis, value in coords.items():
+    def rank(self, **coords: int) -> int:
+        """Coordinates (``dp=i, tp=j, pp=k``; an axis left out is 0) -> global rank."""
+        unknown = sorted(set(coords) - set(AXES))
+        if unknown:
+            raise LayoutError(f"unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
+        strides = self._strides()
+        for axis in AXES:
+            value = coords.get(axis, 0)
             if not 0 <= value < self.size(axis):
                 raise LayoutError(f"{axis}={value} is outside 0..{self.size(axis) - 1}")
-        strides = self._strides()
-        return sum(coords[axis] * strides[axis] for axis in AXES)
+        return sum(coords.get(axis, 0) * strides[axis] for axis in AXES)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -112,7 +178,7 @@ class Layout:
         axis fastest); groups are listed with the remaining axes in the same order. This is
         exactly what megatron-core's ``RankGenerator.get_ranks(axis)`` returns.
         """
-        if axis == "embedding":
+        if axis == EMBEDDING:
             return self.embedding_groups()
         wanted = axis.lower().split("-")
         if not wanted or any(a not in AXES for a in wanted) or len(set(wanted)) != len(wanted):
@@ -133,6 +199,10 @@ class Layout:
         """The group along ``axis`` that contains ``rank``."""
         self._check_rank(rank)
         return next(g for g in self.groups(axis) if rank in g)
+
+    def role_groups(self, role: str) -> list[list[int]]:
+        """Rank lists of every group of ``role`` (``ROLES``, or ``"embedding"``)."""
+        return self.groups(role_key(role))
 
     def embedding_groups(self) -> list[list[int]]:
         """The ranks of each pipeline holding the first and the last stage: where tied input
@@ -174,9 +244,7 @@ class Layout:
     def placement_warnings(self, ranks_per_node: int) -> list[str]:
         """Human-readable warnings about groups that cross nodes, worst (TP) first."""
         warnings = []
-        for axis, why in (("tp", "TP all-reduces run every layer: keep TP inside a node"),
-                          ("pp", "PP sends activations between neighbouring stages"),
-                          ("dp", "DP all-reduces gradients once per step")):
+        for axis, why in AXIS_TRAFFIC.items():
             crossing = self.crossing_groups(axis, ranks_per_node)
             if crossing and self.size(axis) > 1:
                 warnings.append(f"{len(crossing)} {axis} group(s) cross nodes, e.g. "
