@@ -48,7 +48,9 @@ from hybrid.comm import CommCounter  # noqa: E402
 from hybrid.planning.config import ModelConfig, OptimConfig  # noqa: E402
 from hybrid.data import MarkovDataset, rank_microbatches  # noqa: E402
 from hybrid.dp import GradSync  # noqa: E402
-from hybrid.planning.cost.dp_traffic import POWERSGD_MIN_COMPRESSION, DpOptions, gradient_bytes  # noqa: E402
+from hybrid.planning.cost.dp_traffic import gradient_bytes  # noqa: E402
+from hybrid.planning.strategies import DpOptions  # noqa: E402
+from hybrid.planning.strategies.powersgd import MIN_COMPRESSION  # noqa: E402
 from hybrid.groups import ParallelGroups  # noqa: E402
 from hybrid.planning.layout import Layout  # noqa: E402
 from hybrid.optim import build_adamw, lr_at, spec_of  # noqa: E402
@@ -79,7 +81,7 @@ def torch_powersgd(cfg: ModelConfig, groups, args):
                                   gradient_as_bucket_view=True)
     state = PowerSGDState(process_group=groups.gradient.pg, matrix_approximation_rank=args.rank,
                           start_powerSGD_iter=args.warmup,
-                          min_compression_rate=POWERSGD_MIN_COMPRESSION,
+                          min_compression_rate=MIN_COMPRESSION,
                           use_error_feedback=True, warm_start=True)
     ddp.register_comm_hook(state, powerSGD_hook)
     optimizer = build_adamw([(p, spec_of(p, n).weight_decay)

@@ -40,7 +40,7 @@ from hybrid.planning.schedules.partition import partition  # noqa: E402
 from hybrid.planning.schedules.rank_check import rank_stages  # noqa: E402
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline  # noqa: E402
 from hybrid.pipeline.runtime import run_pipeline_step  # noqa: E402
-from hybrid.planning.schedules.builders import (  # noqa: E402
+from hybrid.planning.schedules import (  # noqa: E402
     add_communication, build_schedule, schedule_placement,
 )
 from hybrid.testing import spawn  # noqa: E402

@@ -31,7 +31,7 @@ def measure(cfg_dict: dict, run_dir: str, schedules: list[str], blocks: int,
     """One rank: CPU seconds of each measured step, by schedule."""
     import torch.distributed as dist
 
-    from hybrid.planning.schedules.builders import add_communication, build_schedule
+    from hybrid.planning.schedules import add_communication, build_schedule
 
     trainer = cpu_trainer(cfg_dict, run_dir)
     groups = trainer.groups

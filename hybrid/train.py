@@ -30,7 +30,7 @@ from hybrid.planning.config import Config
 from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.groups import ParallelGroups
-from hybrid.planning.cost.dp_traffic import DpOptions
+from hybrid.planning.strategies import DpOptions
 from hybrid.planning.job import plan_job, rank_dp_bytes
 from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
@@ -41,7 +41,7 @@ from hybrid.planning.schedules.actions import Action
 from hybrid.planning.schedules.check import check_schedule
 from hybrid.planning.schedules.rank_check import RankPlan
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
-from hybrid.planning.schedules.builders import add_communication, build_schedule
+from hybrid.planning.schedules import add_communication, build_schedule
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
 from hybrid.stall import who

@@ -10,9 +10,8 @@ import torch.distributed as dist
 from hybrid.comm import CommCounter
 from hybrid.planning.config import ModelConfig, OptimConfig
 from hybrid.dp import GradSync
-from hybrid.planning.cost.dp_traffic import (
-    SCALAR, DpOptions, all_reduce_bytes, gradient_bytes, option_problem, step_bytes,
-)
+from hybrid.planning.cost.dp_traffic import gradient_bytes, step_bytes
+from hybrid.planning.strategies import SCALAR, DpOptions, all_reduce_bytes, option_problem
 from hybrid.groups import ParallelGroups
 from hybrid.planning.layout import Layout
 from hybrid.planning.cost.state_bytes import rank_shapes
@@ -104,14 +103,12 @@ def _capture_local_grads(sync):
 def _finish(sync, options: DpOptions, step: int) -> None:
     """The rest of ``finish_step`` after ``reduce_gradients`` (which the test ran apart);
     with a delay, returns the gradients it applied (None: none)."""
-    apply = sync.delayed.swap(sync.wait) if sync.delayed else True
+    apply = sync.reducer.before_update()
     applied = _flat_grads(sync) if apply else None
     if apply:
         sync.clip_grad_norm_(1.0)
         sync.optimizer_step(1e-2)
-    if options.sync_every > 1 and step % options.sync_every == 0:
-        from hybrid.dp.replicas import average_replicas
-        average_replicas(sync.buckets, sync.optimizer, sync.gradient, sync.wait, moments=True)
+    sync.reducer.after_update(step, sync.optimizer)  # local SGD averages every H steps
     sync.zero_grad()
     return applied
 
@@ -132,7 +129,7 @@ def _check(name: str, sync, local, errors_before, step: int) -> bool:
         # each rank's share rounded to bf16 (8 bits), then their sum: relative to the
         # magnitudes summed, not to the mean (which may cancel)
         scale = _mean(local.abs())
-        if sync.zero:  # the shard holds this rank's part of the mean
+        if sync.sharding.shards_state:  # the shard holds this rank's part of the mean
             shard = sync.shards[0]
             exact, reduced = exact[shard.start:shard.end], shard.grad
             scale = scale[shard.start:shard.end]

@@ -29,7 +29,7 @@ from hybrid.planning.schedules.partition import partition
 from hybrid.planning.schedules.rank_check import rank_stages
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import run_pipeline_step
-from hybrid.planning.schedules.builders import add_communication, build_schedule
+from hybrid.planning.schedules import add_communication, build_schedule
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,8 +19,8 @@ from hybrid.pipeline.p2p import fifo_mismatches, message_tag
 from hybrid.planning.schedules.partition import partition
 from hybrid.planning.schedules.rank_check import check_rank_actions, posting_plan
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
-from hybrid.planning.schedules.builders import (
-    SCHEDULE_NAMES, add_communication, build_schedule, schedule_placement,
+from hybrid.planning.schedules import (
+    schedule_names, add_communication, build_schedule, schedule_placement,
 )
 from hybrid.testing import spawn
 
@@ -111,7 +111,7 @@ def test_stage_modules_must_match_the_rank():
                            vpp=2, m=4)
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", schedule_names())
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_message_of_a_step_has_its_own_tag_and_fifo_order(name, pp):
     vpp, m = (2, 2 * pp) if name in ("interleaved-1f1b", "zb-v") else (1, 2 * pp)

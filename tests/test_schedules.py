@@ -7,7 +7,7 @@ from hybrid.planning.schedules.actions import (
     ALL_KINDS, Action, ScheduleError, dump_csv, from_text, load_csv, to_text,
 )
 from hybrid.planning.schedules.check import MARK, check_schedule, format_table
-from hybrid.planning.schedules.builders import add_communication, build_schedule
+from hybrid.planning.schedules import add_communication, build_schedule
 
 A = Action.parse
 
@@ -241,3 +241,17 @@ def test_format_table_is_step_by_rank_with_marks():
         "   1 | 0B0    |",
     ]
 
+
+
+def test_every_registered_schedule_is_documented_where_people_choose_one():
+    from pathlib import Path
+
+    from hybrid.planning.schedules import SCHEDULES
+
+    root = Path(__file__).resolve().parent.parent
+    reference = (root / "docs" / "config.md").read_text()
+    choices = next(line for line in reference.splitlines() if "`parallel.schedule`" in line)
+    pipeline_doc = (root / "docs" / "pipeline.md").read_text()
+    for name, spec in SCHEDULES.items():
+        assert name in choices and f"`{name}`" in pipeline_doc, name
+        assert spec.doc, name

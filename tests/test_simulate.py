@@ -10,7 +10,7 @@ from fractions import Fraction as Fr
 import pytest
 
 from hybrid.planning.schedules.actions import V_SHAPE, ScheduleError
-from hybrid.planning.schedules.builders import SCHEDULE_NAMES, add_communication, build_schedule
+from hybrid.planning.schedules import schedule_names, add_communication, build_schedule
 from hybrid.planning.schedules.simulate import Costs, peak_inflight, simulate
 
 SIZES = [(p, m) for p in (2, 3, 4, 8) for m in sorted({p, 2 * p, 4 * p, 8})]
@@ -141,7 +141,7 @@ def test_closed_form_schedule_shapes_equal_the_simulation():
     from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 
     checked = 0
-    for name in SCHEDULE_NAMES:
+    for name in schedule_names():
         for pp in range(1, 7):
             for vpp in {"interleaved-1f1b": (2, 3), "zb-v": (2,)}.get(name, (1,)):
                 for m in range(1, 13):

@@ -5,7 +5,7 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from hybrid.planning.schedules.builders import add_communication, build_schedule
+from hybrid.planning.schedules import add_communication, build_schedule
 from hybrid.planning.schedules.simulate import Costs, simulate
 from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
 

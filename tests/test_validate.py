@@ -55,7 +55,7 @@ BAD = [
      "needs micro-batches per step (3 = global_batch 6 / (dp 1 x micro_batch 2)) "
      "to be a multiple of parallel.pp=2"),
     ({"parallel": {"schedule": "1f2b"}}, "parallel.schedule='1f2b' is unknown; choose one of "
-                                         "gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+                                         "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v"),
     ({"parallel": {"order": "tp-pp"}}, "parallel.order='tp-pp' is not a permutation"),
     ({"parallel": {"dp": 0}}, "parallel.dp=0 must be an integer >= 1"),
     ({"parallel": {"zero": 3}}, "parallel.zero=3 is unknown; choose one of 0, 1, 2"),

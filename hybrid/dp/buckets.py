@@ -162,21 +162,21 @@ def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
     return None
 
 
-def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int, zero: int
-                  ) -> tuple[list[Bucket], int]:
+def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int, pad_to: int,
+                  grad_buffer: bool, flatten: bool) -> tuple[list[Bucket], int]:
     """``GradSync``'s buckets over ``params`` (registration order) and how many of them are
     overlapped with the backward. Buckets fill in backward order; parameters whose gradients
     are partial sums over another group (``reduce_first_axis``) go into late buckets of their
     own at the end (simplest correct way: summed over their group in ``reduce_gradients``,
-    then DP-reduced like any other). ZeRO pads each to the DP size and flattens the
-    parameters; ZeRO-2 keeps no gradient buffer (``hybrid.dp.zero2`` stages it)."""
+    then DP-reduced like any other). The sharding strategy (``hybrid.dp.sharding``) says how:
+    ZeRO pads each to the DP size (``pad_to``) and flattens the parameters (``flatten``);
+    ZeRO-2 keeps no gradient buffer (``grad_buffer=False``: ``hybrid.dp.zero2`` stages it)."""
     late: dict[str, list] = {"tensor": [], "embedding": []}
     overlapped = []
     for param in reversed(params):
         axis = reduce_first_axis(param, groups)
         (late[axis] if axis else overlapped).append(param)
-    pad_to = groups.sharding.size() if zero else 1
-    buffer = zero != 2
+    buffer = grad_buffer
     buckets = [Bucket.allocate(i, ps, pad_to=pad_to, grad_buffer=buffer)
                for i, ps in enumerate(plan_buckets(overlapped, bucket_bytes))]
     num_overlapped = len(buckets)
@@ -184,7 +184,7 @@ def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int
         if ps:
             buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
                                            reduce_first=groups.role(axis), grad_buffer=buffer))
-    if zero:
+    if flatten:
         for bucket in buckets:
             bucket.flatten_params()
     return buckets, num_overlapped

@@ -2,7 +2,7 @@
 feedback and warm start, the algorithm of torch DDP's ``powerSGD_hook``.
 
 Per bucket and step, for every gradient matrix ``M`` (``n x m``: the gradient viewed as
-``shape[0]`` rows) that ``hybrid.planning.cost.dp_traffic.powersgd_compresses``, with this rank's error
+``shape[0]`` rows) that ``hybrid.planning.strategies.powersgd.compresses``, with this rank's error
 ``E`` and the shared warm-start ``Q`` (``m x r``)::
 
     M += E                      error feedback: what earlier steps' compression left out
@@ -27,7 +27,7 @@ from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.reduce import ExactMean
 from hybrid.dp.zero import Shard
-from hybrid.planning.cost.dp_traffic import as_matrix, powersgd_compresses
+from hybrid.planning.strategies.powersgd import as_matrix, compresses
 
 Q_SEED = 20190527  # every DP rank draws the same initial Q
 
@@ -53,10 +53,9 @@ class _InFlight:
 class PowerSGD(ExactMean):
     """The PowerSGD reducer: ``launch`` in the backward, ``finish`` after it."""
 
-    def __init__(self, group: Group, buckets: Sequence[Bucket], *, rank: int,
-                 warmup: int):
-        super().__init__(group)
-        self.approx_rank, self.warmup = rank, warmup
+    def __init__(self, group: Group, buckets: Sequence[Bucket], options, wait=None):
+        super().__init__(group, buckets, options, wait)
+        self.approx_rank, self.warmup = options.powersgd_rank, options.powersgd_warmup
         self.step = 0
         self.matrices = {b.index: self._matrices(b) for b in buckets}
         self.in_flight: dict[int, _InFlight] = {}
@@ -64,7 +63,7 @@ class PowerSGD(ExactMean):
     def _matrices(self, bucket: Bucket) -> list[_Matrix]:
         found = []
         for slot, param in enumerate(bucket.params):
-            if not powersgd_compresses(tuple(param.shape), self.approx_rank):
+            if not compresses(tuple(param.shape), self.approx_rank):
                 continue
             n, m = as_matrix(tuple(param.shape))
             gen = torch.Generator().manual_seed(Q_SEED + 1000 * bucket.index + slot)
@@ -136,7 +135,7 @@ class PowerSGD(ExactMean):
             mat.copy_(approx)
 
     # ----- checkpoints -----------------------------------------------------------------------
-    def state_dict(self, name_of: Callable[[int, int], str]) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, name_of: Callable[[int, int], str]) -> dict[str, torch.Tensor]:
         """``{name}.error`` and ``{name}.q`` of every compressed gradient, by parameter name."""
         out = {}
         for bucket_index, mats in self.matrices.items():
@@ -145,8 +144,8 @@ class PowerSGD(ExactMean):
                 out[f"{name}.error"], out[f"{name}.q"] = x.error, x.q
         return out
 
-    def load_state_dict(self, states: dict[str, torch.Tensor],
-                        name_of: Callable[[int, int], str]) -> None:
+    def load_checkpoint_state(self, states: dict[str, torch.Tensor],
+                              name_of: Callable[[int, int], str]) -> None:
         for bucket_index, mats in self.matrices.items():
             for x in mats:
                 name = name_of(bucket_index, x.slot)

@@ -1,8 +1,9 @@
-"""Data parallelism that does not average every step's gradients at once.
+"""Data parallelism that does not average every step's gradients at once (two reduction
+runtimes, see ``hybrid.dp.reduce``).
 
-``average_replicas`` (``parallel.dp_sync_every=H``, local SGD): each DP replica steps on its
-own gradients; every H-th step the replicas' parameters, and with ``dp_sync_moments`` AdamW's
-two moments, are averaged over DP, one flat all-reduce per bucket and kind.
+``LocalSGD`` (``parallel.dp_sync_every=H``): each DP replica steps on its own gradients; every
+H-th step the replicas' parameters, and with ``dp_sync_moments`` AdamW's two moments, are
+averaged over DP (``average_replicas``), one flat all-reduce per bucket and kind.
 
 ``DelayedMean`` (``parallel.dp_delay=1``): at the end of step ``t`` the gradients' DP mean is
 started asynchronously and the optimizer applies step ``t-1``'s mean, so the all-reduce runs
@@ -18,6 +19,7 @@ import torch
 
 from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
+from hybrid.dp.reduce import ExactMean, NameOf
 
 
 def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer,
@@ -44,14 +46,30 @@ def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer
             start += tensor.numel()
 
 
-class DelayedMean:
+class LocalSGD(ExactMean):
+    """Replicas step alone; their parameters (and moments) averaged every H steps."""
+
+    averages_each_step = False
+
+    def after_update(self, step, optimizer):
+        if step % self.options.sync_every == 0:
+            average_replicas(self.buckets, optimizer, self.group, self.wait,
+                             moments=self.options.sync_moments)
+
+
+class DelayedMean(ExactMean):
     """The gradients' DP mean applied one step late (see module doc)."""
 
-    def __init__(self, group: Group, buckets: Sequence[Bucket]):
-        self.group, self.buckets = group, list(buckets)
+    averages_each_step = False
+
+    def __init__(self, group: Group, buckets: Sequence[Bucket], options=None, wait=None):
+        super().__init__(group, buckets, options, wait)
         self.in_flight: Optional[list[torch.Tensor]] = None
         """Per bucket, the previous step's mean (being reduced until ``works`` are done)."""
         self.works: list = []
+
+    def before_update(self) -> bool:
+        return self.swap(self.wait)
 
     def swap(self, wait: Callable) -> bool:
         """Put the previous step's mean into the gradient buffers and start this step's;
@@ -81,3 +99,12 @@ class DelayedMean:
     def load(self, means: list[torch.Tensor]) -> None:
         self.works = []
         self.in_flight = [m.clone() for m in means]
+
+    def checkpoint_state(self, name_of: NameOf) -> dict[str, torch.Tensor]:
+        return {f"delayed.{i}": t for i, t in enumerate(self.settled(self.wait))}
+
+    def checkpoint_targets(self, name_of: NameOf) -> dict[str, torch.Tensor]:
+        return {f"delayed.{i}": torch.zeros_like(b.grad) for i, b in enumerate(self.buckets)}
+
+    def load_checkpoint_state(self, states, name_of) -> None:
+        self.load([states[f"delayed.{i}"] for i in range(len(self.buckets))])

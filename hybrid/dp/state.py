@@ -30,7 +30,7 @@ class OptimizerStateError(UserError):
 def optimizer_state(sync) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's parameters' AdamW state by global name (collective over DP under ZeRO-1)."""
     step = _common_step(sync)
-    if not sync.zero:
+    if not sync.sharding.shards_state:
         out = {}
         for piece in sync.pieces:
             state = sync.optimizer.state[piece.tensor]
@@ -69,7 +69,7 @@ def _gathered_moment(sync, shard, key: str) -> torch.Tensor:
     if sync.dp_size == 1:
         return local
     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
-    sync.sharding.all_gather_into(full, local)
+    sync.shard_group.all_gather_into(full, local)
     return full
 
 

@@ -22,34 +22,32 @@ For power-of-two ``d`` the division is exact, so pre- and post-dividing agree bi
 Gradients are reduced in fp32 (the buffers are fp32; parameters stay fp32 master weights and
 bf16 compute runs under autocast, whose gradients arrive in the parameters' fp32).
 
-The DP options (``hybrid.planning.cost.dp_traffic``) plug in here: how a bucket becomes its mean
-(``dp.reduce``: exact or bf16; ``dp.powersgd``), ZeRO-2's per-micro-batch staging
-(``dp.zero2``), and local SGD or one-step-delayed gradients (``dp.replicas``).
+The DP strategies plug in here, each the runtime of a spec in ``hybrid.planning.strategies``
+(which says what it sends and keeps): the sharding (``parallel.zero``: ``dp.sharding``, with
+ZeRO's shards in ``dp.zero`` and ZeRO-2's per-micro-batch staging in ``dp.zero2``) and the
+reduction (exact or bf16 in ``dp.reduce``, ``dp.powersgd``, local SGD or one-step-delayed
+gradients in ``dp.replicas``). This class asks them; it names none of them.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 from functools import partial
-from typing import Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.planning.config import OptimConfig
 from hybrid.dp.buckets import Bucket, Piece, build_buckets
 from hybrid.dp.clip import clip_coefficient, counts_in_norm, global_grad_norm, scale_grads_
-from hybrid.dp.powersgd import PowerSGD
-from hybrid.dp.reduce import Bf16Mean, ExactMean
-from hybrid.dp.replicas import DelayedMean, average_replicas
 from hybrid.dp.state import load_optimizer_state, optimizer_state
-from hybrid.dp.zero import Shard, all_gather_params
-from hybrid.dp.zero2 import StagedShards
-from hybrid.planning.cost.dp_traffic import DpOptions, option_problem
-from hybrid.planning.params import ParamSpec
-from hybrid.optim import build_adamw, set_lr, unique_parameters
 from hybrid.errors import UserError
+from hybrid.optim import build_adamw, set_lr, unique_parameters
+from hybrid.planning.config import OptimConfig
+from hybrid.planning.params import ParamSpec
+from hybrid.planning.strategies import DpOptions, option_problem, reduction_of, sharding_of
 
 MIB = 1024 * 1024
 
@@ -62,13 +60,23 @@ def _plain_wait(work: dist.Work) -> None:
     work.wait()
 
 
+def runtime_class(spec) -> type:
+    """A strategy spec's runtime class: ``spec.runtime`` itself, or the class its
+    ``"module:Class"`` name names (imported here, so planning never imports the runtime)."""
+    target = spec.runtime
+    if isinstance(target, str):
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return target
+
+
 class GradSync:
-    """Bucketed DP gradient sync, other-axis reductions, clipping, AdamW and ZeRO-1/2.
+    """Bucketed DP gradient sync, other-axis reductions, clipping, AdamW and the DP strategies.
 
     ``model``: this rank's module, or its list of model chunks (pipeline stages). All its
-    trainable parameters must be fp32. ``bucket_mb``: bucket size in MiB. ``zero``: 0, 1 or
-    2. ``options``: the other DP options (``hybrid.planning.cost.dp_traffic.DpOptions``; default exact).
-    ``optimizer`` is the AdamW it builds (over shard slices under ZeRO).
+    trainable parameters must be fp32. ``bucket_mb``: bucket size in MiB. ``zero``: the ZeRO
+    stage. ``options``: the other DP settings (``hybrid.planning.strategies.DpOptions``;
+    default exact). ``optimizer`` is the AdamW it builds (over shard slices under ZeRO).
     """
 
     def __init__(self, model: Union[nn.Module, Iterable[nn.Module]], groups,
@@ -78,37 +86,36 @@ class GradSync:
         """``wait(work)`` waits for each asynchronous DP collective (default ``work.wait()``;
         the trainer's ``RankWatch.wait_async`` times it and says what it was)."""
         options = DpOptions(zero=zero) if options is None else replace(options, zero=zero)
-        problem = option_problem(options, groups.gradient.size())
-        if problem:
-            raise DataParallelConfigError(problem)
-        if not bucket_mb > 0:
-            raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
-                                          f"25 is torch DDP's default")
+        _check_settings(options, groups.gradient.size(), bucket_mb)
         modules = [model] if isinstance(model, nn.Module) else list(model)
         named = unique_parameters(modules)
         _check_fp32(named)
-        self.groups, self.zero, self.options = groups, zero, options
+        self.groups, self.options = groups, options
         self.wait = wait or _plain_wait
-        self.gradient, self.sharding = groups.gradient, groups.sharding
+        self.gradient, self.shard_group = groups.gradient, groups.sharding
         """The ranks gradients are averaged over, and those a ZeRO stage shards over (the same
         ranks: ZeRO reduce-scatters the gradient mean into the shards)."""
-        self.dp_size, self.dp_rank = self.gradient.size(), self.sharding.rank()
+        self.dp_size, self.dp_rank = self.gradient.size(), self.shard_group.rank()
         self.specs = {id(p): spec for spec, p in named}
         """Every parameter's spec, by ``id``: a plain module's gets one named by its place."""
         self.uses = {id(p): sum(any(p is q for q in m.parameters()) for m in modules)
                      for _, p in named}
         """Chunks using each parameter: a tied embedding used by two chunks of one rank (the
         V placement's rank 0) accumulates once per chunk's backward, so twice a micro-batch."""
+        self.sharding = runtime_class(sharding_of(options))(self.shard_group, self.wait)
         self.buckets, self.num_overlapped = build_buckets(
-            [p for _, p in named], groups, bucket_bytes=int(bucket_mb * MIB), zero=zero)
-        self.shards = [Shard.of(b, self.dp_rank, self.dp_size) for b in self.buckets] if zero \
-            else []
-        self.pieces_by_bucket = self._pieces_by_bucket()
+            [p for _, p in named], groups, bucket_bytes=int(bucket_mb * MIB),
+            pad_to=self.shard_group.size() if self.sharding.pads else 1,
+            grad_buffer=self.sharding.keeps_grad_buffer, flatten=self.sharding.flattens)
+        self.shards = self.sharding.make_shards(self.buckets)
+        self.pieces_by_bucket = self.sharding.pieces(
+            self.buckets, self._decays, partial(counts_in_norm, groups=groups))
         """What the optimizer steps, per bucket: parameters, or their slices in this shard."""
         self.pieces = [piece for pieces in self.pieces_by_bucket for piece in pieces]
         self.optimizer = build_adamw([(p.tensor, p.decays) for p in self.pieces], optim)
         self._norm_grads = self._grads_counted_in_norm(self.pieces_by_bucket)
-        self._build_strategies()
+        self.reducer = runtime_class(reduction_of(options))(self.gradient, self.buckets,
+                                                            options, self.wait)
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._accumulated, b, i))
                        for b in self.buckets for i, param in enumerate(b.params)]
         self._microbatches: Union[int, None] = None
@@ -126,43 +133,19 @@ class GradSync:
                    zero=cfg.parallel.zero, options=DpOptions.of(cfg.parallel), wait=wait)
 
     # ----- construction ----------------------------------------------------------------------
-    def _build_strategies(self) -> None:
-        options, dp = self.options, self.gradient
-        if options.compress == "powersgd" and self.dp_size > 1:
-            self.reducer = PowerSGD(dp, self.buckets, rank=options.powersgd_rank,
-                                    warmup=options.powersgd_warmup)
-        else:
-            self.reducer = Bf16Mean(dp) if options.compress == "bf16" else ExactMean(dp)
-        self.staged = StagedShards(self.shards, dp, self.wait) if self.zero == 2 else None
-        self.delayed = DelayedMean(dp, self.buckets) if options.delay and self.dp_size > 1 \
-            else None
-        self.averages_each_step = options.sync_every == 1 and not options.delay
-
     def _decays(self, param: torch.Tensor) -> bool:
         return self.specs[id(param)].weight_decay
-
-    def _pieces_by_bucket(self) -> list[list[Piece]]:
-        in_norm = partial(counts_in_norm, groups=self.groups)
-        if self.zero:
-            return [shard.pieces(self._decays, in_norm) for shard in self.shards]
-        return [[Piece(tensor=p, grad=p.grad, param=p, offset=0, decays=self._decays(p),
-                       counts_in_norm=in_norm(p)) for p in bucket.params]
-                for bucket in self.buckets]
 
     def _grads_counted_in_norm(self, pieces_by_bucket: list[list[Piece]]) -> list[torch.Tensor]:
         """A bucket's whole buffer where all its pieces count (one dot product per bucket; the
         padding is zero), else its counted pieces one by one."""
         grads: list[torch.Tensor] = []
-        for buffer, pieces in zip(self._grad_buffers(), pieces_by_bucket):
+        for buffer, pieces in zip(self.sharding.grad_buffers(self.buckets), pieces_by_bucket):
             if all(p.counts_in_norm for p in pieces):
                 grads.append(buffer)
             else:
                 grads.extend(p.grad for p in pieces if p.counts_in_norm)
         return grads
-
-    def _grad_buffers(self) -> list[torch.Tensor]:
-        """The buffers that hold this rank's reduced gradients (what clipping scales)."""
-        return [s.grad for s in self.shards] if self.zero else [b.grad for b in self.buckets]
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Every gradient buffer this rank keeps between steps."""
@@ -170,10 +153,8 @@ class GradSync:
             [s.grad for s in self.shards if s.grad.numel()]
 
     def dp_state_tensors(self) -> list[torch.Tensor]:
-        """What the DP options keep between steps (PowerSGD's, the delayed mean)."""
-        if isinstance(self.reducer, PowerSGD):
-            return self.reducer.state_tensors()
-        return self.delayed.state_tensors() if self.delayed else []
+        """What the reduction keeps between steps (PowerSGD's, the delayed mean)."""
+        return self.reducer.state_tensors()
 
     # ----- the step ----------------------------------------------------------------------
     def start_step(self, num_microbatches: int, step: Optional[int] = None) -> None:
@@ -202,13 +183,12 @@ class GradSync:
         expected = self._microbatches * self.uses[id(param)]
         count = bucket.accumulations[slot] + 1
         if count > expected:
-            raise RuntimeError(f"parameter {self.specs[id(param)].name} accumulated {count} gradients "
-                               f"in a step declared with {self._microbatches} micro-batches (x "
-                               f"{self.uses[id(param)]} chunks using it); pass the "
-                               f"true count to start_step()")
+            raise RuntimeError(f"parameter {self.specs[id(param)].name} accumulated {count} "
+                               f"gradients in a step declared with {self._microbatches} "
+                               f"micro-batches (x {self.uses[id(param)]} chunks using it); pass "
+                               f"the true count to start_step()")
         bucket.accumulations[slot] = count
-        if self.staged is not None:
-            self.staged.accumulated(bucket, slot, param)
+        if self.sharding.accumulated(bucket, slot, param):
             return
         if count == expected:
             bucket.check_grad_is_view(slot)
@@ -227,9 +207,9 @@ class GradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's DP mean (unless this step does not average gradients)."""
-        if self.dp_size == 1 or not self.averages_each_step:
+        if self.dp_size == 1 or not self.reducer.averages_each_step:
             return
-        self.reducer.launch(bucket, self.shards[bucket.index] if self.zero else None)
+        self.reducer.launch(bucket, self.sharding.shard_of(bucket))
 
     def reduce_gradients(self) -> None:
         """Finish the step's gradient sync: start whatever did not start during backward
@@ -239,8 +219,7 @@ class GradSync:
             raise RuntimeError("gradients reduced without start_step(); call "
                                "GradSync.start_step(num_microbatches) before the backward")
         self._microbatches = None
-        if self.staged is not None:
-            self.staged.flush()
+        if self.sharding.flush():
             return
         self._launch_ready_in_order(in_backward=False)
         for bucket in self.buckets[self.num_overlapped:]:
@@ -251,17 +230,19 @@ class GradSync:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global gradient norm (before clipping); scales gradients to ``max_norm`` when
-        above it (``max_norm <= 0``: no clipping). Collective over mp (and dp under ZeRO)."""
-        norm = global_grad_norm(self._norm_grads, self.groups, sharded_over_dp=bool(self.zero))
-        scale_grads_(self._grad_buffers(), clip_coefficient(norm, max_norm))
+        above it (``max_norm <= 0``: no clipping). Collective over the model group (and the
+        sharding group when the state is sharded)."""
+        norm = global_grad_norm(self._norm_grads, self.groups,
+                                sharded_over_dp=self.sharding.shards_state)
+        scale_grads_(self.sharding.grad_buffers(self.buckets), clip_coefficient(norm, max_norm))
         return norm
 
     def optimizer_step(self, lr: float) -> None:
-        """AdamW step at ``lr``; under ZeRO then all-gather the updated parameters."""
+        """AdamW step at ``lr``, then what the sharding does after it (ZeRO: gather the
+        updated parameters)."""
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        if self.zero:
-            all_gather_params(self.shards, self.sharding, self.wait)
+        self.sharding.after_optimizer_step()
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (``.grad`` stays a view of them)."""
@@ -276,22 +257,19 @@ class GradSync:
         raise to stop a step whose update must not be applied (a non-finite norm). With
         ``dp_delay`` the norm is that of the mean applied (step 1 applies none: 0.0)."""
         self.reduce_gradients()
-        apply = self.delayed.swap(self.wait) if self.delayed else True
+        apply = self.reducer.before_update()
         norm = self.clip_grad_norm_(max_norm) if apply else 0.0
         if check is not None:
             check(norm)
         if apply:
             self.optimizer_step(lr)
-        every = self.options.sync_every
-        if every > 1 and self.step % every == 0:
-            average_replicas(self.buckets, self.optimizer, self.gradient, self.wait,
-                             moments=self.options.sync_moments)
+        self.reducer.after_update(self.step, self.optimizer)
         self.zero_grad()
         return norm
 
     def state_dict(self) -> dict:
         """AdamW's state per global parameter name (see ``hybrid.dp.state``); collective over
-        DP under ZeRO."""
+        the sharding group when the state is sharded."""
         return optimizer_state(self)
 
     def load_state_dict(self, states: dict) -> None:
@@ -303,6 +281,15 @@ class GradSync:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _check_settings(options: DpOptions, dp: int, bucket_mb: Any) -> None:
+    problem = option_problem(options, dp)
+    if problem:
+        raise DataParallelConfigError(problem)
+    if not bucket_mb > 0:
+        raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
+                                      f"25 is torch DDP's default")
 
 
 def _check_fp32(named: list[tuple[ParamSpec, nn.Parameter]]) -> None:

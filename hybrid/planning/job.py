@@ -16,13 +16,14 @@ from typing import Optional
 
 from hybrid.planning.config import Config
 from hybrid.planning.cost.sizes import MemoryEstimate, estimate_memory
-from hybrid.planning.cost.dp_traffic import DpOptions, dp_state_bytes, step_bytes
-from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes, state_bytes
+from hybrid.planning.cost.dp_traffic import dp_state_bytes, step_bytes
+from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes
 from hybrid.planning.layout import Layout
 from hybrid.planning.schedules.actions import stage_chunk, stage_rank
-from hybrid.planning.schedules.shapes import (
-    closed_form_schedule, partition_for_config, simulate_unit_costs,
-)
+from hybrid.planning.cost.block_costs import partition_for_config
+from hybrid.planning.schedules import schedule_spec
+from hybrid.planning.strategies import DpOptions, sharding_of
+from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 from hybrid.planning.validate import microbatches, ranks_per_node, validate_config
 
 
@@ -136,9 +137,7 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight:
         micro_batch=cfg.train.micro_batch, inflight=inflight,
         sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
         embedding_copy=cfg.model.tie_embeddings and 0 not in held,
-        # GPipe runs every forward before any backward; the others end each micro-batch's
-        # last stage with its backward straight away.
-        head_inflight=microbatches(cfg) if cfg.parallel.schedule == "gpipe" else 1,
+        head_inflight=schedule_spec(cfg.parallel.schedule).last_stage_holds(microbatches(cfg)),
         state=state)
     options = DpOptions.of(cfg.parallel)
     if exact or options.exact:  # (searches plan exact options only: they stay fast)
@@ -155,9 +154,10 @@ def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: in
     shapes = rank_shapes(cfg.model, blocks, tp=layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=layout.pp)
     tensors = [(math.prod(shape), late) for shape, late in shapes]
-    held = state_bytes(tensors, dp=layout.dp, dp_rank=dp_rank, zero=cfg.parallel.zero,
-                       bucket_mb=cfg.parallel.bucket_mb)
-    extra = dp_state_bytes(shapes, dp=layout.dp, options=DpOptions.of(cfg.parallel))
+    options = DpOptions.of(cfg.parallel)
+    held = sharding_of(options).state_bytes(tensors, dp=layout.dp, dp_rank=dp_rank,
+                                            bucket_mb=cfg.parallel.bucket_mb)
+    extra = dp_state_bytes(shapes, dp=layout.dp, options=options)
     return replace(held, dp_state_bytes=extra)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
-from hybrid.planning.cost.dp_traffic import DpOptions, option_problem
+from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError, valid_sizes
-from hybrid.planning.schedules.builders import SCHEDULE_NAMES, schedule_placement
+from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
+from hybrid.planning.schedules.actions import LOOP
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -80,7 +81,7 @@ def validate_config(cfg: Config) -> Layout:
                                          f"hybrid-plan lists them all)" if more else ""))
     par = cfg.parallel
     return Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
-                  stage_placement=schedule_placement(par.schedule))
+                  stage_placement=_placement(par.schedule))
 
 
 def config_problems(cfg: Config) -> list[str]:
@@ -91,7 +92,7 @@ def config_problems(cfg: Config) -> list[str]:
     par = cfg.parallel
     try:
         layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
-                        stage_placement=schedule_placement(par.schedule))
+                        stage_placement=_placement(par.schedule))
     except LayoutError as err:
         return problems + [str(err)]
     for check in (_check_model, _check_partition, _check_schedule, _check_batch, _check_world):
@@ -110,7 +111,7 @@ def _problem(check, *args) -> str | None:
 
 
 def _check_names(cfg: Config) -> None:
-    _choose("parallel.schedule", cfg.parallel.schedule, SCHEDULE_NAMES)
+    _choose("parallel.schedule", cfg.parallel.schedule, schedule_names())
     _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
     _choose("train.precision", cfg.train.precision, PRECISIONS)
     _choose("model.recompute", cfg.model.recompute, RECOMPUTE)
@@ -122,24 +123,12 @@ def _check_names(cfg: Config) -> None:
 
 
 def _check_dp_options(cfg: Config) -> None:
-    par = cfg.parallel
-    problem = option_problem(DpOptions.of(par), par.dp)
+    """The DP strategies' own rules (``hybrid.planning.strategies``)."""
+    options = DpOptions.of(cfg.parallel)
+    problem = option_problem(options, cfg.parallel.dp) or reduction_of(options).run_problem(
+        options, steps=cfg.train.steps, checkpoint_every=cfg.checkpoint.every)
     if problem:
         raise LayoutError(problem)
-    every, saves = par.dp_sync_every, cfg.checkpoint.every
-    if cfg.train.steps % every:
-        raise LayoutError(f"train.steps={cfg.train.steps} is not a multiple of "
-                          f"parallel.dp_sync_every={every}: the run would end with replicas "
-                          f"that disagree; set train.steps="
-                          f"{every * -(-cfg.train.steps // every)}")
-    if every > 1 and saves > 0 and not par.dp_sync_moments:
-        raise LayoutError(f"parallel.dp_sync_every={every} leaves each replica its own AdamW "
-                          f"moments, which a checkpoint cannot hold: set "
-                          f"parallel.dp_sync_moments=true or checkpoint.every=0")
-    if every > 1 and saves % every:
-        raise LayoutError(f"checkpoint.every={saves} is not a multiple of "
-                          f"parallel.dp_sync_every={every}: replicas agree only after a sync; "
-                          f"set checkpoint.every={every * max(1, saves // every)}")
 
 
 def _check_numbers(cfg: Config) -> None:
@@ -226,27 +215,20 @@ def _check_partition(cfg: Config, layout: Layout) -> None:
                           f"layers, head); drop it to measure them")
 
 
+def _placement(schedule: str) -> str:
+    """Where the schedule puts its stages (an unknown name is reported by ``_check_names``)."""
+    spec = SCHEDULES.get(schedule)
+    return spec.placement if spec is not None else LOOP
+
+
 def _check_schedule(cfg: Config, layout: Layout) -> None:
-    schedule, vpp = cfg.parallel.schedule, layout.vpp
-    if schedule == "interleaved-1f1b" and vpp < 2:
-        raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.vpp >= 2; "
-                          "set parallel.vpp=2 or use schedule=1f1b")
-    if schedule == "zb-v" and cfg.train.device == "cuda":
-        # gloo pairs messages by tag; NCCL pairs a rank pair's messages in posting order,
-        # which zb-v's lists do not keep (p2p.fifo_mismatches), so same-shaped activations
-        # and gradients could be swapped silently.
-        raise LayoutError(f"parallel.schedule=zb-v runs on train.device=cpu only (got "
-                          f"{cfg.train.device}): its messages are matched by tag; use "
-                          f"schedule=zb-h1 on {cfg.train.device}")
-    if schedule == "zb-v" and vpp != 2:
-        raise LayoutError(f"parallel.schedule=zb-v runs exactly 2 chunks per rank, got "
-                          f"parallel.vpp={vpp}; set parallel.vpp=2 or use schedule=zb-h1")
-    if schedule not in ("interleaved-1f1b", "zb-v") and vpp > 1:
-        raise LayoutError(f"parallel.vpp={vpp} needs parallel.schedule=interleaved-1f1b or "
-                          f"zb-v (got {schedule}); set the schedule or parallel.vpp=1")
-    if schedule == "interleaved-1f1b" and layout.pp < 2:
-        raise LayoutError("parallel.schedule=interleaved-1f1b needs parallel.pp >= 2; "
-                          "use schedule=1f1b for pp=1")
+    """What the schedule's spec requires of the layout (``hybrid.planning.schedules``)."""
+    if cfg.parallel.schedule not in SCHEDULES:
+        return  # _check_names said so
+    problem = layout_problem(cfg.parallel.schedule, pp=layout.pp, vpp=layout.vpp,
+                             device=cfg.train.device)
+    if problem:
+        raise LayoutError(problem)
 
 
 def microbatches(cfg: Config) -> int:
@@ -266,11 +248,13 @@ def _check_batch(cfg: Config, layout: Layout) -> None:
             f"train.micro_batch={t.micro_batch} = {per_step}; use global_batch in "
             f"{{{', '.join(map(str, fits))}, ...}} or change micro_batch")
     m = microbatches(cfg)
-    if cfg.parallel.schedule == "interleaved-1f1b" and m % layout.pp:
-        raise LayoutError(
-            f"parallel.schedule=interleaved-1f1b needs micro-batches per step ({m} = "
-            f"global_batch {t.global_batch} / (dp {layout.dp} x micro_batch {t.micro_batch})) "
-            f"to be a multiple of parallel.pp={layout.pp}; change global_batch or micro_batch")
+    if cfg.parallel.schedule not in SCHEDULES:
+        return
+    problem = batch_problem(cfg.parallel.schedule, pp=layout.pp, m=m,
+                            how=f"global_batch {t.global_batch} / (dp {layout.dp} x "
+                                f"micro_batch {t.micro_batch})")
+    if problem:
+        raise LayoutError(problem)
 
 
 def _check_world(cfg: Config, layout: Layout) -> None:

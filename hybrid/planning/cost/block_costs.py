@@ -21,10 +21,28 @@ from hybrid.planning.config import Config
 from hybrid.planning.cost.flops import head_forward_flops, layer_forward_flops
 from hybrid.files import write_text
 from hybrid.planning.layout import LayoutError
-from hybrid.planning.schedules.partition import block_names
+from hybrid.planning.cost.sizes import block_params
+from hybrid.planning.schedules.partition import block_names, partition
 
 FILE_NAME = "block_costs.json"
 """The calibration file in the run directory when ``parallel.partition_file`` is not set."""
+
+
+def partition_costs(cfg: Config) -> list[float]:
+    """Per-block cost for the partitioner. balanced: parameters on one TP rank (the head's
+    output matrix counts even when tied, since the last stage computes with it). measured:
+    the measured seconds of forward + backward, or the cost model's FLOPs until measured."""
+    if cfg.parallel.partition == "measured":
+        if cfg.parallel.block_costs is not None:
+            return list(cfg.parallel.block_costs)
+        return predicted_block_costs(cfg)
+    return [float(b.total) for b in block_params(cfg.model, head_owns_embedding_copy=True)]
+
+
+def partition_for_config(cfg: Config) -> list[range]:
+    """Contiguous block ranges, one per virtual stage in model order."""
+    par = cfg.parallel
+    return partition(partition_costs(cfg), par.pp, par.vpp, mode=par.partition)
 
 
 def predicted_block_costs(cfg: Config) -> list[float]:

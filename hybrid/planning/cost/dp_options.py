@@ -1,39 +1,39 @@
-"""Every DP option priced on one layout: what ``hybrid-plan`` prints beside a plan (pure)."""
+"""Every DP strategy priced on one layout: what ``hybrid-plan`` prints beside a plan (pure).
+The variants and their labels are the registered specs' ``choices``."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.dp_traffic import DpOptions
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.job import plan_job, rank_dp_bytes
+from hybrid.planning.strategies import REDUCTIONS, SHARDINGS, DpOptions, reduction_of
 
-DP_CHOICES = (
-    ("exact", {}), ("zero=1", {"zero": 1}), ("zero=2", {"zero": 2}),
-    ("bf16", {"dp_compress": "bf16"}),
-    *((f"powersgd r{r}", {"dp_compress": "powersgd", "powersgd_rank": r}) for r in (1, 2, 4)),
-    *((f"sync_every {h}", {"dp_sync_every": h}) for h in (2, 4, 8)),
-    ("delay 1", {"dp_delay": 1}),
-)
-"""The options ``compare_dp_options`` prices (each alone on top of the config's layout)."""
+EXACT_BASE = {"zero": 0, "dp_compress": "none", "dp_sync_every": 1, "dp_delay": 0,
+              "powersgd_warmup": 0}
+"""Each variant alone, on top of the config's layout: the settings it starts from."""
+
+
+def dp_choices() -> list[tuple[str, dict]]:
+    """(label, settings) of every variant, shardings first, then the lossy reductions."""
+    return [choice for spec in (*SHARDINGS.values(), *REDUCTIONS.values())
+            for choice in spec.choices()]
 
 
 def compare_dp_options(cfg, device: Device) -> list[dict]:
     """Each DP option on ``cfg``'s layout: predicted step time, DP time not hidden, DP bytes
     per step (steady state, rank 0) and memory per rank; whether it is exact."""
     rows = []
-    for name, fields in DP_CHOICES:
-        base = {"zero": 0, "dp_compress": "none", "dp_sync_every": 1, "dp_delay": 0,
-                "powersgd_warmup": 0}
-        option_cfg = replace(cfg, parallel=replace(cfg.parallel, **{**base, **fields}))
+    for name, fields in dp_choices():
+        option_cfg = replace(cfg, parallel=replace(cfg.parallel, **{**EXACT_BASE, **fields}))
+        options = DpOptions.of(option_cfg.parallel)
         plan = plan_job(option_cfg, simulated=False)
-        step = DpOptions.of(option_cfg.parallel).sync_every  # a step that syncs
-        syncs_every = max(1, step)
+        step = reduction_of(options).cycle(options)  # a step that sends the most
         predicted = predict_step(plan, device, simulated=False)
-        rows.append({"option": name, "exact": DpOptions.of(option_cfg.parallel).exact,
+        rows.append({"option": name, "exact": options.exact,
                      "step_time_s": predicted.step_time_s,
                      "dp_exposed_s": predicted.dp_exposed_s,
-                     "dp_bytes_per_step": rank_dp_bytes(option_cfg, plan, 0, step) / syncs_every,
+                     "dp_bytes_per_step": rank_dp_bytes(option_cfg, plan, 0, step) / max(1, step),
                      "mem_bytes_per_rank": predicted.mem_bytes_per_rank})
     return rows

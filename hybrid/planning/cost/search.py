@@ -6,7 +6,8 @@ zero, sequence parallelism, recompute) that ``validate_config`` accepts is plann
 the device's memory, and priced (``hybrid.planning.cost.steptime``); the best are priced again with the
 schedule simulated where that is cheap, and returned best first. Rejections are counted by
 reason. Tensor parallelism stays inside a node (``cost.gpus_per_node``), as every production
-recipe keeps it; gpipe is left out (1F1B's time with less memory).
+recipe keeps it; the schedules and chunk counts tried are each spec's ``search_vpps`` (gpipe,
+1F1B's time with more memory, and zb-v, gloo only, are left out).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Iterator
 from hybrid.planning.config import Config
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.job import plan_job
+from hybrid.planning.schedules import SCHEDULES
+from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import StepPrediction, predict_step
 from hybrid.planning.validate import RECOMPUTE, microbatches, valid_tp_sizes
 
-SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1))
 MICRO_BATCHES = (1, 2, 4, 8)
 SIMULATE_UP_TO = 4096
 """Stage x micro-batch pairs up to which a finalist's schedule is simulated (about 0.1 s)."""
@@ -75,11 +77,22 @@ def candidates(cfg: Config, world: int) -> Iterator[Config]:
                     model=replace(m, recompute=recompute))
 
 
+def searched_schedules(pp: int) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs the search tries: every registered schedule's ``search_vpps``;
+    with one stage every schedule runs alike, so only the first."""
+    found = [(name, vpp) for name, spec in SCHEDULES.items() for vpp in spec.search_vpps]
+    return found if pp > 1 else found[:1]
+
+
+def searched_shardings() -> list[int]:
+    """The ZeRO stages the search tries with dp > 1: those whose spec says ``searched``."""
+    return [stage for stage, spec in SHARDINGS.items() if spec.searched]
+
+
 def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
-    schedules = [s for s in SCHEDULES if pp > 1 or s == ("1f1b", 1)]
-    for schedule in schedules:
+    for schedule in searched_schedules(pp):
         for mb in MICRO_BATCHES:
-            for zero in ((0, 1) if dp > 1 else (0,)):
+            for zero in (searched_shardings() if dp > 1 else (0,)):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for recompute in RECOMPUTE:
                         yield schedule, mb, zero, sp, recompute

@@ -13,6 +13,7 @@ from typing import Optional
 from hybrid.planning.config import ModelConfig
 from hybrid.planning.params import EMBEDDING_WEIGHT, block_param_specs
 from hybrid.planning.cost.state_bytes import StateBytes
+from hybrid.planning.strategies import SHARDINGS
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -148,7 +149,6 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
     and AdamW's step counts."""
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
     params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)
-    optimizer = 2 * 4 * params // (dp if zero >= 1 else 1)
     layers = max((sum(1 for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
     act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute)
     act *= layers * inflight
@@ -157,7 +157,7 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
     if any(m.layers + 1 in chunk for chunk in chunks):
         act += head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision)
     if state is None:
-        state = StateBytes(4 * params, 4 * params // (dp if zero == 2 else 1), optimizer)
+        state = SHARDINGS[zero].closed_form_state(params, dp)
     return MemoryEstimate(params=params, param_bytes=state.param_bytes,
                           grad_bytes=state.grad_bytes, optimizer_bytes=state.optimizer_bytes,
                           activation_bytes=int(act), dp_state_bytes=state.dp_state_bytes)

@@ -1,5 +1,7 @@
-"""Weights, gradients and optimizer state of one rank, in bytes, exactly as ``hybrid.dp``
-allocates them (pure: no torch).
+"""What a rank's weights, gradients and optimizer state are made of, for counting their bytes
+exactly as ``hybrid.dp`` allocates them (pure: no torch): the local shapes of its parameters
+and the gradient buckets they fill. Each sharding strategy counts its bytes from these
+(``hybrid.planning.strategies.zero``).
 
 ``GradSync`` puts a rank's parameters, in backward order, into fp32 gradient buckets of at
 least ``parallel.bucket_mb`` each, with the parameters whose gradients are partial sums over
@@ -8,8 +10,8 @@ buckets of their own at the end. Under ZeRO-1 each bucket is padded to a multipl
 size, the parameters become views of one flat (padded) buffer per bucket, each rank keeps a
 reduced gradient shard of ``1/dp`` of it, and AdamW keeps moments for the parameter slices in
 this rank's shard only. ZeRO-2 keeps only the shard of the gradients between steps: a bucket's
-full gradients are staged per micro-batch and freed once reduce-scattered. AdamW's state per tensor it steps: two fp32 moments and a 4-byte step
-count. The trainer counts the same bytes on every rank and checks them against this
+full gradients are staged per micro-batch and freed once reduce-scattered. AdamW's state per
+tensor it steps: two fp32 moments and a 4-byte step count. The trainer counts the same bytes on every rank and checks them against this
 (``memory_check.json``; the end-to-end tests assert every layout they run).
 """
 
@@ -90,31 +92,3 @@ def bucket_sizes(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[
     if current:
         buckets.append(current)
     return buckets + [numels for numels in late.values() if numels]
-
-
-def state_bytes(tensors: list[tuple[int, str]], *, dp: int, dp_rank: int, zero: int,
-                bucket_mb: float) -> StateBytes:
-    """One rank's bytes of weights, gradients and AdamW state."""
-    if not tensors:
-        return StateBytes(0, 0, 0)
-    numels = [n for n, _ in tensors]
-    if not zero:
-        total = sum(numels)
-        return StateBytes(FP32 * total, FP32 * total,
-                          2 * FP32 * total + STEP_COUNT_BYTES * len(numels))
-    params = grads = optimizer = 0
-    for bucket in bucket_sizes(tensors, bucket_mb):
-        padded = -(-sum(bucket) // dp) * dp
-        shard = padded // dp
-        params += FP32 * padded
-        if zero == 2:  # only the shard: buckets are staged per micro-batch, then freed
-            grads += FP32 * shard
-        else:
-            grads += FP32 * padded + (FP32 * shard if dp > 1 else 0)
-        start, end, offset = dp_rank * shard, (dp_rank + 1) * shard, 0
-        for numel in bucket:  # the slices of this bucket's parameters inside the shard
-            inside = min(end, offset + numel) - max(start, offset)
-            if inside > 0:
-                optimizer += 2 * FP32 * inside + STEP_COUNT_BYTES
-            offset += numel
-    return StateBytes(params, grads, optimizer)

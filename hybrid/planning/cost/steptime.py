@@ -26,6 +26,8 @@ from hybrid.planning.cost.flops import (
 )
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.job import JobPlan
+from hybrid.planning.schedules import build_schedule, schedule_spec
+from hybrid.planning.schedules.simulate import StageCosts, simulate
 
 
 @dataclass(frozen=True)
@@ -191,9 +193,6 @@ def _p2p_time(plan: JobPlan, device: Device) -> float:
 
 
 def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
-    from hybrid.planning.schedules.builders import build_schedule
-    from hybrid.planning.schedules.simulate import StageCosts, simulate
-
     layout, m = plan.layout, plan.schedule.microbatches
     costs = StageCosts(F=tuple(t.forward for t in times), B=tuple(t.backward for t in times),
                        I=tuple(t.backward / 2 for t in times),
@@ -204,17 +203,13 @@ def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> 
 
 
 def _closed_form_bubble(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
-    """Warm-up and drain of the slowest stage: ``(pp - 1)`` of its forward + backward
-    (``/ vpp`` interleaved; zero-bubble H1 leaves the forward, ZB-V one chunk's forward),
-    plus the messages."""
+    """Warm-up and drain of the slowest stage: ``(pp - 1)`` of what one warm-up step leaves
+    idle (the schedule's ``warmup_step``: 1F1B a forward and backward, ``/ vpp``
+    interleaved; zero-bubble H1 the forward, ZB-V one chunk's forward), plus the messages."""
     pp = plan.layout.pp
     if pp == 1:
         return 0.0
     slowest = max(times, key=lambda t: t.forward + t.backward)
-    if plan.schedule.name == "zb-h1":
-        per_step = slowest.forward
-    elif plan.schedule.name == "zb-v":
-        per_step = slowest.forward / plan.layout.vpp
-    else:
-        per_step = (slowest.forward + slowest.backward) / plan.layout.vpp
+    per_step = schedule_spec(plan.schedule.name).warmup_step(slowest.forward, slowest.backward,
+                                                              plan.layout.vpp)
     return (pp - 1) * (per_step + 2 * p2p)

@@ -23,7 +23,7 @@ from hybrid.planning.schedules.actions import (
     ScheduleError, rank_stages,
 )
 from hybrid.planning.schedules.replay import dependencies, describe_key, result_key
-from hybrid.planning.schedules.builders import add_communication
+from hybrid.planning.schedules.lowering import add_communication
 
 
 Posting = tuple[tuple[Action, ...], Optional[Action]]
