@@ -66,10 +66,11 @@ def _save_load(rank, world, cfg_dict, tmp, repeats):
     from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.planning.validate import validate_config
+    from hybrid.planning.job import plan_job
 
     cfg = from_dict(cfg_dict)
-    trainer = Trainer(cfg, ParallelGroups.create(validate_config(cfg)), Path(tmp) / "run")
+    plan = plan_job(cfg)
+    trainer = Trainer(plan, ParallelGroups.create(plan.layout), Path(tmp) / "run")
     trainer.step(1)  # AdamW has state from here on
     ckpt = trainer.checkpointer
     times = {key: [] for key in ("hybrid save", "dcp save", "hybrid load", "dcp load")}
@@ -92,12 +93,13 @@ def _stall(rank, world, cfg_dicts, tmp):
     from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.planning.validate import validate_config
+    from hybrid.planning.job import plan_job
 
     out = {}
     for name, cfg_dict in cfg_dicts.items():
         cfg = from_dict(cfg_dict)
-        trainer = Trainer(cfg, ParallelGroups.create(validate_config(cfg)), Path(tmp) / name)
+        plan = plan_job(cfg)
+        trainer = Trainer(plan, ParallelGroups.create(plan.layout), Path(tmp) / name)
         start = time.perf_counter()
         trainer.run()
         wall = time.perf_counter() - start

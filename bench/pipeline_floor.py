@@ -114,15 +114,16 @@ def lone_trainer(cfg_dict: dict, run_dir: Path, store, timeout):
     from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.planning.validate import validate_config
+    from hybrid.planning.job import plan_job
 
     class LoneTrainer(Trainer):
         def _gather(self, values):
             return [values]
 
     cfg = from_dict(cfg_dict)
-    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
-    return LoneTrainer(cfg, groups, run_dir, store)
+    plan = plan_job(cfg)
+    groups = ParallelGroups.create(plan.layout, torch.device("cpu"), timeout)
+    return LoneTrainer(plan, groups, run_dir, store)
 
 
 def measure(cfg_dicts: dict, run_dir: str, blocks: int, steps: int) -> dict:

@@ -226,15 +226,16 @@ def cpu_trainer(cfg_dict: dict, run_dir):
     from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
     from hybrid.train import Trainer
-    from hybrid.planning.validate import validate_config
+    from hybrid.planning.job import plan_job
     from hybrid.worker import init_distributed
 
     cfg = from_dict(cfg_dict)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     store = init_distributed("gloo", timeout)
-    groups = ParallelGroups.create(validate_config(cfg), torch.device("cpu"), timeout)
-    return Trainer(cfg, groups, Path(run_dir), store)
+    plan = plan_job(cfg)  # a bench's worker plans for itself; hybrid-train's do not
+    groups = ParallelGroups.create(plan.layout, torch.device("cpu"), timeout)
+    return Trainer(plan, groups, Path(run_dir), store)
 
 
 def run_floor(overrides: list[str], blocks: int, steps: int, profile: bool = False) -> dict:

@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from hybrid.planning.config import Config
+from hybrid.planning.job import JobPlan, rank_state_bytes
 from hybrid.files import write_text
 
 FILE = "memory_check.json"
@@ -40,12 +40,10 @@ def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
             _storage_bytes(sync.dp_state_tensors())]
 
 
-def write_memory_check(run_dir: Path, cfg: Config, per_rank: list[list[float]]) -> None:
+def write_memory_check(run_dir: Path, plan: JobPlan, per_rank: list[list[float]]) -> None:
     """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer, DP option
     state, activation peak]``, with whether the state bytes all equal the prediction."""
-    from hybrid.planning.job import plan_job, rank_state_bytes
-
-    plan = plan_job(cfg)
+    cfg = plan.cfg
     ranks, equal = [], True
     for rank, (param, grad, optimizer, dp_state, activations) in enumerate(per_rank):
         coords = plan.layout.coords(rank % plan.world_size)

@@ -136,20 +136,23 @@ def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts
     (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
-    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options."""
+    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options; and the run
+    directory's ``plan.json`` is the plan of its ``config.json`` (nothing written back)."""
     import json
     from pathlib import Path
 
+    from hybrid.metrics import read_metrics
     from hybrid.planning.config import from_dict
     from hybrid.planning.job import plan_job, rank_dp_bytes
-    from hybrid.metrics import read_metrics
+    from hybrid.planning.plan_file import load_plan
 
     run_dir = Path(run_dir)
     check = json.loads((run_dir / "memory_check.json").read_text())
     assert check["state_bytes_equal"], [r for r in check["ranks"]
                                         if r["counted"] != r["predicted"]][:2]
+    plan = load_plan(run_dir)
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
-    plan = plan_job(cfg, simulated=False)
+    assert plan.cfg == cfg and plan.stages == plan_job(cfg, block_costs=plan.block_costs).stages
     records = read_metrics(run_dir / "metrics.jsonl")
     for record in records:
         predicted = rank_dp_bytes(cfg, plan, 0, record["step"])

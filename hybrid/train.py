@@ -1,8 +1,9 @@
 """The per-rank training loop: stages, schedule, data, gradient sync, metrics, timeline.
 
-Every rank runs ``train(cfg, groups, run_dir)``. Per optimizer step it loads its DP share of
-the global batch, runs its pipeline rank's action list (forward/backward of micro-batches),
-lets ``GradSync`` reduce, clip and step, and reports metrics reduced over the job.
+Every rank runs ``train(plan, groups, run_dir)`` with the job's frozen plan
+(``hybrid.planning.job``). Per optimizer step it loads its data group's share of the global
+batch, runs its pipeline rank's action list (forward/backward of micro-batches), lets
+``GradSync`` reduce, clip and step, and reports metrics reduced over the job.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import socket
 import sys
 import time
@@ -20,65 +20,29 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hybrid import faults
 from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
-from hybrid.files import write_text
-from hybrid.planning.config import Config
 from hybrid.data import make_dataset, rank_microbatches
 from hybrid.dp import GradSync
+from hybrid.errors import UserError
+from hybrid.files import write_text
 from hybrid.groups import ParallelGroups
-from hybrid.planning.strategies import DpOptions
-from hybrid.planning.job import plan_job, rank_dp_bytes
 from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
+from hybrid.model import lm_loss
 from hybrid.model.activations import SavedTensors
-from hybrid.model import build_blocks, lm_loss
 from hybrid.optim import lr_at
-from hybrid.planning.schedules.actions import Action
-from hybrid.planning.schedules.check import check_schedule
-from hybrid.planning.schedules.rank_check import RankPlan
-from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
-from hybrid.planning.schedules import add_communication, build_schedule
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
-from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
+from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
+from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
+from hybrid.planning.job import JobPlan, rank_dp_bytes
+from hybrid.planning.schedules.rank_check import RankPlan
+from hybrid.planning.strategies import DpOptions
 from hybrid.stall import who
-from hybrid.planning.validate import microbatches
+from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
 from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
-from hybrid.errors import UserError
-
-
-def build_chunks(cfg: Config, groups: ParallelGroups) -> dict[int, nn.Module]:
-    """This pipeline rank's model chunks: virtual stage id -> ``nn.Sequential`` of blocks.
-
-    The rank's blocks are built in one call, so that a tied head on the rank that also holds
-    the embedding (the V placement puts both on rank 0) shares its Parameter, as at pp=1.
-    """
-    stages = plan_job(cfg).stages_of(groups.pp_rank)
-    held = sorted(block for stage in stages for block in stage.blocks)
-    built = dict(zip(held, build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=held,
-                                        sequence_parallel=cfg.parallel.sequence_parallel)))
-    return {stage.index: nn.Sequential(*(built[b] for b in stage.blocks)) for stage in stages}
-
-
-def lowered_schedule(cfg: Config, groups: ParallelGroups) -> list[list[Action]]:
-    """Every pipeline rank's action list with sends/receives, proved safe by the checker."""
-    pp, vpp, m = groups.layout.pp, groups.layout.vpp, microbatches(cfg)
-    placement = groups.layout.stage_placement
-    lists = add_communication(build_schedule(cfg.parallel.schedule, pp, m, vpp=vpp), pp, vpp,
-                              placement)
-    check_schedule(lists, pp, m, vpp, placement)
-    return lists
-
-
-def activation_shape(cfg: Config, groups: ParallelGroups) -> tuple[int, int, int]:
-    """``[s, b, h]`` between stages; the sequence is split over TP with sequence parallelism."""
-    seq = cfg.model.seq_len
-    if cfg.parallel.sequence_parallel:
-        seq //= groups.layout.tp
-    return (seq, cfg.train.micro_batch, cfg.model.hidden)
 
 
 class NonFiniteError(UserError):
@@ -112,32 +76,30 @@ class StepReport:
 
 
 class Trainer:
-    """Everything one rank holds for a run; ``run()`` trains ``cfg.train.steps`` steps."""
+    """Everything one rank holds for a run of ``plan``; ``run()`` trains
+    ``cfg.train.steps`` steps. The plan is used as it is: nothing is planned again here."""
 
-    def __init__(self, cfg: Config, groups: ParallelGroups, run_dir: Path,
+    def __init__(self, plan: JobPlan, groups: ParallelGroups, run_dir: Path,
                  store: Optional[dist.Store] = None):
-        self.cfg, self.groups, self.run_dir, self.store = cfg, groups, run_dir, store
+        cfg = plan.cfg
+        self.plan, self.cfg, self.groups, self.run_dir, self.store = plan, cfg, groups, \
+            run_dir, store
         self.device = groups.device
-        self.chunks = {s: c.to(self.device) for s, c in build_chunks(cfg, groups).items()}
-        self.schedule = lowered_schedule(cfg, groups)
+        self.chunks = {s: c.to(self.device) for s, c in build_chunks(plan, groups).items()}
+        self.schedule = lowered_schedule(plan)
         self.actions = self.schedule[groups.pp_rank]
         self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
-        self.m = microbatches(cfg)
+        self.m = plan.schedule.microbatches
         self.dataset = make_dataset(cfg.data, cfg.model, cfg.seed)
         self.watch = RankWatch(dist.get_rank())
         self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg,
                                          wait=self.watch.wait_async)
         publish_pid(store, dist.get_rank(), socket.gethostname())
         self.counter = CommCounter(groups, watch=self.watch)
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        """Ranks per node: node ``i`` runs ranks ``i * local_world ...`` (hybrid.launch)."""
         self.slow = faults.slow_seconds(dist.get_rank())
-        self.act_shape = activation_shape(cfg, groups)
-        self.checkpointer = Checkpointer(cfg, groups, self.chunks, self.sync, run_dir)
+        self.act_shape = activation_shape(plan)
+        self.checkpointer = Checkpointer(plan, groups, self.chunks, self.sync, run_dir)
         self.start_step = self.checkpointer.resume()
-        # rank 0 prices each step's exact DP bytes for metrics.jsonl; planned before the
-        # first step so that no step waits for it
-        self._plan = plan_job(cfg, simulated=False) if dist.get_rank() == 0 else None
         """The step the run resumes after (0: a fresh run)."""
 
     def set_watching(self, on: bool) -> None:
@@ -150,7 +112,7 @@ class Trainer:
         return self.groups.layout.coords(rank % self.groups.layout.world_size)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.local_world
+        return self.plan.node_of(rank % self.groups.layout.world_size)
 
     def _autocast(self):
         if self.cfg.train.precision == "bf16":
@@ -292,7 +254,7 @@ class Trainer:
         counted = counted_state_bytes(self.chunks.values(), self.sync)
         per_rank = self._gather([*counted, saved.peak])
         if dist.get_rank() == 0:
-            write_memory_check(self.run_dir, self.cfg, per_rank)
+            write_memory_check(self.run_dir, self.plan, per_rank)
 
     def _times_log(self) -> RankTimesLog:
         pp_of_rank = [self.coords_of(r)["pp"] for r in range(dist.get_world_size())]
@@ -321,7 +283,7 @@ class Trainer:
     def _exact_dp_bytes(self, step: int) -> float:
         """What rank 0 would send over DP this step with exact reduction (same ZeRO stage)."""
         exact = DpOptions.of(self.cfg.parallel).uncompressed()
-        return rank_dp_bytes(self.cfg, self._plan, 0, step, exact)
+        return rank_dp_bytes(self.cfg, self.plan, 0, step, exact)
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:
@@ -344,7 +306,7 @@ class Trainer:
               f"{report['measured']:.1%}, simulated {report['simulated']:.1%})", flush=True)
 
 
-def train(cfg: Config, groups: ParallelGroups, run_dir: Path,
+def train(plan: JobPlan, groups: ParallelGroups, run_dir: Path,
           store: Optional[dist.Store] = None) -> dict:
     """``store``: the job's key-value store, where a failed rank hears the others' reports."""
-    return Trainer(cfg, groups, run_dir, store).run()
+    return Trainer(plan, groups, run_dir, store).run()

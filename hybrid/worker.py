@@ -1,16 +1,18 @@
 """The entry point of every rank: set up torch.distributed from the launcher's environment,
-build the groups and train. ``launch/`` starts this; ``hybrid/`` never imports ``launch/``.
+build the groups of the job's plan and train it. ``launch/`` starts this; ``hybrid/`` never
+imports ``launch/``. A rank never plans again: it reads the frozen ``JobPlan`` that
+``hybrid-train`` made before launch (``plan.json``).
 
 Any launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (plain
-``torchrun``, a cluster's own wrapper) can start it too, on a run directory whose resolved
-``config.json`` was written before (``hybrid-train`` writes one into every run directory)::
+``torchrun``, a cluster's own wrapper) can start it too, on a run directory whose
+``plan.json`` was written before (``hybrid-train`` writes one into every run directory; a
+plain torchrun's placement of ranks on nodes is the one the diagnosis then uses)::
 
     torchrun --standalone --nproc-per-node 8 -m hybrid.worker RUN_DIR
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from datetime import timedelta
@@ -20,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid.errors import UserError
-from hybrid.planning.config import Config, from_dict
 from hybrid.groups import ParallelGroups, backend_for, default_device
-from hybrid.planning.validate import validate_config
+from hybrid.planning.config import Config
+from hybrid.planning.plan_file import FILE as PLAN_FILE
+from hybrid.planning.plan_file import load_plan, plan_from_dict, plan_to_dict
 
 
 
@@ -58,13 +61,17 @@ def init_distributed(backend: str, timeout: timedelta) -> dist.Store:
     return attempt_store
 
 
-def worker_main(cfg_dict: dict, run_dir: str) -> dict:
-    """Train on this rank; returns a summary (losses are known on every rank)."""
+def worker_main(plan_dict: dict, run_dir: str) -> dict:
+    """Train this rank of the plan (``hybrid.planning.plan_file`` form); returns a summary
+    (losses are known on every rank)."""
     from hybrid.pipeline.calibrate import settle_measured_partition
     from hybrid.train import train
 
-    cfg = from_dict(cfg_dict)
-    layout = validate_config(cfg)
+    plan = plan_from_dict(plan_dict)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", plan.ranks_per_node))
+    if local_world != plan.ranks_per_node:  # a plain torchrun placed the ranks otherwise
+        plan = plan.placed(local_world)
+    cfg = plan.cfg
     device = pick_device(cfg)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
@@ -75,9 +82,9 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     store = init_distributed(backend_for(device), timeout)
     try:
-        groups = ParallelGroups.create(layout, device, timeout)
-        cfg = settle_measured_partition(cfg, groups, Path(run_dir))
-        return train(cfg, groups, Path(run_dir), store)
+        groups = ParallelGroups.create(plan.layout, device, timeout)
+        plan = settle_measured_partition(plan, groups, Path(run_dir))
+        return train(plan, groups, Path(run_dir), store)
     except UserError as err:
         # The launcher prints a UserError's line and nothing else (launch.run.failure_line):
         # bad input found on a rank (a damaged checkpoint, a diverging run) is no bug.
@@ -100,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         sys.exit(f"error: {', '.join(missing)} not set; {USAGE}")
     try:
-        cfg_dict = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        sys.exit(f"error: cannot read {run_dir / 'config.json'} ({err}); pass a run directory "
+        plan_dict = plan_to_dict(load_plan(run_dir))
+    except (OSError, ValueError, KeyError, UserError) as err:
+        sys.exit(f"error: cannot read {run_dir / PLAN_FILE} ({err}); pass a run directory "
                  f"written by hybrid-train")
-    summary = worker_main(cfg_dict, str(run_dir))
+    summary = worker_main(plan_dict, str(run_dir))
     if os.environ["RANK"] == "0":
         losses = summary["losses"]
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")

@@ -7,10 +7,11 @@ and returns their results by rank (see ``launch.agent`` for failures and signals
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from launch.agent import default_omp_threads, run_agent, worker_env_summary
 from launch.failures import LaunchInterrupted, WorkerFailure
+from launch.launcher import register_launcher
 from launch.rendezvous import Rendezvous
 
 __all__ = ["LaunchInterrupted", "LocalLauncher", "WorkerFailure", "default_omp_threads",
@@ -23,19 +24,23 @@ def run_local(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     return run_agent(entrypoint, args, nproc=nproc, rendezvous=Rendezvous(), **options)
 
 
+@register_launcher
 class LocalLauncher:
     """Starts the job's ``dp * tp * pp`` ranks on this machine."""
 
+    name = "local"
     runs_here = True
     """This machine runs the ranks: its memory and devices are the job's."""
 
-    def check(self, cfg, layout) -> None:
-        from hybrid.planning.layout import LayoutError
-
+    def config_problem(self, cfg) -> Optional[str]:
         if cfg.launcher.nnodes != 1:
-            raise LayoutError(f"launcher=local runs one node, not launcher.nnodes="
-                              f"{cfg.launcher.nnodes}; use launcher=torchrun on each node")
+            return (f"launcher=local runs one node, not launcher.nnodes={cfg.launcher.nnodes}; "
+                    f"use launcher=torchrun on each node")
+        return None
 
-    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
-               run_dir: Path, **options: Any) -> list[Any]:
-        return run_local(entrypoint, args, nproc=layout.world_size, run_dir=run_dir, **options)
+    def check_here(self, plan) -> None:
+        pass
+
+    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], plan, run_dir: Path,
+               **options: Any) -> list[Any]:
+        return run_local(entrypoint, args, nproc=plan.world_size, run_dir=run_dir, **options)

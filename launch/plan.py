@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hybrid.errors import UserError
+from hybrid.files import RunDirError
 from hybrid.planning.config import PlanConfig
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import memory_verdict
@@ -27,11 +28,13 @@ from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.cost.devices import device_for
 from hybrid.planning.cost.dp_options import compare_dp_options
 from hybrid.planning.job import plan_job
-from hybrid.planning.cost.block_costs import resolve_block_costs
+from hybrid.planning.cost.block_costs import known_block_costs
 from hybrid.planning.view import format_plan, plan_dict
 from hybrid.planning.cost.search import format_search, overrides_of, search
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.validate import config_problems
+from launch.launchers import unknown_launcher
+from launch.run import save_run_files
 from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
 
@@ -40,8 +43,10 @@ def _plan(dict_cfg: DictConfig) -> None:
     cfg = to_dataclass(dict_cfg, PlanConfig)
     if cfg.format not in ("text", "json"):
         exit_user_error(f"format={cfg.format!r} is unknown; choose text or json")
-    problems = config_problems(cfg)
-    if len(problems) > 1:  # all of them, one line each
+    # A plan may be for another machine than a launcher could start here (launcher.nnodes=2
+    # without launcher=torchrun's endpoint): only an unknown launcher is refused.
+    problems = config_problems(cfg) + [p for p in [unknown_launcher(cfg)] if p]
+    if problems:  # all of them, one line each
         for problem in problems[:-1]:
             print(f"error: {problem}", file=sys.stderr)
         exit_user_error(problems[-1])
@@ -50,8 +55,10 @@ def _plan(dict_cfg: DictConfig) -> None:
         if cfg.search.world:
             _search(cfg, device)
             return
-        resolve_block_costs(cfg)  # partition=measured: plan with an existing calibration file
-        job = plan_job(cfg)
+        # partition=measured: plan with an existing calibration file's costs
+        job = plan_job(cfg.job(), block_costs=known_block_costs(cfg))
+        if cfg.out is not None:
+            write_run_files(job, Path(cfg.out))
     except UserError as err:
         exit_user_error(err)
     plan = plan_dict(job)  # one plan, printed and priced
@@ -70,6 +77,17 @@ def _plan(dict_cfg: DictConfig) -> None:
         print(f"\n{prediction_line(plan['predicted'])}")
         if "dp_options" in plan:
             print("\n" + format_dp_options(plan["dp_options"]))
+
+
+def write_run_files(job, run_dir: Path) -> None:
+    """``config.json`` and ``plan.json`` of a run that a launcher of the user's starts."""
+    try:
+        save_run_files(job, run_dir)
+    except OSError as err:
+        raise RunDirError(f"cannot write {run_dir}: {err}; choose another out=") from None
+    print(f"wrote {run_dir / 'config.json'} and {run_dir / 'plan.json'}: start the ranks with "
+          f"torchrun --nproc-per-node {job.ranks_per_node} -m hybrid.worker {run_dir}",
+          file=sys.stderr)
 
 
 def format_dp_options(rows: list[dict]) -> str:
@@ -102,7 +120,7 @@ def _search(cfg: PlanConfig, device) -> None:
         run_as_sweep(cfg, [overrides_of(c["settings"]) for c in result["candidates"]])
 
 
-PLAN_ONLY_KEYS = ("search.", "format=", "full=")
+PLAN_ONLY_KEYS = ("search.", "format=", "full=", "out=")
 
 
 def run_as_sweep(cfg: PlanConfig, cells: list[list[str]]) -> None:

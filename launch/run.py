@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.errors import UserError
-from hybrid.planning.config import Config, to_dict
-from hybrid.planning.layout import Layout
-from hybrid.planning.validate import ranks_per_node
+from hybrid.planning.job import JobPlan
+from hybrid.files import write_text
+from hybrid.planning.config import to_dict
+from hybrid.planning.plan_file import plan_to_dict, save_plan
 from hybrid.stall import FAILURE_FILE
 from launch.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, default_omp_threads, \
     start_fork_server
@@ -56,20 +57,30 @@ def failure_line(err, run_dir: Path, since: float) -> str:
     return str(err)
 
 
-def launch(cfg: Config, layout: Layout, run_dir: Path, launcher) -> Optional[list]:
-    """Start the workers through ``launcher``; their results by rank, or None when the
-    launcher left them running (a Slurm job submitted without waiting, a dry run)."""
+def save_run_files(plan: JobPlan, run_dir: Path) -> None:
+    """``config.json`` (the config as composed; ``hybrid.planning.config.from_dict`` reloads it
+    identically) and ``plan.json`` (the frozen plan every rank reads) into ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text(run_dir / "config.json", json.dumps(to_dict(plan.cfg), indent=1) + "\n")
+    save_plan(plan, run_dir)
+
+
+def launch(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
+    """Start the workers of ``plan`` through ``launcher``; their results by rank, or None
+    when the launcher left them running (a Slurm job submitted without waiting, a dry run).
+    Every worker gets the plan itself: none plans again."""
+    cfg = plan.cfg
     # Read when the fork server's interpreter starts, before it imports megatron-core, which
     # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
     os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
     if cfg.launcher.start_method == "forkserver" and launcher.runs_here:
         # Before this process imports torch: the server's imports and ours then overlap.
-        threads = cfg.launcher.omp_threads or default_omp_threads(ranks_per_node(cfg, layout))
+        threads = cfg.launcher.omp_threads or default_omp_threads(plan.ranks_per_node)
         start_fork_server(WORKER_PRELOAD, threads)
     from hybrid.worker import worker_main
 
     return launcher.launch(
-        worker_main, (to_dict(cfg), str(run_dir)), cfg, layout, run_dir,
+        worker_main, (plan_to_dict(plan), str(run_dir)), plan, run_dir,
         omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
         start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
 

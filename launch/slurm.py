@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hybrid.planning.validate import ranks_per_node
 from launch.failures import LaunchFailed
+from launch.launcher import register_launcher
 from launch.slurm_node import RDZV_PORT_ENV
 
 SLURM_DIR = "slurm"
@@ -47,9 +47,10 @@ STOPPED_BY_SLURM = ("BOOT_FAIL", "CANCELLED", "DEADLINE", "NODE_FAIL", "OUT_OF_M
                     "PREEMPTED", "TIMEOUT")
 
 
-def sbatch_parameters(cfg, layout) -> dict[str, Any]:
+def sbatch_parameters(plan) -> dict[str, Any]:
     """The job's sbatch options, in submitit's names."""
-    launcher, nproc = cfg.launcher, ranks_per_node(cfg, layout)
+    cfg = plan.cfg
+    launcher, nproc = cfg.launcher, plan.ranks_per_node
     gpus = launcher.gpus_per_node
     if gpus is None and cfg.train.device == "cuda":
         gpus = nproc
@@ -74,14 +75,15 @@ def node_command(run_dir: Path) -> str:
     return f"{shlex.quote(sys.executable)} -m launch.slurm_node {shlex.quote(str(run_dir))}"
 
 
-def dry_run_text(cfg, layout, run_dir: Path) -> str:
+def dry_run_text(plan, run_dir: Path) -> str:
     """The job script submitit would submit, the per-node command and the rank table."""
+    cfg, layout = plan.cfg, plan.layout
     from submitit.slurm.slurm import _make_sbatch_string  # the text SlurmExecutor submits
 
     folder = run_dir / SLURM_DIR
     submit = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
-    script = _make_sbatch_string(command=submit, folder=folder, **sbatch_parameters(cfg, layout))
-    nproc = ranks_per_node(cfg, layout)
+    script = _make_sbatch_string(command=submit, folder=folder, **sbatch_parameters(plan))
+    nproc = plan.ranks_per_node
     rows = [f"{r:>4}  {layout.node_of(r, nproc):>4}  {c['dp']:>2}  {c['tp']:>2}  {c['pp']:>2}"
             for r in range(layout.world_size) for c in [layout.coords(r)]]
     return "\n".join([
@@ -91,38 +93,48 @@ def dry_run_text(cfg, layout, run_dir: Path) -> str:
         "# per-node command (one task per node; submitit runs it as "
         "launch.slurm_node.run_node):", node_command(run_dir), "",
         "# ranks:", "rank  node  dp  tp  pp", *rows, "",
-        f"# run directory (config.json written): {run_dir}",
+        f"# run directory (config.json and plan.json written): {run_dir}",
     ])
 
 
+@register_launcher
 class SlurmLauncher:
     """Submits the job from this (login) machine; the ranks run on the job's nodes."""
 
+    name = "slurm"
     runs_here = False
     """This machine's memory and devices are not the job's."""
 
-    def check(self, cfg, layout) -> None:
+    def config_problem(self, cfg) -> Optional[str]:
+        launcher = cfg.launcher
+        if launcher.rdzv_endpoint is not None or launcher.node_rank != 0:
+            return ("launcher=slurm places the nodes itself (the job's first node hosts the "
+                    "rendezvous); drop launcher.rdzv_endpoint and launcher.node_rank")
+        return None
+
+    def check_here(self, plan) -> None:
         from hybrid.planning.layout import LayoutError
 
-        if cfg.launcher.dry_run:
+        if plan.cfg.launcher.dry_run:
             return
         if shutil.which("sbatch") is None:
             raise LayoutError("launcher=slurm needs Slurm's sbatch, not found on PATH: run "
                               "hybrid-train on the cluster's login node, or see the job with "
                               "launcher.dry_run=true")
 
-    def launch(self, entrypoint, args, cfg, layout, run_dir: Path,
+    def launch(self, entrypoint, args, plan, run_dir: Path,
                **options: Any) -> Optional[list]:
         """Submit (the nodes start ``hybrid.worker.worker_main`` themselves, from the run
-        directory's config.json: ``entrypoint``, ``args`` and ``options`` are theirs too)."""
+        directory's plan.json: ``entrypoint``, ``args`` and ``options`` are theirs too)."""
         run_dir = Path(run_dir)
+        cfg = plan.cfg
         if cfg.launcher.dry_run:
-            print(dry_run_text(cfg, layout, run_dir))
+            print(dry_run_text(plan, run_dir))
             return None
-        job = submit(cfg, layout, run_dir)
+        job = submit(plan, run_dir)
         sweep_dir = multirun_sweep_dir()
         print(f"submitted slurm job {job.job_id}: {cfg.launcher.nnodes} node(s) x "
-              f"{ranks_per_node(cfg, layout)} ranks; run directory: {run_dir}", flush=True)
+              f"{plan.ranks_per_node} ranks; run directory: {run_dir}", flush=True)
         if sweep_dir is not None and cfg.launcher.wait:
             record_sweep_cell(sweep_dir, job, run_dir)
             return None
@@ -137,13 +149,13 @@ class SlurmLauncher:
         return node_results(outcomes, job)
 
 
-def submit(cfg, layout, run_dir: Path):
+def submit(plan, run_dir: Path):
     import submitit
 
     from launch.slurm_node import run_node
 
     executor = submitit.SlurmExecutor(folder=run_dir / SLURM_DIR, python=sys.executable)
-    executor.update_parameters(**sbatch_parameters(cfg, layout))
+    executor.update_parameters(**sbatch_parameters(plan))
     try:
         return executor.submit(run_node, str(run_dir))
     except subprocess.CalledProcessError as err:

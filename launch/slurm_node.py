@@ -16,13 +16,12 @@ log and workers' logs go to ``RUN_DIR/nodes/node<i>``.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from launch.agent import run_agent
 from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
@@ -55,22 +54,25 @@ def slurm_rendezvous(cfg, env: Mapping[str, str]) -> Rendezvous:
 
 
 class SlurmNodeLauncher:
-    """This node's part of a Slurm job (``launch.run.launch`` with this launcher)."""
+    """This node's part of a Slurm job (``launch.run.launch`` with this launcher; not
+    registered: ``launcher=slurm`` names ``SlurmLauncher``, which submits the job)."""
 
+    name = "slurm-node"
     runs_here = True
 
     def __init__(self, rendezvous: Rendezvous):
         self.rendezvous = rendezvous
 
-    def check(self, cfg, layout) -> None:
+    def config_problem(self, cfg) -> Optional[str]:
+        return None
+
+    def check_here(self, plan) -> None:
         pass
 
-    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
-               run_dir: Path, **options: Any) -> list[Any]:
+    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], plan, run_dir: Path,
+               **options: Any) -> list[Any]:
         logs = Path(run_dir) / "nodes" / f"node{self.rendezvous.node_rank}"
-        from hybrid.planning.validate import ranks_per_node
-
-        return run_agent(entrypoint, args, nproc=ranks_per_node(cfg, layout),
+        return run_agent(entrypoint, args, nproc=plan.ranks_per_node,
                          rendezvous=self.rendezvous, run_dir=logs, **options)
 
 
@@ -78,17 +80,16 @@ def run_node(run_dir: str) -> dict:
     """Run this node's ranks of the run in ``run_dir``; what happened, as a dict that the
     submitting ``hybrid-train`` reads back: ``{"node": i, "results": [...]}`` (this node's
     ranks' summaries) or ``{"node": i, "error": "<one line>"}``."""
-    from hybrid.planning.config import from_dict
-    from hybrid.planning.validate import validate_config
+    from hybrid.planning.plan_file import load_plan
     from launch.run import failure_line, launch
 
     path = Path(run_dir)
-    cfg = from_dict(json.loads((path / "config.json").read_text()))
+    plan = load_plan(path)  # made on the login node before submitting: never planned here
     node = int(os.environ.get("SLURM_NODEID", "0"))
     started = time.time()
     try:
-        launcher = SlurmNodeLauncher(slurm_rendezvous(cfg, os.environ))
-        return {"node": node, "results": launch(cfg, validate_config(cfg), path, launcher)}
+        launcher = SlurmNodeLauncher(slurm_rendezvous(plan.cfg, os.environ))
+        return {"node": node, "results": launch(plan, path, launcher)}
     except WorkerFailure as err:
         return {"node": node, "error": failure_line(err, path, started)}
     except (LaunchFailed, LaunchInterrupted) as err:  # interrupted: scancel, time limit
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if len(args) != 1 or args[0].startswith("-"):
         sys.exit(f"error: {USAGE}")
-    if not (Path(args[0]) / "config.json").is_file():
-        sys.exit(f"error: {args[0]} holds no config.json; pass a run directory written by "
+    if not (Path(args[0]) / "plan.json").is_file():
+        sys.exit(f"error: {args[0]} holds no plan.json; pass a run directory written by "
                  f"hybrid-train (launcher.dry_run=true writes one without submitting)")
     outcome = run_node(args[0])
     if "error" in outcome:

@@ -15,28 +15,35 @@ keeps its own workers' logs in its own run directory.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from launch.agent import run_agent
+from launch.launcher import register_launcher
 from launch.rendezvous import Rendezvous
 
 
+@register_launcher
 class TorchrunLauncher:
     """Starts this node's ``launcher.nproc_per_node`` ranks and meets the other nodes."""
 
+    name = "torchrun"
     runs_here = True
     """This machine runs the ranks: its memory and devices are the job's."""
 
-    def check(self, cfg, layout) -> None:
-        """What only a multi-node run needs, beyond ``validate_config``'s launcher checks."""
-        from hybrid.planning.layout import LayoutError
+    def config_problem(self, cfg) -> Optional[str]:
+        """What only a multi-node run needs, beyond ``validate_config``'s node checks."""
+        launcher, ckpt = cfg.launcher, cfg.checkpoint
+        if launcher.nnodes > 1 and launcher.rdzv_endpoint is None:
+            return (f"launcher.nnodes={launcher.nnodes} needs launcher.rdzv_endpoint=HOST:PORT: "
+                    f"node 0's address and a free port, the same on every node")
+        if launcher.nnodes > 1 and (ckpt.every or ckpt.resume_from) and ckpt.dir is None:
+            return (f"launcher.nnodes={launcher.nnodes} with checkpoints: every node writes its "
+                    f"ranks' files, and each node's run directory differs; set checkpoint.dir "
+                    f"to one path that all nodes share")
+        return None
 
-        ckpt = cfg.checkpoint
-        if cfg.launcher.nnodes > 1 and (ckpt.every or ckpt.resume_from) and ckpt.dir is None:
-            raise LayoutError(
-                f"launcher.nnodes={cfg.launcher.nnodes} with checkpoints: every node writes its "
-                f"ranks' files, and each node's run directory differs; set checkpoint.dir to "
-                f"one path that all nodes share")
+    def check_here(self, plan) -> None:
+        pass
 
     def rendezvous(self, cfg) -> Rendezvous:
         launcher = cfg.launcher
@@ -45,10 +52,7 @@ class TorchrunLauncher:
         return Rendezvous(nnodes=launcher.nnodes, node_rank=launcher.node_rank,
                           endpoint=launcher.rdzv_endpoint, timeout_s=launcher.rdzv_timeout_s)
 
-    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], cfg, layout,
-               run_dir: Path, **options: Any) -> list[Any]:
-        from hybrid.planning.validate import ranks_per_node
-
-        nproc = ranks_per_node(cfg, layout)
-        return run_agent(entrypoint, args, nproc=nproc, rendezvous=self.rendezvous(cfg),
-                         run_dir=run_dir, **options)
+    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], plan, run_dir: Path,
+               **options: Any) -> list[Any]:
+        return run_agent(entrypoint, args, nproc=plan.ranks_per_node,
+                         rendezvous=self.rendezvous(plan.cfg), run_dir=run_dir, **options)

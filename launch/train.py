@@ -1,8 +1,10 @@
 """``hybrid-train``: compose the config, check everything, then start the ranks.
 
-Nothing starts until the whole config is validated: a bad config exits with status 2 and one
-line on stderr. Then ``dp * tp * pp`` local workers run ``hybrid.worker.worker_main`` under
-torch's elastic agent; if any fails, all stop and the command exits 1 naming the rank.
+Nothing starts until the whole config is validated and planned: a bad config exits with
+status 2 and one line on stderr. The job's one plan (``hybrid.planning.job``) is written as
+``plan.json`` beside ``config.json``; then the launcher ``launcher.name`` names (a registered
+``launch.launcher.Launcher``) starts the ranks, each running ``hybrid.worker.worker_main`` on
+that plan; if any fails, all stop and the command exits 1 naming the rank.
 
     hybrid-train                                  # the main job (DP 2 x TP 2 x PP 2)
     hybrid-train model=tiny parallel=single       # the 1-process reference
@@ -10,11 +12,11 @@ torch's elastic agent; if any fails, all stop and the command exits 1 naming the
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,35 +27,30 @@ from hybrid.checkpoint.store import (
     CheckpointError, check_files, check_model_matches, checkpoint_dir, read_manifest,
     resolve_resume,
 )
-from hybrid.planning.config import Config, to_dict
 from hybrid.data import validate_data
 from hybrid.errors import UserError
 from hybrid.files import RunDirError, write_error, write_text
-from hybrid.planning.layout import Layout, LayoutError
+from hybrid.planning.config import Config
+from hybrid.planning.cost.block_costs import known_block_costs
+from hybrid.planning.job import JobPlan, plan_job
+from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
-from hybrid.planning.cost.block_costs import resolve_block_costs
-from hybrid.planning.validate import config_warnings, validate_config
+from hybrid.planning.validate import config_warnings
 from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
-from launch.run import WORKER_FAILED_EXIT, failure_line, launch, report_results
-
-
-def save_resolved_config(cfg: Config, run_dir: Path) -> Path:
-    """The resolved config as JSON; ``hybrid.planning.config.from_dict`` reloads it identically."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.json"
-    write_text(path, json.dumps(to_dict(cfg), indent=1) + "\n")
-    return path
+from launch.launcher import Launcher
+from launch.launchers import launcher_for, launcher_problem
+from launch.run import WORKER_FAILED_EXIT, failure_line, launch, report_results, save_run_files
 
 
 RUN_FILES = ("config.json", "metrics.jsonl")
 """A directory holding one of these holds a run."""
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> None:
+def check_run_dir(cfg: Config, run_dir: Path, resuming: bool) -> None:
     """Refuse to mix two runs in one directory, and a directory that cannot be written."""
     held = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if held and not cfg.train.overwrite and cfg.checkpoint.resume_from is None:
+    if held and not cfg.train.overwrite and not resuming:
         raise RunDirError(f"{run_dir} already holds a run ({held[0]}); resume it with "
                           f"checkpoint.resume_from={run_dir}, write elsewhere with "
                           f"hydra.run.dir=..., or replace it with train.overwrite=true")
@@ -64,41 +61,34 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
         shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)  # never mix two runs' events
 
 
-def check_fits(cfg: Config) -> None:
+def check_fits(plan: JobPlan, launcher: Launcher) -> None:
     """The job's memory against what one node offers: this machine's when the ranks run here;
     ``launcher.mem_gb`` (CPU) for a Slurm job, whose nodes this machine cannot see."""
+    cfg = plan.cfg
     if cfg.train.skip_memory_check:
         return
-    if launcher_for(cfg).runs_here:
+    if launcher.runs_here:
         limit, device = available_memory(cfg)
     elif cfg.launcher.mem_gb is not None and cfg.train.device == "cpu":
         limit, device = cfg.launcher.mem_gb * 2**30, "cpu"
     else:
         return
     if limit is not None:
-        check_memory(cfg, limit, device)
+        check_memory(cfg, limit, device, block_costs=plan.block_costs)
 
 
-def launcher_for(cfg: Config):
-    """The launcher module's object for ``launcher.name``: ``check`` then ``launch``."""
-    if cfg.launcher.name == "torchrun":
-        from launch.torchrun import TorchrunLauncher
-
-        return TorchrunLauncher()
-    if cfg.launcher.name == "slurm":
-        from launch.slurm import SlurmLauncher
-
-        return SlurmLauncher()
-    from launch.local import LocalLauncher
-
-    return LocalLauncher()
+def chosen_launcher(cfg: Config) -> Launcher:
+    """The registered launcher ``launcher.name`` names, once it accepts the config."""
+    problem = launcher_problem(cfg)
+    if problem:
+        raise LayoutError(problem)
+    return launcher_for(cfg.launcher.name)
 
 
-def check_launchable(cfg: Config, layout: Layout) -> None:
+def check_launchable(plan: JobPlan, launcher: Launcher) -> None:
     """What this machine and this launcher can run (hybrid-plan may plan more than that)."""
-    launcher = launcher_for(cfg)
-    launcher.check(cfg, layout)
-    if cfg.train.device == "cuda" and launcher.runs_here:
+    launcher.check_here(plan)
+    if plan.cfg.train.device == "cuda" and launcher.runs_here:
         import torch
 
         if not torch.cuda.is_available():
@@ -106,13 +96,12 @@ def check_launchable(cfg: Config, layout: Layout) -> None:
                               "train.device=cpu or train.device=auto")
 
 
-def resolve_checkpointing(cfg: Config, run_dir: Path) -> None:
-    """Fix ``checkpoint.dir`` (default ``<run dir>/checkpoints``) and ``resume_from`` (the
-    checkpoint directory it names, or None) for the workers, after checking that checkpoint:
-    complete, files whole, the same model shape, steps left to train."""
-    ckpt = cfg.checkpoint
-    ckpt.dir = str(checkpoint_dir(cfg, run_dir).expanduser().resolve())
-    path = resolve_resume(ckpt.resume_from, Path(ckpt.dir))
+def resolve_checkpointing(cfg: Config, run_dir: Path) -> tuple[str, Optional[str]]:
+    """(the checkpoint directory: ``checkpoint.dir``, default ``<run dir>/checkpoints``; the
+    checkpoint ``resume_from`` names, or None), after checking that checkpoint: complete,
+    files whole, the same model shape, steps left to train."""
+    directory = str(checkpoint_dir(cfg, run_dir).expanduser().resolve())
+    path = resolve_resume(cfg.checkpoint.resume_from, Path(directory))
     if path is not None:
         manifest = read_manifest(path)
         check_files(path, manifest)
@@ -121,22 +110,24 @@ def resolve_checkpointing(cfg: Config, run_dir: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is at step {manifest['step']}, "
                                   f"train.steps={cfg.train.steps} leaves nothing to train; "
                                   f"raise train.steps (it counts from the run's start)")
-    ckpt.resume_from = None if path is None else str(path)
+    return directory, None if path is None else str(path)
 
 
-def prepare(cfg: Config, run_dir: Path) -> Layout:
-    """Every check that can be made before a worker starts; writes ``config.json``."""
-    layout = validate_config(cfg)
-    resolve_block_costs(cfg)  # partition=measured: an earlier run's calibration file
-    check_launchable(cfg, layout)
-    check_fits(cfg)
+def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
+    """Every check that can be made before a worker starts, and the job's one plan; writes
+    ``config.json`` and ``plan.json``."""
+    launcher = chosen_launcher(cfg)
+    plan = plan_job(cfg, block_costs=known_block_costs(cfg))
+    check_launchable(plan, launcher)
+    check_fits(plan, launcher)
     validate_data(cfg.data, cfg.model, cfg.train)
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
-    resolve_checkpointing(cfg, run_dir)
-    check_run_dir(cfg, run_dir)
-    save_resolved_config(cfg, run_dir)
-    return layout
+    directory, resume = resolve_checkpointing(cfg, run_dir)
+    plan = plan.for_run(checkpoint_dir=directory, resume_from=resume)
+    check_run_dir(cfg, run_dir, resuming=resume is not None)
+    save_run_files(plan, run_dir)
+    return plan, launcher
 
 
 class RunFailed(Exception):
@@ -147,14 +138,14 @@ class RunFailed(Exception):
         self.line, self.code = line, code
 
 
-def run(cfg: Config, layout: Layout, run_dir: Path) -> bool:
+def run(plan: JobPlan, launcher: Launcher, run_dir: Path) -> bool:
     """Launch the workers; True when they trained here, False when they were left running
     (a Slurm job). A failure raises ``RunFailed``; a signal exits with its status."""
     from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
 
     started = time.time()
     try:
-        results = launch(cfg, layout, run_dir, launcher_for(cfg))
+        results = launch(plan, run_dir, launcher)
     except WorkerFailure as err:
         raise RunFailed(failure_line(err, run_dir, started)) from None
     except LaunchFailed as err:
@@ -179,7 +170,7 @@ def _train(dict_cfg: DictConfig) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     cell = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        trained = run(cfg, prepare(cfg, run_dir), run_dir)
+        trained = run(*prepare(cfg, run_dir), run_dir)
     except UserError as err:
         if not cell:
             exit_user_error(err)

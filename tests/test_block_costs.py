@@ -9,7 +9,7 @@ from hybrid.planning.job import plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.cost.block_costs import (
     calibration_record, partition_basis, predicted_block_costs, read_calibration,
-    resolve_block_costs, write_calibration,
+    known_block_costs, write_calibration,
 )
 
 
@@ -33,21 +33,27 @@ def test_until_measured_the_cost_models_flops_stand_in():
     cfg = measured_cfg()
     costs = predicted_block_costs(cfg)
     assert len(costs) == 8 and costs[0] == 0 and costs[-1] > costs[1] == costs[6] > 0
-    assert partition_basis(cfg).startswith("predicted FLOPs")
+    plan = plan_job(cfg)
+    assert partition_basis("measured", plan.costs_measured).startswith("predicted FLOPs")
     cfg.parallel.block_costs = costs
-    assert partition_basis(cfg) == "measured seconds"
+    plan = plan_job(cfg)
+    assert partition_basis("measured", plan.costs_measured) == "measured seconds"
 
 
-def test_a_calibration_file_round_trips_and_fills_the_config(tmp_path):
+def test_a_calibration_file_round_trips_and_splits_the_plan_not_the_config(tmp_path):
     cfg = measured_cfg(partition_file=str(tmp_path / "costs.json"))
     record = calibration_record(cfg, [0.1] + [0.2] * 6 + [0.3], [0.2] + [0.4] * 6 + [0.9],
                                 ranks=2, how="test")
     assert record["blocks"][0] == "embedding" and record["blocks"][-1] == "head"
     assert record["cost_s"] == pytest.approx([0.3] + [0.6] * 6 + [1.2])
-    assert resolve_block_costs(cfg) is None  # no file yet: the ranks will measure
+    assert known_block_costs(cfg) is None  # no file yet: the ranks will measure
+    assert not plan_job(cfg).costs_measured
     write_calibration(cfg.parallel.partition_file, record)
-    assert resolve_block_costs(cfg) == cfg.parallel.partition_file
-    assert cfg.parallel.block_costs == pytest.approx(record["cost_s"])
+    costs = known_block_costs(cfg)
+    assert costs == pytest.approx(record["cost_s"])
+    plan = plan_job(cfg, block_costs=costs)
+    assert plan.costs_measured and plan.block_costs == pytest.approx(record["cost_s"])
+    assert cfg.parallel.block_costs is None  # nothing written back into the config
 
 
 def test_a_file_measured_for_another_job_is_refused_in_one_line(tmp_path):

@@ -104,9 +104,10 @@ def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(tmp_path):
         resolve_checkpointing(cfg, tmp_path)
     cfg = Config(train=TrainConfig(steps=12))
     cfg.checkpoint.resume_from = "auto"
-    resolve_checkpointing(cfg, tmp_path)
-    assert cfg.checkpoint.resume_from == str(path.resolve())
-    assert cfg.checkpoint.dir == str((tmp_path / "checkpoints").resolve())
+    directory, resume = resolve_checkpointing(cfg, tmp_path)
+    assert resume == str(path.resolve())
+    assert directory == str((tmp_path / "checkpoints").resolve())
+    assert cfg.checkpoint.resume_from == "auto" and cfg.checkpoint.dir is None  # untouched
 
 
 class CallsDcp:

@@ -118,15 +118,14 @@ def test_the_watch_times_waits_per_axis_and_keeps_the_failed_one():
     assert waits1["dp"] > 0 and waits1["tp"] == waits1["pp"] == 0
 
 
-def _steps_seen_by_torch(rank, world, cfg_dict, run_dir):
+def _steps_seen_by_torch(rank, world, plan_dict, run_dir):
     from pathlib import Path
 
-    from hybrid.planning.config import from_dict
-    from hybrid.planning.validate import validate_config
+    from hybrid.planning.plan_file import plan_from_dict
     from hybrid.train import Trainer
 
-    cfg = from_dict(cfg_dict)
-    trainer = Trainer(cfg, ParallelGroups.create(validate_config(cfg)), Path(run_dir))
+    plan = plan_from_dict(plan_dict)
+    trainer = Trainer(plan, ParallelGroups.create(plan.layout), Path(run_dir))
     seen, counted = [], []
     for step in (1, 2):
         with c10d_ops_mode() as mode:
@@ -141,12 +140,15 @@ def test_every_operation_of_a_training_step_goes_through_hybrids_groups(tmp_path
     """Two steps of a 2x2x2 job with every kind of traffic (TP with sequence parallelism, a
     tied embedding across the pipeline, ZeRO-1, clipping): torch's own dispatcher sees exactly
     as many c10d operations on each rank as hybrid's groups counted."""
-    from hybrid.planning.config import Config, ModelConfig, ParallelConfig, TrainConfig, to_dict
+    from hybrid.planning.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from hybrid.planning.job import plan_job
+    from hybrid.planning.plan_file import plan_to_dict
 
     cfg = Config(model=ModelConfig(tie_embeddings=True),
                  parallel=ParallelConfig(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True),
                  train=TrainConfig(steps=2, global_batch=8, micro_batch=2, timeline_step=0))
-    results = spawn(_steps_seen_by_torch, 8, to_dict(cfg), str(tmp_path), timeout=240)
+    plan = plan_to_dict(plan_job(cfg))  # planned once, here: the ranks read it
+    results = spawn(_steps_seen_by_torch, 8, plan, str(tmp_path), timeout=240)
     kinds = set()
     for seen, counted in results:
         kinds |= {op for step in seen for op in step}

@@ -198,19 +198,15 @@ def test_two_nodes_in_separate_network_namespaces_train_the_same_losses(referenc
 
 
 def test_plain_torchrun_starts_hybrid_worker_on_a_run_directory(reference, tmp_path):
-    """``torchrun -m hybrid.worker RUN_DIR`` trains the run whose config.json is there,
-    composed from conf/ as hybrid-train composes it: two workers, a pipeline of two stages
-    (8 workers, as the main job, cost 30 s more of start-up here and add nothing)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from launch.app import CONF_DIR, register_schemas
-
-    register_schemas()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="config",
-                                          overrides=COMMON + LAYOUTS["pp2-1f1b"]))
-    (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg)))
+    """``torchrun -m hybrid.worker RUN_DIR`` trains the run whose plan is there, written by
+    ``hybrid-plan out=RUN_DIR`` from conf/ as hybrid-train composes it: two workers, a
+    pipeline of two stages (8 workers, as the main job, cost 30 s more of start-up here and
+    add nothing)."""
+    planned = subprocess.run([str(Path(sys.executable).parent / "hybrid-plan"), *COMMON,
+                              *LAYOUTS["pp2-1f1b"], f"out={tmp_path}"],
+                             capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    assert "-m hybrid.worker" in planned.stderr and (tmp_path / "plan.json").is_file()
     torchrun = str(Path(sys.executable).parent / "torchrun")
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m",
                            "hybrid.worker", str(tmp_path)],

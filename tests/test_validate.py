@@ -77,8 +77,6 @@ BAD = [
      "parallel.block_costs has 6 values, needs 6 finite seconds >= 0"),
     ({"launcher": {"name": "torchrun", "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}},
      "launcher.node_rank=2 must be in 0..1 for launcher.nnodes=2"),
-    ({"launcher": {"name": "torchrun", "nnodes": 2}},
-     "launcher.nnodes=2 needs launcher.rdzv_endpoint=HOST:PORT"),
     ({"launcher": {"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "node0"}},
      "launcher.rdzv_endpoint=node0 is not HOST:PORT"),
     ({"launcher": {"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "node0:99999"}},
@@ -129,15 +127,31 @@ def test_config_dataclasses_are_keyword_only_and_documented():
             assert '"""' in block, f"{cls.__name__}.{f.name} has no docstring"
 
 
+@pytest.mark.parametrize("launcher, expected", [
+    ({"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "h:1"}, None),
+    ({"name": "torchrun", "nnodes": 2}, "launcher.nnodes=2 needs launcher.rdzv_endpoint=HOST:PORT"),
+    ({"name": "slurm", "nnodes": 2, "rdzv_endpoint": "h:1"},
+     "launcher=slurm places the nodes itself"),
+    ({"name": "local", "nnodes": 2}, "launcher=local runs one node, not launcher.nnodes=2"),
+    ({"name": "mpirun"}, "launcher.name='mpirun' is unknown; choose one of local, torchrun, slurm"),
+])
+def test_each_launcher_words_its_own_rules(launcher, expected):
+    from launch.launchers import launcher_problem
+
+    cfg = make(launcher=launcher)
+    validate_config(cfg)  # the layout's rules hold: what is left is the launcher's
+    assert launcher_problem(cfg) == expected if expected is None else \
+        expected in launcher_problem(cfg)
+
+
 def test_torchrun_checkpoints_on_several_nodes_need_one_shared_directory():
-    from launch.torchrun import TorchrunLauncher
+    from launch.launchers import launcher_problem
 
     cfg = make(launcher={"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "h:1"})
     cfg.checkpoint.every = 5
-    with pytest.raises(LayoutError, match="set checkpoint.dir to one path that all nodes share"):
-        TorchrunLauncher().check(cfg, validate_config(cfg))
+    assert "set checkpoint.dir to one path that all nodes share" in launcher_problem(cfg)
     cfg.checkpoint.dir = "/shared/ckpt"
-    TorchrunLauncher().check(cfg, validate_config(cfg))
+    assert launcher_problem(cfg) is None
 
 
 @pytest.mark.parametrize("every,moments,expected", [

@@ -51,9 +51,13 @@ from hybrid.optim import unique_parameters
 class Checkpointer:
     """Saves and loads one rank's share of the job's state (model, AdamW, step, RNG)."""
 
-    def __init__(self, cfg, groups, chunks: dict, sync, run_dir: Path):
-        self.cfg, self.groups, self.sync = cfg, groups, sync
-        self.directory = checkpoint_dir(cfg, run_dir)
+    def __init__(self, plan, groups, chunks: dict, sync, run_dir: Path):
+        """``plan``: the job's ``JobPlan``; for a run made by ``hybrid-train`` it names the
+        checkpoint directory and the checkpoint to resume from, checked before launch."""
+        cfg = plan.cfg
+        self.plan, self.cfg, self.groups, self.sync = plan, cfg, groups, sync
+        self.directory = Path(plan.checkpoint_dir) if plan.checkpoint_dir \
+            else checkpoint_dir(cfg, run_dir)
         self.rank, self.world = groups.world.rank(), groups.world.size()
         self.mesh = tp_mesh(groups)
         self.params = unique_parameters(chunks.values())
@@ -171,11 +175,18 @@ class Checkpointer:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             path = resolve_resume("auto", self.directory)
         if path is None:
-            path = resolve_resume(self.cfg.checkpoint.resume_from, self.directory)
+            path = self._planned_resume()
         if path is None:
             return 0
         self.resumed_from = str(path)
         return self.load(path)
+
+    def _planned_resume(self) -> Optional[Path]:
+        """What the plan resumes from (resolved before launch); a plan not made for a run (a
+        test, a bench) resolves ``checkpoint.resume_from`` here."""
+        if self.plan.checkpoint_dir is not None:
+            return None if self.plan.resume_from is None else Path(self.plan.resume_from)
+        return resolve_resume(self.cfg.checkpoint.resume_from, self.directory)
 
     def load(self, path: Path) -> int:
         """Load checkpoint ``path`` (saved on any layout) into this rank's model and AdamW."""

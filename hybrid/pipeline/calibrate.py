@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.planning.config import Config
+from hybrid.planning.job import JobPlan
 from hybrid.groups import ParallelGroups
 from hybrid.planning.cost.block_costs import FILE_NAME, calibration_record, write_calibration
 from hybrid.planning.schedules.partition import format_partition, partition
@@ -114,13 +114,15 @@ def agreed_block_seconds(cfg: Config, groups: ParallelGroups,
     return per_block(*mean[:3]), per_block(*mean[3:])
 
 
-def settle_measured_partition(cfg: Config, groups: ParallelGroups, run_dir: Path) -> Config:
-    """``cfg`` with ``parallel.block_costs`` measured, for partition=measured without costs
-    (the launcher has read an existing ``partition_file`` already); else ``cfg`` unchanged.
-    Rank 0 writes the calibration file and prints the stages it gives."""
-    par = cfg.parallel
-    if par.partition != "measured" or par.block_costs is not None:
-        return cfg
+def settle_measured_partition(plan: JobPlan, groups: ParallelGroups, run_dir: Path
+                              ) -> JobPlan:
+    """``plan`` with its stages split by measured costs, for partition=measured without known
+    costs (the launcher has read an existing ``partition_file`` already: then, and for any
+    other partition, ``plan`` unchanged). Rank 0 writes the calibration file and prints the
+    stages it gives; every rank gets the same costs, so the same plan."""
+    if plan.costs_measured:
+        return plan
+    cfg, par = plan.cfg, plan.cfg.parallel
     forwards, backwards = agreed_block_seconds(cfg, groups)
     record = calibration_record(
         cfg, forwards, backwards, ranks=dist.get_world_size(),
@@ -135,4 +137,4 @@ def settle_measured_partition(cfg: Config, groups: ParallelGroups, run_dir: Path
               f"{costs[-1] * 1e3:.2f}; written to {path}", flush=True)
         print(format_partition(stages, groups.layout.pp,
                                costs=[round(c * 1e3, 2) for c in costs]), flush=True)
-    return replace(cfg, parallel=replace(par, block_costs=costs))
+    return plan.with_block_costs(costs)

@@ -301,6 +301,13 @@ class PlanConfig(Config):
     """Output of ``hybrid-plan``: text | json."""
     full: bool = False
     """Print every rank and group even above 64 ranks (text output; json is always full)."""
+    out: Optional[str] = None
+    """Also write the run directory's ``config.json`` and ``plan.json`` there, for a launcher
+    of your own: ``torchrun --nproc-per-node N -m hybrid.worker DIR``."""
+
+    def job(self) -> Config:
+        """The job's config without ``hybrid-plan``'s own fields."""
+        return Config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Config)})
 
 
 def to_dict(cfg: Any) -> dict:

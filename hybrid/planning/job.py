@@ -1,11 +1,18 @@
-"""One typed plan of a job (pure: no torch): ``plan_job(cfg) -> JobPlan``.
+"""One frozen plan of a job (pure: no torch): ``plan_job(cfg) -> JobPlan``.
 
-The layout and where its ranks land, the pipeline stages (which blocks, on which pipeline rank
-as which chunk: ``hybrid.planning.schedules.actions.stage_rank`` / ``stage_chunk``, the one placement
-function, with the schedule's ``layout.stage_placement``), the schedule's simulated shape, and
-the memory each pipeline rank needs. What
-``hybrid-plan`` prints, what the trainer builds its chunks from and what the memory check and
-the cost model price are all read from this one object.
+Built once, before any worker starts, from the config as Hydra composed it (nothing resolved
+is written back into the config): the layout and where its ranks land, the pipeline stages
+(which blocks, on which pipeline rank as which chunk: ``schedules.actions.stage_rank`` /
+``stage_chunk``, with the schedule's ``layout.stage_placement``), the schedule and its
+simulated shape, the micro-batches per step, the DP strategies, the memory each pipeline rank
+needs, and, for a run, its checkpoint directory and the checkpoint it resumes from.
+``hybrid-train`` saves it as ``plan.json`` beside ``config.json`` (``plan_file``) and every
+rank reads it: what ``hybrid-plan`` prints, what the trainer builds its chunks and schedule
+from, and what the memory check and the cost model price all come from this one object.
+
+One thing is left to the ranks: ``parallel.partition=measured`` without known costs splits
+the stages by predicted FLOPs until the ranks have timed the blocks; they then call
+``with_block_costs`` (the one re-planning, pure and identical on every rank).
 """
 
 from __future__ import annotations
@@ -18,11 +25,11 @@ from hybrid.planning.config import Config
 from hybrid.planning.cost.sizes import MemoryEstimate, estimate_memory
 from hybrid.planning.cost.dp_traffic import dp_state_bytes, step_bytes
 from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes
-from hybrid.planning.layout import Layout
+from hybrid.planning.layout import EMBEDDING, ROLES, Layout
 from hybrid.planning.schedules.actions import stage_chunk, stage_rank
-from hybrid.planning.cost.block_costs import partition_for_config
+from hybrid.planning.cost.block_costs import partition_costs, partition_for_config
 from hybrid.planning.schedules import schedule_spec
-from hybrid.planning.strategies import DpOptions, sharding_of
+from hybrid.planning.strategies import DpOptions, reduction_of, sharding_of
 from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 from hybrid.planning.validate import microbatches, ranks_per_node, validate_config
 
@@ -57,14 +64,27 @@ class SchedulePlan:
 @dataclass(frozen=True)
 class JobPlan:
     cfg: Config
+    """The config as composed (never changed)."""
     layout: Layout
     ranks_per_node: int
+    """Ranks each node runs, as the launcher places them (node ``i``: ranks ``i * n ...``)."""
     stages: tuple[Stage, ...]
     schedule: SchedulePlan
     memory: tuple[MemoryEstimate, ...]
     """Per pipeline rank (every rank of a pipeline rank holds the same shards)."""
     by_rank: tuple[tuple[int, ...], ...]
     """Per pipeline rank, the stages it runs by chunk."""
+    priced_ranks_per_node: int = 0
+    """Ranks per node as the cost model prices the links: the launcher's when it places the
+    nodes, else ``cost.gpus_per_node`` (the target machine, not this one)."""
+    block_costs: Optional[tuple[float, ...]] = None
+    """partition=measured: the per-block costs the stages were split by."""
+    costs_measured: bool = True
+    """False: ``block_costs`` are predicted FLOPs, and the ranks measure before training."""
+    checkpoint_dir: Optional[str] = None
+    """Where this run's checkpoints go (set for a run by ``for_run``)."""
+    resume_from: Optional[str] = None
+    """The checkpoint this run resumes from, checked before launch (None: a fresh start)."""
 
     @property
     def world_size(self) -> int:
@@ -84,13 +104,41 @@ class JobPlan:
     def memory_of(self, rank: int) -> MemoryEstimate:
         return self.memory[self.layout.coords(rank)["pp"]]
 
+    @property
+    def dp_strategies(self) -> tuple[str, str]:
+        """(sharding, reduction): the DP strategies' names."""
+        options = DpOptions.of(self.cfg.parallel)
+        return sharding_of(options).name, reduction_of(options).name
 
-def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
+    def role_groups(self) -> dict[str, list[list[int]]]:
+        """Every role's groups, as global rank lists."""
+        return {role: self.layout.role_groups(role) for role in (*ROLES, EMBEDDING)}
+
+    def for_run(self, *, checkpoint_dir: str, resume_from: Optional[str]) -> "JobPlan":
+        """This plan for a run whose checkpoints go to ``checkpoint_dir``."""
+        return replace(self, checkpoint_dir=checkpoint_dir, resume_from=resume_from)
+
+    def placed(self, ranks_per_node: int) -> "JobPlan":
+        """This plan on nodes of ``ranks_per_node`` ranks (what a plain torchrun started)."""
+        return replace(self, ranks_per_node=ranks_per_node)
+
+    def with_block_costs(self, costs: list[float]) -> "JobPlan":
+        """partition=measured: the stages split by the costs the ranks measured."""
+        again = plan_job(self.cfg, block_costs=costs)
+        return replace(again, ranks_per_node=self.ranks_per_node,
+                       checkpoint_dir=self.checkpoint_dir, resume_from=self.resume_from)
+
+
+def plan_job(cfg: Config, simulated: bool = True,
+             block_costs: Optional[list[float]] = None) -> JobPlan:
     """Validate ``cfg`` (``LayoutError`` with one line) and plan it; ``simulated=False``
     takes the schedule's shape and the ranks' state bytes from closed forms instead of
-    simulating the schedule and laying out the gradient buckets (what searches need)."""
+    simulating the schedule and laying out the gradient buckets (what searches need).
+    ``block_costs``: partition=measured's measured costs (a calibration file's, or the
+    ranks'), else ``parallel.block_costs``, else predicted FLOPs until the ranks measure."""
     layout = validate_config(cfg)
-    ranges = partition_for_config(cfg)
+    costs, measured = partition_costs(cfg, block_costs)
+    ranges = partition_for_config(cfg, costs)
     pp = layout.pp
     stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp, layout.stage_placement),
                          chunk=stage_chunk(s, pp),
@@ -100,8 +148,20 @@ def plan_job(cfg: Config, simulated: bool = True) -> JobPlan:
     by_rank = _stages_by_rank(stages, pp)
     memory = tuple(_rank_memory(cfg, layout, [list(stages[s].blocks) for s in by_rank[r]],
                                 schedule.peak_inflight[r], exact=simulated) for r in range(pp))
-    return JobPlan(cfg=cfg, layout=layout, ranks_per_node=ranks_per_node(cfg, layout),
-                   stages=stages, schedule=schedule, memory=memory, by_rank=by_rank)
+    placed = ranks_per_node(cfg, layout)
+    return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
+                   schedule=schedule, memory=memory, by_rank=by_rank,
+                   priced_ranks_per_node=_priced_ranks_per_node(cfg, layout, placed),
+                   block_costs=tuple(costs) if cfg.parallel.partition == "measured" else None,
+                   costs_measured=measured)
+
+
+def _priced_ranks_per_node(cfg: Config, layout: Layout, placed: int) -> int:
+    """The launcher's placement when it places the nodes, else ``cost.gpus_per_node``."""
+    launcher = cfg.launcher
+    if launcher.nnodes > 1 or launcher.nproc_per_node is not None:
+        return placed
+    return min(layout.world_size, cfg.cost.gpus_per_node)
 
 
 def _stages_by_rank(stages: tuple[Stage, ...], pp: int) -> tuple[tuple[int, ...], ...]:

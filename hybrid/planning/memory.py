@@ -36,8 +36,9 @@ class MemoryNeed:
     worker's runtime footprint; on CUDA the largest rank's estimate."""
 
 
-def memory_need(cfg: Config, device: str) -> MemoryNeed:
-    plan = plan_job(cfg, simulated=False)  # peak in-flight in closed form: no simulation
+def memory_need(cfg: Config, device: str, block_costs=None) -> MemoryNeed:
+    # peak in-flight in closed form: no simulation
+    plan = plan_job(cfg, simulated=False, block_costs=block_costs)
     per_rank = [plan.memory_of(rank).total_bytes for rank in range(plan.world_size)]
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
     if device == "cuda":
@@ -94,9 +95,10 @@ def memory_verdict(cfg: Config, limit: int, device: str) -> dict:
             "fits": fits, "line": line}
 
 
-def check_memory(cfg: Config, limit: int, device: str) -> None:
-    """Raise ``LayoutError`` when the job's estimate exceeds ``limit`` bytes."""
-    need = memory_need(cfg, device)
+def check_memory(cfg: Config, limit: int, device: str, block_costs=None) -> None:
+    """Raise ``LayoutError`` when the job's estimate exceeds ``limit`` bytes (``block_costs``:
+    partition=measured's known costs, which the stages are split by)."""
+    need = memory_need(cfg, device, block_costs)
     if need.needed_bytes > limit:
         raise LayoutError(_too_big(cfg, need, limit, device))
 

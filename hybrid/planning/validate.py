@@ -1,8 +1,11 @@
 """Check a whole config before any worker starts (pure: no torch).
 
 ``validate_config(cfg)`` raises ``LayoutError`` with one line naming the field, the values and
-the fix, or returns the ``Layout`` the job will use. The launcher calls it before spawning, so a
-bad config never starts a process.
+the fix, or returns the ``Layout`` the job will use; ``plan_job`` calls it, once, before any
+process starts, so a bad config never starts one. The rules of a schedule, a DP strategy or a
+launcher are their own (their registries: ``schedules``, ``strategies``, ``launch.launcher``);
+the choices of ``parallel.schedule``, ``parallel.dp_compress`` and ``parallel.zero`` are the
+registered ones.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 PARTITIONS = ("uniform", "balanced", "measured")
-LAUNCHERS = ("local", "torchrun", "slurm")
 
 
 def _choose(field: str, value: object, allowed: tuple) -> None:
@@ -116,7 +118,6 @@ def _check_names(cfg: Config) -> None:
     _choose("train.precision", cfg.train.precision, PRECISIONS)
     _choose("model.recompute", cfg.model.recompute, RECOMPUTE)
     _choose("train.device", cfg.train.device, DEVICES)
-    _choose("launcher.name", cfg.launcher.name, LAUNCHERS)
     _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
     _choose("optim.name", cfg.optim.name, ("adamw",))
     _choose("optim.implementation", cfg.optim.implementation, ADAMW_IMPLEMENTATIONS)
@@ -283,14 +284,7 @@ def _check_nodes(launcher) -> None:
                           f"{launcher.nnodes - 1} for launcher.nnodes={launcher.nnodes}")
     _above_zero("launcher.rdzv_timeout_s", launcher.rdzv_timeout_s)
     endpoint = launcher.rdzv_endpoint
-    if launcher.name == "slurm" and (endpoint is not None or launcher.node_rank != 0):
-        raise LayoutError("launcher=slurm places the nodes itself (the job's first node hosts "
-                          "the rendezvous); drop launcher.rdzv_endpoint and launcher.node_rank")
-    if endpoint is None:
-        if launcher.name == "torchrun" and launcher.nnodes > 1:
-            raise LayoutError(f"launcher.nnodes={launcher.nnodes} needs launcher.rdzv_endpoint="
-                              f"HOST:PORT: node 0's address and a free port, the same on "
-                              f"every node")
+    if endpoint is None:  # whether the launcher needs one is its own rule (launch.launcher)
         return
     host, _, port = str(endpoint).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -43,7 +43,8 @@ def plan_dict(plan: JobPlan) -> dict:
         "crossing_nodes": {axis: layout.crossing_groups(axis, per_node)
                            for axis in ("tp", "dp", "pp")},
         "warnings": layout.placement_warnings(per_node),
-        "stages": {"partition": cfg.parallel.partition, "split_by": partition_basis(cfg),
+        "stages": {"partition": cfg.parallel.partition,
+                   "split_by": partition_basis(cfg.parallel.partition, plan.costs_measured),
                    "blocks": [list(st.blocks) for st in plan.stages],
                    "lines": format_partition(
                        [st.blocks for st in plan.stages], layout.pp, cfg.model.layers,

@@ -28,21 +28,25 @@ FILE_NAME = "block_costs.json"
 """The calibration file in the run directory when ``parallel.partition_file`` is not set."""
 
 
-def partition_costs(cfg: Config) -> list[float]:
-    """Per-block cost for the partitioner. balanced: parameters on one TP rank (the head's
-    output matrix counts even when tied, since the last stage computes with it). measured:
-    the measured seconds of forward + backward, or the cost model's FLOPs until measured."""
+def partition_costs(cfg: Config, measured: Optional[list[float]] = None
+                    ) -> tuple[list[float], bool]:
+    """(per-block cost for the partitioner, whether it is known). balanced: parameters on
+    one TP rank (the head's output matrix counts even when tied, since the last stage computes
+    with it). measured: ``measured`` seconds of forward + backward, else
+    ``parallel.block_costs``, else the cost model's FLOPs until the ranks measure (not known)."""
     if cfg.parallel.partition == "measured":
-        if cfg.parallel.block_costs is not None:
-            return list(cfg.parallel.block_costs)
-        return predicted_block_costs(cfg)
-    return [float(b.total) for b in block_params(cfg.model, head_owns_embedding_copy=True)]
+        for known in (measured, cfg.parallel.block_costs):
+            if known is not None:
+                return [float(c) for c in known], True
+        return predicted_block_costs(cfg), False
+    return [float(b.total) for b in block_params(cfg.model, head_owns_embedding_copy=True)], True
 
 
-def partition_for_config(cfg: Config) -> list[range]:
+def partition_for_config(cfg: Config, costs: Optional[list[float]] = None) -> list[range]:
     """Contiguous block ranges, one per virtual stage in model order."""
     par = cfg.parallel
-    return partition(partition_costs(cfg), par.pp, par.vpp, mode=par.partition)
+    costs = partition_costs(cfg)[0] if costs is None else costs
+    return partition(costs, par.pp, par.vpp, mode=par.partition)
 
 
 def predicted_block_costs(cfg: Config) -> list[float]:
@@ -52,14 +56,13 @@ def predicted_block_costs(cfg: Config) -> list[float]:
     return [0.0] + [3 * layer_forward_flops(m, b)] * m.layers + [3 * head_forward_flops(m, b)]
 
 
-def partition_basis(cfg: Config) -> str:
-    """What the stages of ``cfg`` were split by, in words (``hybrid-plan`` prints it)."""
-    par = cfg.parallel
-    if par.partition == "uniform":
+def partition_basis(partition: str, costs_measured: bool) -> str:
+    """What stages were split by, in words (``hybrid-plan`` prints it)."""
+    if partition == "uniform":
         return "layer count"
-    if par.partition == "balanced":
+    if partition == "balanced":
         return "parameters"
-    if par.block_costs is not None:
+    if costs_measured:
         return "measured seconds"
     return "predicted FLOPs until the ranks measure, before training"
 
@@ -115,15 +118,13 @@ def read_calibration(path: str | Path, cfg: Config) -> list[float]:
     return costs
 
 
-def resolve_block_costs(cfg: Config) -> Optional[str]:
-    """Before launch: with partition=measured, fill ``parallel.block_costs`` from an existing
-    ``partition_file``. Returns where the costs come from, for printing (None: not measured)."""
+def known_block_costs(cfg: Config) -> Optional[list[float]]:
+    """Before launch: with partition=measured, the costs of an existing ``partition_file``
+    (checked against this job; ``plan_job(cfg, block_costs=...)`` takes them), else None
+    (``parallel.block_costs`` if set, or the ranks measure)."""
     par = cfg.parallel
-    if par.partition != "measured":
+    if par.partition != "measured" or par.block_costs is not None:
         return None
-    if par.block_costs is not None:
-        return "parallel.block_costs"
     if par.partition_file is not None and Path(par.partition_file).expanduser().exists():
-        par.block_costs = read_calibration(par.partition_file, cfg)
-        return par.partition_file
+        return read_calibration(par.partition_file, cfg)
     return None

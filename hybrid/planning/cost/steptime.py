@@ -16,7 +16,7 @@ Korthikanti et al. 2022's model FLOPs do not), so it compares with their tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
 from hybrid.planning.cost.devices import Device, Link
@@ -56,8 +56,8 @@ class StepPrediction:
 def _link(plan: JobPlan, device: Device, axis: str) -> Link:
     """Between nodes, or inside one: there, as measured with as many processes as the node
     runs (on shared CPU cores the ranks that are not in the group still compete)."""
-    crossing = plan.layout.crosses_nodes(axis, plan.ranks_per_node)
-    return device.inter if crossing else device.intra_for(plan.ranks_per_node)
+    crossing = plan.layout.crosses_nodes(axis, plan.priced_ranks_per_node)
+    return device.inter if crossing else device.intra_for(plan.priced_ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,6 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
     ``simulated=False``, its closed-form bubble, for ranking many layouts fast) plus the DP
     reduction that the backward does not hide and the optimizer step; on shared CPU cores, at
     least the node's work over its cores."""
-    plan = priced_placement(plan)
     cfg, layout = plan.cfg, plan.layout
     times = [_stage_times(plan, device, stage.blocks) for stage in plan.stages]
     m = plan.schedule.microbatches
@@ -153,7 +152,7 @@ def threads_per_rank(plan: JobPlan, device: Device) -> int:
     shared out as ``hybrid-train`` does (one on a device of its own)."""
     if not device.cores:
         return 1
-    return plan.cfg.launcher.omp_threads or max(1, device.cores // plan.ranks_per_node)
+    return plan.cfg.launcher.omp_threads or max(1, device.cores // plan.priced_ranks_per_node)
 
 
 def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: float
@@ -163,21 +162,12 @@ def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: f
     and optimizer step (the same for all its DP and TP peers), over the cores. Waiting on a
     TP ring is not work, but the ranks of one TP group wait together: only the node's other
     TP groups can use the cores meanwhile, so ``wire / groups`` of it stays exposed."""
-    if not device.cores or plan.ranks_per_node <= device.cores:
+    if not device.cores or plan.priced_ranks_per_node <= device.cores:
         return 0.0
     layout = plan.layout
-    nodes = max(1, layout.world_size // plan.ranks_per_node)
-    groups = max(1, plan.ranks_per_node // layout.tp)
+    nodes = max(1, layout.world_size // plan.priced_ranks_per_node)
+    groups = max(1, plan.priced_ranks_per_node // layout.tp)
     return layout.dp * layout.tp * sum(work) / nodes / device.cores + wire / groups
-
-
-def priced_placement(plan: JobPlan) -> JobPlan:
-    """Nodes as the cost model sees them: the launcher's when it places them, else
-    ``cost.gpus_per_node`` ranks per node."""
-    launcher = plan.cfg.launcher
-    if launcher.nnodes > 1 or launcher.nproc_per_node is not None:
-        return plan
-    return replace(plan, ranks_per_node=min(plan.world_size, plan.cfg.cost.gpus_per_node))
 
 
 def _p2p_time(plan: JobPlan, device: Device) -> float:

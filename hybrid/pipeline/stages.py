@@ -1,0 +1,46 @@
+"""What one rank builds from the job's plan: its model chunks, every pipeline rank's action
+list (lowered and checked), and the shape of the activations stages exchange."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybrid.groups import ParallelGroups
+from hybrid.model import build_blocks
+from hybrid.planning.job import JobPlan
+from hybrid.planning.schedules import add_communication, build_schedule
+from hybrid.planning.schedules.actions import Action
+from hybrid.planning.schedules.check import check_schedule
+
+
+def build_chunks(plan: JobPlan, groups: ParallelGroups) -> dict[int, nn.Module]:
+    """This pipeline rank's model chunks: virtual stage id -> ``nn.Sequential`` of blocks.
+
+    The rank's blocks are built in one call, so that a tied head on the rank that also holds
+    the embedding (the V placement puts both on rank 0) shares its Parameter, as at pp=1.
+    """
+    cfg = plan.cfg
+    stages = plan.stages_of(groups.pp_rank)
+    held = sorted(block for stage in stages for block in stage.blocks)
+    built = dict(zip(held, build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=held,
+                                        sequence_parallel=cfg.parallel.sequence_parallel)))
+    return {stage.index: nn.Sequential(*(built[b] for b in stage.blocks)) for stage in stages}
+
+
+def lowered_schedule(plan: JobPlan) -> list[list[Action]]:
+    """Every pipeline rank's action list with sends/receives, proved safe by the checker."""
+    layout, m = plan.layout, plan.schedule.microbatches
+    pp, vpp, placement = layout.pp, layout.vpp, layout.stage_placement
+    lists = add_communication(build_schedule(plan.schedule.name, pp, m, vpp=vpp), pp, vpp,
+                              placement)
+    check_schedule(lists, pp, m, vpp, placement)
+    return lists
+
+
+def activation_shape(plan: JobPlan) -> tuple[int, int, int]:
+    """``[s, b, h]`` between stages; the sequence is split over TP with sequence parallelism."""
+    cfg = plan.cfg
+    seq = cfg.model.seq_len
+    if cfg.parallel.sequence_parallel:
+        seq //= plan.layout.tp
+    return (seq, cfg.train.micro_batch, cfg.model.hidden)
