@@ -200,7 +200,7 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight:
         head_inflight=schedule_spec(cfg.parallel.schedule).last_stage_holds(microbatches(cfg)),
         state=state)
     options = DpOptions.of(cfg.parallel)
-    if exact or options.exact:  # (searches plan exact options only: they stay fast)
+    if exact or reduction_of(options).exact:  # (searches plan exact options only: fast)
         return estimate
     shapes = rank_shapes(cfg.model, held, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
                          pp=layout.pp)

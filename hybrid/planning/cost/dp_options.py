@@ -31,7 +31,7 @@ def compare_dp_options(cfg, device: Device) -> list[dict]:
         plan = plan_job(option_cfg, simulated=False)
         step = reduction_of(options).cycle(options)  # a step that sends the most
         predicted = predict_step(plan, device, simulated=False)
-        rows.append({"option": name, "exact": options.exact,
+        rows.append({"option": name, "exact": reduction_of(options).exact,
                      "step_time_s": predicted.step_time_s,
                      "dp_exposed_s": predicted.dp_exposed_s,
                      "dp_bytes_per_step": rank_dp_bytes(option_cfg, plan, 0, step) / max(1, step),

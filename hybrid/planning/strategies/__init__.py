@@ -11,10 +11,13 @@ from hybrid.planning.strategies import bf16
 from hybrid.planning.strategies import powersgd
 from hybrid.planning.strategies import local_sgd
 from hybrid.planning.strategies import delayed
+from hybrid.planning.strategies.base import (
+    BF16, SCALAR, DpOptions, DpTime, RankTraffic, ReductionSpec, ShardingSpec, all_reduce_bytes,
+    scatter_bytes,
+)
 from hybrid.planning.strategies.registry import (
-    BF16, REDUCTIONS, SCALAR, SHARDINGS, DpOptions, DpTime, RankTraffic, ReductionSpec,
-    ShardingSpec, all_reduce_bytes, compress_names, option_problem, reduction_of,
-    register_reduction, register_sharding, scatter_bytes, sharding_of,
+    REDUCTIONS, SHARDINGS, compress_names, option_problem, reduction_of, register_reduction,
+    register_sharding, sharding_of,
 )
 
 BUILT_IN = (zero, exact, bf16, powersgd, local_sgd, delayed)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from hybrid.planning.strategies.registry import BF16, ReductionSpec, register_reduction
+from hybrid.planning.strategies.base import BF16, ReductionSpec
+from hybrid.planning.strategies.registry import register_reduction
 
 
 class Bf16(ReductionSpec):

@@ -9,7 +9,8 @@ import math
 
 from hybrid.planning.cost.collectives import ring_all_reduce
 from hybrid.planning.cost.state_bytes import FP32
-from hybrid.planning.strategies.registry import ReductionSpec, register_reduction
+from hybrid.planning.strategies.base import ReductionSpec
+from hybrid.planning.strategies.registry import register_reduction
 
 
 class Delayed(ReductionSpec):

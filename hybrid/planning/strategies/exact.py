@@ -5,7 +5,8 @@ lossy option is. Runtime: ``hybrid.dp.reduce.ExactMean``."""
 from __future__ import annotations
 
 from hybrid.planning.cost.state_bytes import FP32
-from hybrid.planning.strategies.registry import ReductionSpec, register_reduction
+from hybrid.planning.strategies.base import ReductionSpec
+from hybrid.planning.strategies.registry import register_reduction
 
 
 class Exact(ReductionSpec):

@@ -6,9 +6,8 @@ Runtime: ``hybrid.dp.replicas.LocalSGD``."""
 from __future__ import annotations
 
 from hybrid.planning.cost.state_bytes import FP32
-from hybrid.planning.strategies.registry import (
-    ReductionSpec, all_reduce_bytes, register_reduction,
-)
+from hybrid.planning.strategies.base import ReductionSpec, all_reduce_bytes
+from hybrid.planning.strategies.registry import register_reduction
 
 
 class LocalSGD(ReductionSpec):

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.cost.state_bytes import FP32
-from hybrid.planning.strategies.registry import (
-    ReductionSpec, Shape, all_reduce_bytes, register_reduction,
-)
+from hybrid.planning.strategies.base import ReductionSpec, Shape, all_reduce_bytes
+from hybrid.planning.strategies.registry import register_reduction
 
 MIN_COMPRESSION = 2
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
 from hybrid.planning.cost.state_bytes import FP32, STEP_COUNT_BYTES, StateBytes, bucket_sizes
-from hybrid.planning.strategies.registry import (
-    RankTraffic, ShardingSpec, all_reduce_bytes, register_sharding, scatter_bytes,
+from hybrid.planning.strategies.base import (
+    RankTraffic, ShardingSpec, all_reduce_bytes, scatter_bytes,
 )
+from hybrid.planning.strategies.registry import register_sharding
 
 
 class Replicated(ShardingSpec):

@@ -1,0 +1,204 @@
+"""What a DP strategy spec is (pure; no torch): the config's DP settings (``DpOptions``), what
+one rank's traffic depends on (``RankTraffic``, ``DpTime``), the ring volumes, and the two kinds
+of spec, ``ShardingSpec`` and ``ReductionSpec``, with their defaults. The registry that holds
+the specs is ``registry``."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from hybrid.planning.cost.collectives import BUCKET_BYTES
+from hybrid.planning.cost.devices import Device, Link
+from hybrid.planning.cost.state_bytes import FP32, StateBytes, bucket_sizes
+
+BF16 = 2
+SCALAR = 8  # one float64
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DpOptions:
+    """The config's DP settings (``ParallelConfig`` fields) that choose the strategies."""
+
+    zero: int = 0
+    compress: str = "none"
+    powersgd_rank: int = 2
+    powersgd_warmup: int = 10
+    sync_every: int = 1
+    sync_moments: bool = False
+    delay: int = 0
+
+    @classmethod
+    def of(cls, parallel) -> "DpOptions":
+        return cls(zero=parallel.zero, compress=parallel.dp_compress,
+                   powersgd_rank=parallel.powersgd_rank,
+                   powersgd_warmup=parallel.powersgd_warmup,
+                   sync_every=parallel.dp_sync_every, sync_moments=parallel.dp_sync_moments,
+                   delay=parallel.dp_delay)
+
+    def uncompressed(self) -> "DpOptions":
+        """The exact options with the same ZeRO stage (what the bytes are compared with)."""
+        return DpOptions(zero=self.zero)
+
+    def compressing(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) runs PowerSGD (after its exact warm-up steps)."""
+        return self.compress == "powersgd" and step > self.powersgd_warmup
+
+
+def all_reduce_bytes(payload: float, d: int) -> float:
+    return 2.0 * (d - 1) / d * payload if d > 1 else 0.0
+
+
+def scatter_bytes(payload: float, d: int) -> float:
+    """Reduce-scatter or all-gather of a ``payload``-byte buffer."""
+    return (d - 1) / d * payload if d > 1 else 0.0
+
+
+@dataclass
+class RankTraffic:
+    """What one rank's DP traffic depends on: the local shapes of the parameters it trains (in
+    registration order, each with the late bucket it goes to, or ""), the DP size, the
+    micro-batches per step and the bucket size (``parallel.bucket_mb``). ``shapes_of`` makes
+    the shapes when first asked (a layout search prices thousands of ranks whose exact
+    reductions need only their parameter count)."""
+
+    shapes_of: Callable[[], list[tuple[Shape, str]]]
+    dp: int
+    microbatches: int
+    bucket_mb: float
+
+    @functools.cached_property
+    def shapes(self) -> list[tuple[Shape, str]]:
+        return list(self.shapes_of())
+
+    def buckets(self) -> list[list[Shape]]:
+        """Shapes per bucket, in ``bucket_sizes``' grouping (backward order, late last)."""
+        grouped = bucket_sizes([(math.prod(s), late) for s, late in self.shapes], self.bucket_mb)
+        late: dict[str, list[Shape]] = {"tp": [], "embedding": []}
+        overlapped = []
+        for shape, axis in reversed(self.shapes):
+            (late[axis] if axis else overlapped).append(shape)
+        ordered = iter(overlapped + late["tp"] + late["embedding"])
+        return [[next(ordered) for _ in bucket] for bucket in grouped]
+
+    def numels(self) -> list[int]:
+        return [sum(math.prod(s) for s in bucket) for bucket in self.buckets()]
+
+    def overlapped(self) -> int:
+        """How many buckets start during the backward (the late ones wait for their sum)."""
+        return len(bucket_sizes([(math.prod(s), late) for s, late in self.shapes if not late],
+                                self.bucket_mb))
+
+
+@dataclass(frozen=True)
+class DpTime:
+    """What the time of one rank's DP traffic depends on besides its ``RankTraffic``."""
+
+    device: Device
+    link: Link
+    params: int
+    """The rank's parameter count."""
+    backward: float
+    """One micro-batch's backward on this rank: what the last bucket's reduction can hide in."""
+    makespan: float
+    """The pipeline's time: what a reduction a step late can hide in."""
+    matmul_width: float
+    """A weight's width per TP rank (the rate of a lossy option's own arithmetic)."""
+
+    def buckets(self, grad_bytes: float) -> int:
+        return max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+
+
+class ShardingSpec:
+    """How the DP state is sharded: ``parallel.zero = stage`` (subclasses: ``zero.py``)."""
+
+    stage: int = 0
+    name: str = ""
+    runtime: Any = ""
+    """The runtime class (``hybrid.dp``), or its dotted ``module:Class`` name."""
+    shards_optimizer = False
+    shards_gradients = False
+    searched = False
+    """Tried by the layout search."""
+    doc = ""
+
+    def state_bytes(self, tensors: list[tuple[int, str]], *, dp: int, dp_rank: int,
+                    bucket_mb: float) -> StateBytes:
+        """Bytes of weights, gradients and AdamW state on one rank, as the runtime allocates
+        them (``tensors``: each parameter's numel and late bucket)."""
+        raise NotImplementedError
+
+    def closed_form_state(self, params: int, dp: int) -> StateBytes:
+        """``state_bytes`` without bucket padding and step counts (the layout search)."""
+        raise NotImplementedError
+
+    def gradient_bytes(self, traffic: RankTraffic, width: int) -> float:
+        """Bytes one rank sends per step to average gradients of ``width`` bytes an element
+        (and, sharded, to gather the updated parameters)."""
+        raise NotImplementedError
+
+    def time(self, traffic: RankTraffic, timing: DpTime, width: int) -> tuple[float, float]:
+        """(the DP traffic's time per step, the part the backward does not hide)."""
+        raise NotImplementedError
+
+    def choices(self) -> list[tuple[str, dict]]:
+        """(label, ``parallel.*`` settings) of this stage in ``hybrid-plan``'s DP table."""
+        return []
+
+
+class ReductionSpec:
+    """How the replicas' gradients are combined (subclasses: ``exact.py``, ``bf16.py``, ...).
+    The defaults are an exact-shaped reduction of ``grad_width``-byte elements: the sharding's
+    collectives at that width."""
+
+    name: str = ""
+    runtime: Any = ""
+    exact = False
+    """The 1-process model's gradients, to rounding (else: lossy, the losses part)."""
+    grad_width: Optional[int] = FP32
+    shardings: tuple[int, ...] = (0,)
+    """The ZeRO stages it runs with."""
+    checkpoint_fields: tuple[str, ...] = ()
+    """``parallel.*`` fields its checkpointed state depends on (besides the layout): a resume
+    with other values starts that state afresh."""
+    doc = ""
+
+    def setting(self, options: DpOptions) -> Optional[str]:
+        """The setting that selects it (``"dp_compress=bf16"``), or None when not selected."""
+        return None
+
+    def field_problem(self, options: DpOptions) -> Optional[str]:
+        """Its own settings out of range, whether or not it is selected."""
+        return None
+
+    def problem(self, options: DpOptions, dp: int) -> Optional[str]:
+        """What else it needs, once selected (beyond its shardings and one replica)."""
+        return None
+
+    def run_problem(self, options: DpOptions, *, steps: int,
+                    checkpoint_every: int) -> Optional[str]:
+        """What it needs of the run's length and checkpoints, once selected."""
+        return None
+
+    def step_bytes(self, traffic: RankTraffic, options: DpOptions, step: int,
+                   sharding: ShardingSpec) -> float:
+        return sharding.gradient_bytes(traffic, self.grad_width)
+
+    def time(self, traffic: RankTraffic, timing: DpTime, options: DpOptions,
+             sharding: ShardingSpec) -> tuple[float, float]:
+        return sharding.time(traffic, timing, self.grad_width)
+
+    def state_bytes(self, traffic: RankTraffic, options: DpOptions) -> int:
+        """What it keeps between steps besides weights, gradients and AdamW."""
+        return 0
+
+    def cycle(self, options: DpOptions) -> int:
+        """Steps after which its traffic repeats (its last step sends the most)."""
+        return 1
+
+    def choices(self) -> list[tuple[str, dict]]:
+        """(label, ``parallel.*`` settings) of the variants ``hybrid-plan`` prices."""
+        return []
