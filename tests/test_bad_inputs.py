@@ -112,6 +112,7 @@ def test_a_read_only_run_directory_is_refused(small_mount):
     one_line(done, 2, "Read-only file system")
 
 
+@pytest.mark.slow
 def test_a_full_disk_ends_in_one_line_and_leaves_no_half_written_file(small_mount):
     mount = small_mount("size=200k")
     run_dir = mount / "run"
@@ -145,6 +146,7 @@ def _error_pickles() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")}
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_before_applying_a_non_finite_update(tmp_path):
     before = _error_pickles()
     done = run([TRAIN, *SMALL, "train.steps=5", "optim.lr=1e30", "optim.min_lr=0",
@@ -157,6 +159,7 @@ def test_a_diverging_run_stops_before_applying_a_non_finite_update(tmp_path):
     assert _error_pickles() <= before  # torch.multiprocessing's error files were removed
 
 
+@pytest.mark.slow
 def test_a_warm_up_longer_than_the_run_is_one_warning(tmp_path):
     done = run([TRAIN, *SMALL, "train.steps=2", "optim.warmup_steps=5",
                 f"hydra.run.dir={tmp_path}"])
@@ -171,6 +174,7 @@ def _start(tmp_path, *extra):
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code, needle", [
     (signal.SIGTERM, 143, "interrupted: launcher got SIGTERM; all 2 workers were stopped"),
     (signal.SIGINT, 130, "interrupted: all 2 workers were stopped"),

@@ -30,6 +30,7 @@ def test_the_ring_link_inverts_the_ring_all_reduce_formula():
     assert ring_all_reduce(LARGE_BYTES, 4, link) == pytest.approx(0.02, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_calibrate_writes_a_device_that_plans_use(tmp_path):
     out = tmp_path / "device.json"

@@ -90,6 +90,7 @@ def _hang(rank, world):
         threading.Event().wait()  # blocks forever outside any collective: only a timeout ends it
 
 
+@pytest.mark.slow
 def test_harness_times_out_a_hung_job():
     with pytest.raises(SpawnError, match="timed out after 5s waiting for ranks \\[1\\]"):
         spawn(_hang, 2, timeout=5)

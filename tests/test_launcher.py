@@ -161,6 +161,7 @@ LAUNCHER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)  # < 20 s on 2 idle cores; slack for shared ones
 @pytest.mark.parametrize("target", ["launcher", "process-group"])
 def test_ctrl_c_stops_all_workers(tmp_path, target):

@@ -16,6 +16,7 @@ def _layouts_up_to(max_world):
             yield dp, tp, pp
 
 
+@pytest.mark.slow
 def test_groups_equal_megatron_rank_generator_for_every_layout_and_order():
     from megatron.core.parallel_state import RankGenerator
 

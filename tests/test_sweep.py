@@ -24,6 +24,7 @@ def report_rows(sweep_dir: Path) -> dict[str, dict]:
         return {row["cell"]: row for row in csv.DictReader(handle)}
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_every_valid_cell_skips_the_others_and_reports(tmp_path):
     """The issue's sweep: 6 cells, the 2 with tp=3 cannot split the tiny model's 4 heads and
     are skipped with that reason; the 4 others train; one report; exit 0."""
@@ -60,6 +61,7 @@ def test_a_sweep_runs_every_valid_cell_skips_the_others_and_reports(tmp_path):
     assert table[-3].startswith("Loss dev: each cell's largest relative difference")
 
 
+@pytest.mark.slow
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
     """A test hook kills rank 1 of every job: the dp=2 cell fails, the dp=1 cell after it
     still trains; the sweep exits 1 and says so."""
@@ -75,6 +77,7 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert rows["0"]["tokens_per_s"] == ""  # a failed run's first steps are not measurements
 
 
+@pytest.mark.slow
 def test_search_run_trains_the_top_layouts_and_reports_measured_beside_predicted(tmp_path):
     done = subprocess.run(
         [str(BIN / "hybrid-plan"), *TINY, "train.timeline_step=0", "search.world=1",

@@ -142,6 +142,7 @@ def _wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_run_with_its_rank_and_no_leftovers(tmp_path):
     proc = subprocess.Popen([TRAIN, "model=tiny", "train.steps=1000", f"hydra.run.dir={tmp_path}",
                              "train.timeline_step=0"],
@@ -162,6 +163,7 @@ def test_a_killed_worker_ends_the_run_with_its_rank_and_no_leftovers(tmp_path):
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "all workers to be gone")
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
     proc = subprocess.Popen([TRAIN, "model=tiny", "train.steps=1000", f"hydra.run.dir={tmp_path}",
                              "train.timeline_step=0"],

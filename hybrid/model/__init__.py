@@ -2,7 +2,8 @@
 
 Only ``hybrid.model.megatron_adapter`` imports megatron-core. Names are loaded on first use
 (PEP 562): importing the package costs nothing until a name is used. Parameter counts and
-shape rules are pure Python and live outside it (``hybrid.planning.cost.sizes``, ``hybrid.planning.validate``).
+shape rules are pure Python and live outside it (``hybrid.planning.cost.sizes``,
+``hybrid.planning.validate``).
 """
 
 import importlib

@@ -6,11 +6,11 @@ Without sequence parallelism a column-parallel layer's input is copied into the 
 gradient all-reduced: ``copy_to_tensor_region``) and a row-parallel layer's partial products
 are summed out of it (``reduce_from_tensor_region``).
 
-With sequence parallelism activations are ``[s, b, h]``; with sequence parallelism each TP rank holds ``s / tp``
-consecutive positions (rank r holds rows ``r*s/tp .. (r+1)*s/tp``). Between the tensor-parallel
-regions the layer norms and residual adds run on these shards; entering a column-parallel
-layer the shards are all-gathered, leaving a row-parallel layer the partial sums are
-reduce-scattered. megatron-core has the same three mappings but allocates on
+Activations are ``[s, b, h]``; with sequence parallelism each TP rank holds ``s / tp``
+consecutive positions (rank r holds rows ``r*s/tp .. (r+1)*s/tp``). Between the
+tensor-parallel regions the layer norms and residual adds run on these shards; entering a
+column-parallel layer the shards are all-gathered, leaving a row-parallel layer the partial
+sums are reduce-scattered. megatron-core has the same three mappings but allocates on
 ``torch.cuda.current_device()``, so these are device-neutral equivalents.
 
 Parameters that act on sequence shards (norms, row-parallel biases) see only this rank's tokens,

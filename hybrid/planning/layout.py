@@ -79,7 +79,8 @@ def group_keys() -> list[str]:
 
 
 class LayoutError(UserError):
-    """A user error in the parallel layout or the config that it must fit; one line, with the fix."""
+    """A user error in the parallel layout or the config that it must fit; one line with the
+    fix."""
 
 
 def _divisors(n: int) -> list[int]:

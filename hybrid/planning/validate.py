@@ -26,7 +26,8 @@ PARTITIONS = ("uniform", "balanced", "measured")
 
 def _choose(field: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
-        raise LayoutError(f"{field}={value!r} is unknown; choose one of {', '.join(map(str, allowed))}")
+        raise LayoutError(f"{field}={value!r} is unknown; choose one of "
+                          f"{', '.join(map(str, allowed))}")
 
 
 def _positive(field: str, value: object) -> None:

@@ -5,7 +5,9 @@ V, so that rank 0 holds the first and the last stage."""
 
 from __future__ import annotations
 
-from hybrid.planning.schedules.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_SHAPE, Action
+from hybrid.planning.schedules.actions import (
+    BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_SHAPE, Action,
+)
 from hybrid.planning.schedules.registry import TWO, ScheduleSpec, register_schedule
 
 
