@@ -74,7 +74,7 @@ def check_fits(plan: JobPlan, launcher: Launcher) -> None:
     else:
         return
     if limit is not None:
-        check_memory(cfg, limit, device, block_costs=plan.block_costs)
+        check_memory(plan, limit, device)
 
 
 def chosen_launcher(cfg: Config) -> Launcher:

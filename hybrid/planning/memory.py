@@ -17,7 +17,7 @@ from hybrid.errors import UserError
 from hybrid.planning.config import Config
 from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.layout import LayoutError
-from hybrid.planning.job import plan_job
+from hybrid.planning.job import JobPlan, plan_job
 
 RUNTIME_BYTES_PER_PROCESS = 256 * 2**20
 """A worker's own footprint before any model: torch, megatron-core and gloo resident (this
@@ -36,9 +36,13 @@ class MemoryNeed:
     worker's runtime footprint; on CUDA the largest rank's estimate."""
 
 
-def memory_need(cfg: Config, device: str, block_costs=None) -> MemoryNeed:
-    # peak in-flight in closed form: no simulation
-    plan = plan_job(cfg, simulated=False, block_costs=block_costs)
+def memory_need(cfg: Config, device: str) -> MemoryNeed:
+    """The need of ``cfg`` planned in closed form (no simulation: the suggestions price many)."""
+    return plan_need(plan_job(cfg, simulated=False), device)
+
+
+def plan_need(plan: JobPlan, device: str) -> MemoryNeed:
+    """The need of a job already planned."""
     per_rank = [plan.memory_of(rank).total_bytes for rank in range(plan.world_size)]
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
     if device == "cuda":
@@ -95,12 +99,12 @@ def memory_verdict(cfg: Config, limit: int, device: str) -> dict:
             "fits": fits, "line": line}
 
 
-def check_memory(cfg: Config, limit: int, device: str, block_costs=None) -> None:
-    """Raise ``LayoutError`` when the job's estimate exceeds ``limit`` bytes (``block_costs``:
-    partition=measured's known costs, which the stages are split by)."""
-    need = memory_need(cfg, device, block_costs)
+def check_memory(plan: JobPlan, limit: int, device: str) -> None:
+    """Raise ``LayoutError`` when the planned job's estimate exceeds ``limit`` bytes (the plan
+    itself: the config is not planned, nor validated, again)."""
+    need = plan_need(plan, device)
     if need.needed_bytes > limit:
-        raise LayoutError(_too_big(cfg, need, limit, device))
+        raise LayoutError(_too_big(plan.cfg, need, limit, device))
 
 
 def _too_big(cfg: Config, need: MemoryNeed, limit: int, device: str) -> str:
