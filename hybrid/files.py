@@ -44,3 +44,54 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """``path.write_text(text)``, whole or not at all."""
     with atomic_write(path) as tmp:
         tmp.write_text(text)
+
+
+class AtomicFiles:
+    """Several files that appear together and whole: ``handle(path)`` is an open temporary
+    file beside ``path``; ``commit()`` flushes them to disk and renames them over their paths
+    in the order given (put the file whose presence means "complete" last); leaving the block
+    without ``commit()`` (an error, Ctrl-C) removes every temporary file, and the paths keep
+    what they held before."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = [Path(p) for p in paths]
+        self._temps: dict[Path, tuple[Path, object]] = {}
+
+    def __enter__(self) -> "AtomicFiles":
+        return self
+
+    def handle(self, path: str | os.PathLike):
+        path = Path(path)
+        if path not in self._temps:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            self._temps[path] = (tmp, open(tmp, "wb"))
+        return self._temps[path][1]
+
+    def commit(self, stale: list[str] = ()) -> None:
+        """Make every file appear (each one that was never written, empty); remove
+        ``stale`` paths that a previous output left and this one does not replace."""
+        mode = 0o666 & ~_umask()  # like a plain open(); mkstemp-style 0600 would surprise
+        for path in self.paths:
+            handle = self.handle(path)
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+            os.chmod(self._temps[path][0], mode)
+        for path in self.paths:
+            os.replace(self._temps.pop(path)[0], path)
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def __exit__(self, *exc) -> None:
+        for tmp, handle in self._temps.values():
+            handle.close()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._temps.clear()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hybrid import faults
 from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
-from hybrid.data import make_dataset, rank_microbatches
+from hybrid.data import TokenDataset, open_dataset, rank_microbatches
 from hybrid.dp import GradSync
 from hybrid.errors import UserError
 from hybrid.files import write_text
@@ -73,6 +73,9 @@ class StepReport:
     """Per rank: wall time of the step minus the time blocked in waits."""
     wait_s: dict[str, list[float]]
     """Per axis, per rank: seconds blocked in collectives and pipeline receives."""
+    data_s: float = 0.0
+    """The slowest rank's seconds building its micro-batches before the step (not in
+    ``step_time_s``; Megatron-LM's batch-generator time)."""
 
 
 class Trainer:
@@ -80,7 +83,7 @@ class Trainer:
     ``cfg.train.steps`` steps. The plan is used as it is: nothing is planned again here."""
 
     def __init__(self, plan: JobPlan, groups: ParallelGroups, run_dir: Path,
-                 store: Optional[dist.Store] = None):
+                 store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None):
         cfg = plan.cfg
         self.plan, self.cfg, self.groups, self.run_dir, self.store = plan, cfg, groups, \
             run_dir, store
@@ -90,7 +93,8 @@ class Trainer:
         self.actions = self.schedule[groups.pp_rank]
         self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
         self.m = plan.schedule.microbatches
-        self.dataset = make_dataset(cfg.data, cfg.model, cfg.seed)
+        # an indexed source is opened by the worker before torch.distributed starts
+        self.dataset = dataset if dataset is not None else open_dataset(plan)
         self.watch = RankWatch(dist.get_rank())
         self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg,
                                          wait=self.watch.wait_async)
@@ -130,7 +134,9 @@ class Trainer:
         return [(x.to(self.device), y.to(self.device)) for x, y in pairs]
 
     def step(self, step: int, recorder=None) -> StepReport:
+        data_start = time.perf_counter()
         data = self._microbatches(step)
+        data_s = time.perf_counter() - data_start
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         start, cpu_start = time.perf_counter(), time.process_time()
         self.counter.reset()
@@ -150,7 +156,7 @@ class Trainer:
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 waits = [self.watch.wait_s[axis] for axis in WAIT_AXES]
                 times = self._gather([elapsed, peak_memory_bytes(self.device), cpu,
-                                      elapsed - sum(waits), *waits])
+                                      elapsed - sum(waits), *waits, data_s])
         except Exception as error:
             if self.watch.waiting is None:
                 raise  # not a failed wait: the error speaks for itself
@@ -161,7 +167,8 @@ class Trainer:
                           peak_mem_bytes=int(max(t[1] for t in times)),
                           compute_s=[t[3] for t in times],
                           wait_s={axis: [t[4 + i] for t in times]
-                                  for i, axis in enumerate(WAIT_AXES)})
+                                  for i, axis in enumerate(WAIT_AXES)},
+                          data_s=max(t[-1] for t in times))
 
     def _forward_backward(self, step: int, data, recorder) -> Optional[float]:
         if self.slow is not None and step >= self.slow[0]:
@@ -273,7 +280,7 @@ class Trainer:
         return {
             "step": step, "loss": report.loss, "lr": report.lr, "grad_norm": report.grad_norm,
             "tokens_per_s": tokens_per_step / report.step_time_s,
-            "step_time_s": report.step_time_s, "cpu_s": report.cpu_s,
+            "step_time_s": report.step_time_s, "cpu_s": report.cpu_s, "data_s": report.data_s,
             "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in axes},
             "comm_bytes_dp_uncompressed": self._exact_dp_bytes(step),
             "comm_calls": {axis: report.comm[axis]["calls"] for axis in axes},
@@ -307,6 +314,7 @@ class Trainer:
 
 
 def train(plan: JobPlan, groups: ParallelGroups, run_dir: Path,
-          store: Optional[dist.Store] = None) -> dict:
-    """``store``: the job's key-value store, where a failed rank hears the others' reports."""
-    return Trainer(plan, groups, run_dir, store).run()
+          store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None) -> dict:
+    """``store``: the job's key-value store, where a failed rank hears the others' reports;
+    ``dataset``: the training data, opened before the process group (else opened here)."""
+    return Trainer(plan, groups, run_dir, store, dataset).run()

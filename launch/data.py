@@ -1,109 +1,179 @@
-"""``hybrid-data``: turn a text file into a token file for ``data.source=tokens``.
+"""``hybrid-data``: text or JSONL in, tokens out for ``data.source=tokens`` or ``indexed``.
 
-The tokenizer is byte-level: each byte of the file is one token (ids 0..255, so
-``model.vocab=256`` fits), written as a flat ``uint16`` (default) or ``uint32`` array::
+::
 
-    hybrid-data input.txt tokens.bin [--dtype uint32]
+    hybrid-data INPUT... OUTPUT [--tokenizer bytes|gpt2|PATH] [--format tokens|indexed]
+                [--documents file|blank-lines] [--json-key text] [--workers N] [--force]
+    hybrid-data train-tokenizer INPUT... OUT --vocab-size N
 
-The output appears atomically (written to a temporary file beside it, then renamed), so an
-interrupted or failed run never leaves a half-written token file. Needs numpy, not torch.
+The first tokenizes (``hybrid.data.prepare``); the second learns a byte-level BPE from the
+inputs with HF ``tokenizers`` and writes ``OUT/tokenizer.json`` for ``--tokenizer OUT``.
+Needs numpy and ``tokenizers``, not torch. Bad input is one line on stderr and exit status 2,
+with nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-import tempfile
 from typing import Optional, Sequence
 
-import numpy as np
-
-from hybrid.data import TOKEN_DTYPES
+from hybrid.data.documents import (DOCUMENT_MODES, ENCODING_ERRORS, INPUT_FORMATS, InputError,
+                                   ReadOptions, chunk_documents, expand_inputs, read_chunks)
+from hybrid.data.prepare import FORMATS, Report, Request, prepare_data
 from hybrid.errors import USER_ERROR_EXIT, UserError
 
-READ_CHUNK_BYTES = 1 << 24
+TRAIN_TOKENIZER = "train-tokenizer"
+MIN_BPE_VOCAB = 257  # every byte, and <|endoftext|>
 
 
-class InputError(UserError):
-    """A bad command line argument; the message says what to pass instead."""
+def _reading_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--documents", default="file", choices=DOCUMENT_MODES,
+                        help="text inputs: one document per file (default), or documents "
+                             "separated by blank lines")
+    parser.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
+                        help="auto (default): *.jsonl and *.json are JSON Lines, anything "
+                             "else text")
+    parser.add_argument("--json-key", default="text",
+                        help="JSONL inputs: the key holding each document (default: text)")
+    parser.add_argument("--encoding-errors", default="strict", choices=ENCODING_ERRORS,
+                        help="text that is not UTF-8: refuse (default), or replace each bad "
+                             "byte with U+FFFD and count them")
+    parser.add_argument("--force", action="store_true", help="replace existing outputs")
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _tokenize_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid-data",
-        description="Tokenize a text file byte by byte (vocab 256) into a flat token file.")
-    parser.add_argument("input", help="text file to tokenize")
-    parser.add_argument("output", help="token file to write (e.g. tokens.bin)")
-    parser.add_argument("--dtype", default="uint16", choices=sorted(TOKEN_DTYPES),
-                        help="element type of the token file (default: uint16)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing output file")
-    return parser.parse_args(argv)
+        description="Tokenize text or JSONL files into a token file (data.source=tokens) or "
+                    "Megatron's indexed PREFIX.bin/.idx (data.source=indexed). "
+                    f"See also: hybrid-data {TRAIN_TOKENIZER} --help.")
+    parser.add_argument("paths", nargs="+", metavar="INPUT... OUTPUT",
+                        help="input files or quoted globs, then the output (a file for "
+                             "--format tokens, a PREFIX for --format indexed)")
+    parser.add_argument("--tokenizer", default="bytes",
+                        help="bytes (default, vocab 256) | gpt2 | a tokenizer.json or a folder "
+                             "holding one (or vocab.json + merges.txt)")
+    parser.add_argument("--eod", default=None,
+                        help="the end-of-document token (default: the tokenizer's own)")
+    parser.add_argument("--format", default="tokens", choices=FORMATS,
+                        help="tokens (default): a flat token file; indexed: PREFIX.bin + "
+                             "PREFIX.idx (MMIDIDX v1)")
+    parser.add_argument("--dtype", default=None,
+                        help="token type (default: the smallest that holds the vocabulary)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes tokenizing in parallel, one core each (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _reading_options(parser)
+    return parser
 
 
-def _check_paths(input_path: str, output_path: str, force: bool = False) -> None:
-    if os.path.exists(output_path) and os.path.exists(input_path) \
-            and os.path.samefile(input_path, output_path):
-        raise InputError(f"output {output_path} is the input file; write the tokens to "
-                         f"another path (e.g. {input_path}.bin)")
-    if os.path.exists(output_path) and not force:
-        raise InputError(f"output {output_path} exists; choose another path or pass --force "
-                         f"to replace it")
-    if not os.path.isfile(input_path):
-        raise InputError(f"input file {input_path} does not exist; pass the path of a text file")
-    if os.path.getsize(input_path) == 0:
-        raise InputError(f"input file {input_path} is empty; pass a file with some text")
-    out_dir = os.path.dirname(os.path.abspath(output_path))
-    if not os.path.isdir(out_dir):
-        raise InputError(f"output folder {out_dir} does not exist; create it or choose "
-                         f"another output path")
+def _train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"hybrid-data {TRAIN_TOKENIZER}",
+        description="Learn a byte-level BPE (HF tokenizers) from text or JSONL files and "
+                    "write OUT/tokenizer.json, for hybrid-data --tokenizer OUT.")
+    parser.add_argument("paths", nargs="+", metavar="INPUT... OUT",
+                        help="input files or quoted globs, then the output folder")
+    parser.add_argument("--vocab-size", type=int, required=True,
+                        help=f"ids in the vocabulary, >= {MIN_BPE_VOCAB} (every byte and "
+                             f"<|endoftext|>, which is id 0)")
+    parser.add_argument("--min-frequency", type=int, default=2,
+                        help="pairs seen fewer times are never merged (default 2)")
+    _reading_options(parser)
+    return parser
 
 
-def tokenize_file(input_path: str, output_path: str, dtype: str = "uint16",
-                  force: bool = False) -> int:
-    """Write the bytes of ``input_path`` as ``dtype`` token ids to ``output_path``; count them.
-
-    Streams in chunks (bounded memory) into a temporary file in the output's folder and
-    renames it over ``output_path`` only once complete.
-    """
-    _check_paths(input_path, output_path, force)
-    out_dir = os.path.dirname(os.path.abspath(output_path))
-    fd, tmp_path = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(output_path)}.",
-                                    suffix=".tmp")
-    written = 0
-    try:
-        with open(input_path, "rb") as src, os.fdopen(fd, "wb") as dst:
-            while chunk := src.read(READ_CHUNK_BYTES):
-                np.frombuffer(chunk, dtype=np.uint8).astype(TOKEN_DTYPES[dtype]).tofile(dst)
-                written += len(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a plain file honours umask
-        os.replace(tmp_path, output_path)
-    except BaseException:  # including Ctrl-C: never leave the temporary file behind
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
-    return written
+def _read_options(args: argparse.Namespace) -> ReadOptions:
+    return ReadOptions(documents=args.documents, input_format=args.input_format,
+                       json_key=args.json_key, encoding_errors=args.encoding_errors)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _split_paths(parser: argparse.ArgumentParser, paths: list[str]) -> tuple[list[str], str]:
+    if len(paths) < 2:
+        parser.error("give at least one input and the output")
+    return paths[:-1], paths[-1]
+
+
+def tokenize(argv: Sequence[str]) -> None:
+    parser = _tokenize_parser()
+    args = parser.parse_args(argv)
+    inputs, output = _split_paths(parser, args.paths)
+    report = prepare_data(Request(
+        inputs=inputs, output=output, tokenizer=args.tokenizer, eod=args.eod,
+        format=args.format, dtype=args.dtype, workers=args.workers, read=_read_options(args),
+        force=args.force, progress=not args.quiet))
+    _print_report(report, args.format, output)
+
+
+def _print_report(report: Report, fmt: str, output: str) -> None:
+    info = report.info
+    rate = report.tokens / report.seconds if report.seconds else 0.0
+    documents = f"{report.documents} document{'s' * (report.documents != 1)}"
+    print(f"wrote {report.tokens} tokens of {documents} ({report.dtype}, "
+          f"{info.source}, vocab {info.vocab_size}) in {report.seconds:.1f} s "
+          f"({rate:,.0f} tokens/s) to {os.path.abspath(output)}"
+          f"{'.bin/.idx' if fmt == 'indexed' else ''}")
+    if report.empty:
+        print(f"skipped {report.empty} empty document{'s' * (report.empty != 1)}")
+    if report.replaced:
+        many = report.replaced != 1
+        print(f"replaced {report.replaced} byte{'s' * many} that {'were' if many else 'was'} "
+              f"not UTF-8 with U+FFFD")
+    path = os.path.abspath(output)
+    source = f"data.source=indexed data.path={path}" if fmt == "indexed" else \
+        f"data.source=tokens data.path={path} data.dtype={report.dtype}"
+    print(f"use: {source} model.vocab={info.vocab_size}")
+
+
+def train_tokenizer(argv: Sequence[str]) -> None:
+    from hybrid.data.tokenizer import train_byte_level_bpe
+    from hybrid.files import AtomicFiles
+
+    parser = _train_parser()
+    args = parser.parse_args(argv)
+    inputs, out = _split_paths(parser, args.paths)
+    if args.vocab_size < MIN_BPE_VOCAB:
+        raise InputError(f"--vocab-size {args.vocab_size} is below {MIN_BPE_VOCAB} (every byte "
+                         f"and <|endoftext|>); pass a larger size, e.g. 8000")
+    target = os.path.join(out, "tokenizer.json")
+    if os.path.exists(target) and not args.force:
+        raise InputError(f"output {target} exists; choose another folder or pass --force")
+    paths = expand_inputs(inputs)
+    options = _read_options(args)
+    texts = (text for chunk in read_chunks(paths, options)
+             for text in chunk_documents(chunk, options).texts)
+    tokenizer = train_byte_level_bpe(texts, args.vocab_size, args.min_frequency)
+    os.makedirs(out, exist_ok=True)
+    with AtomicFiles([target]) as files:
+        files.handle(target).write(tokenizer.to_str().encode("utf-8"))
+        files.commit()
+    print(f"wrote a byte-level BPE of {tokenizer.get_vocab_size()} ids "
+          f"(<|endoftext|> = {tokenizer.token_to_id('<|endoftext|>')}) to {target}")
+    print(f"use: hybrid-data --tokenizer {out} INPUT... OUTPUT")
+
+
+def _stop(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)  # unwinds: temporary files go
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = _parse(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _stop)
     try:
-        count = tokenize_file(args.input, args.output, args.dtype, args.force)
+        if argv[:1] == [TRAIN_TOKENIZER]:
+            train_tokenizer(argv[1:])
+        else:
+            tokenize(argv)
     except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    path = os.path.abspath(args.output)
-    print(f"wrote {count} tokens ({args.dtype}, byte-level, vocab 256) to {path}")
-    print(f"use: data.source=tokens data.path={path} data.dtype={args.dtype}")
+    except KeyboardInterrupt as err:
+        name = str(err) or "SIGINT"
+        print(f"interrupted ({name}): nothing was written", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name].value)
 
 
 if __name__ == "__main__":

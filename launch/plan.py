@@ -80,8 +80,15 @@ def _plan(dict_cfg: DictConfig) -> None:
 
 
 def write_run_files(job, run_dir: Path) -> None:
-    """``config.json`` and ``plan.json`` of a run that a launcher of the user's starts."""
+    """``config.json`` and ``plan.json`` of a run that a launcher of the user's starts (with
+    its data checked and an indexed source's caches built)."""
+    from hybrid.data import validate_data
+    from launch.run_data import with_run_data
+
+    validate_data(job.cfg.data, job.cfg.model, job.cfg.train)
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        job = with_run_data(job, run_dir)
         save_run_files(job, run_dir)
     except OSError as err:
         raise RunDirError(f"cannot write {run_dir}: {err}; choose another out=") from None

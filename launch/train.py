@@ -41,6 +41,7 @@ from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_e
 from launch.launcher import Launcher
 from launch.launchers import launcher_for, launcher_problem
 from launch.run import WORKER_FAILED_EXIT, failure_line, launch, report_results, save_run_files
+from launch.run_data import with_run_data
 
 
 RUN_FILES = ("config.json", "metrics.jsonl")
@@ -126,6 +127,7 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     directory, resume = resolve_checkpointing(cfg, run_dir)
     plan = plan.for_run(checkpoint_dir=directory, resume_from=resume)
     check_run_dir(cfg, run_dir, resuming=resume is not None)
+    plan = with_run_data(plan, run_dir)
     save_run_files(plan, run_dir)
     return plan, launcher
 

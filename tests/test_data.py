@@ -222,3 +222,13 @@ def test_bad_token_caught_when_read_even_without_validation(tmp_path):
     assert ds[0].max() == 4
     with pytest.raises(DataError, match="token id 999 >= model.vocab=256"):
         ds[4]
+
+
+def test_an_ordered_source_is_read_in_order_and_never_past_its_size():
+    """megatron's data sets are shuffled and sized for the run: step t reads samples t*B...,
+    the same on every layout and after a resume."""
+    indices = global_batch_indices(3, num_samples=40, global_batch=8, seed=1, ordered=True)
+    assert indices.tolist() == list(range(24, 32))
+    with pytest.raises(DataError, match="step 6 needs samples up to 48 but the data set was "
+                                        "built with 40"):
+        global_batch_indices(5, num_samples=40, global_batch=8, seed=1, ordered=True)

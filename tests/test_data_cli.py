@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import launch.data
+import hybrid.data.documents
+from hybrid.data.prepare import Request, prepare_data
 from hybrid.planning.config import DataConfig, ModelConfig, TrainConfig
 from hybrid.data import make_dataset, validate_data
 
@@ -30,7 +31,7 @@ def test_tokens_round_trip_through_make_dataset(tmp_path, dtype):
     data = TEXT.encode("utf-8")
     result = _run(source, output, *([] if dtype == "uint16" else ["--dtype", dtype]))
     assert result.returncode == 0, result.stderr
-    assert f"wrote {len(data)} tokens ({dtype}" in result.stdout
+    assert f"wrote {len(data)} tokens of 1 document ({dtype}, bytes, vocab 256)" in result.stdout
     assert f"data.source=tokens data.path={output} data.dtype={dtype}" in result.stdout
     assert output.stat().st_size == len(data) * np.dtype(dtype).itemsize
 
@@ -69,14 +70,15 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     source, output = tmp_path / "in.txt", tmp_path / "tokens.bin"
     source.write_text(TEXT)
     output.write_bytes(b"old")
-    monkeypatch.setattr(launch.data, "READ_CHUNK_BYTES", 64)
+    monkeypatch.setattr(hybrid.data.documents, "CHUNK_BYTES", 64)
 
     def fail_fsync(fd):
         raise KeyboardInterrupt  # as if Ctrl-C arrived after part of the data was written
 
     monkeypatch.setattr(os, "fsync", fail_fsync)
     with pytest.raises(KeyboardInterrupt):
-        launch.data.tokenize_file(str(source), str(output), force=True)
+        prepare_data(Request(inputs=[str(source)], output=str(output), force=True,
+                             progress=False))
     assert output.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "tokens.bin"]
 

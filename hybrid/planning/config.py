@@ -142,14 +142,26 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "synthetic"
-    """synthetic (generated, learnable, needs no files) | tokens (a flat binary token file)."""
+    """synthetic (generated, learnable, needs no files) | tokens (a flat binary token file) |
+    indexed (Megatron's ``PREFIX.bin``/``PREFIX.idx``, read with megatron-core's datasets)."""
     path: Optional[str] = None
-    """Token file for source=tokens (made by ``hybrid-data``)."""
+    """source=tokens: the token file; source=indexed: the ``PREFIX`` of one data set (both
+    made by ``hybrid-data``; indexed files may come from Megatron's preprocessing)."""
     dtype: str = "uint16"
-    """Element type of the token file: uint16 | uint32."""
+    """Element type of the token file (source=tokens): uint16 | uint32. An indexed file
+    records its own."""
     samples: int = 4096
     """Number of generated sequences (source=synthetic only; a token file has as many samples
     as its length gives)."""
+    blend: Optional[List[Any]] = None
+    """source=indexed: several data sets by weight in Megatron's syntax, ``[0.7, PREFIX_A,
+    0.3, PREFIX_B]`` (weights are normalised); instead of ``path``."""
+    split: List[float] = field(default_factory=lambda: [969.0, 30.0, 1.0])
+    """source=indexed: train, validation and test parts of every data set, by document
+    (Megatron's convention; normalised)."""
+    cache_dir: Optional[str] = None
+    """source=indexed: where megatron-core's sample-index caches go, built once before the
+    ranks start; None means ``<run dir>/data_cache``. Never the data's own folder."""
 
 
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")

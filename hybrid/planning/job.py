@@ -61,6 +61,11 @@ class SchedulePlan:
     """Per pipeline rank: most micro-batches whose activations are held at once."""
 
 
+RUN_FIELDS = ("ranks_per_node", "checkpoint_dir", "resume_from", "data_prefixes",
+              "data_cache_dir")
+"""What a run adds to a plan (where it runs and reads and writes), kept when it is re-planned."""
+
+
 @dataclass(frozen=True)
 class JobPlan:
     cfg: Config
@@ -85,6 +90,11 @@ class JobPlan:
     """Where this run's checkpoints go (set for a run by ``for_run``)."""
     resume_from: Optional[str] = None
     """The checkpoint this run resumes from, checked before launch (None: a fresh start)."""
+    data_prefixes: tuple[str, ...] = ()
+    """data.source=indexed: the data sets' prefixes, absolute (resolved where hybrid-train
+    ran), in the order of ``data.path``/``data.blend``."""
+    data_cache_dir: Optional[str] = None
+    """data.source=indexed: where megatron-core's index caches are (built before launch)."""
 
     @property
     def world_size(self) -> int:
@@ -118,6 +128,10 @@ class JobPlan:
         """This plan for a run whose checkpoints go to ``checkpoint_dir``."""
         return replace(self, checkpoint_dir=checkpoint_dir, resume_from=resume_from)
 
+    def with_data(self, prefixes: tuple[str, ...], cache_dir: str) -> "JobPlan":
+        """This plan reading indexed data at ``prefixes``, its index caches in ``cache_dir``."""
+        return replace(self, data_prefixes=tuple(prefixes), data_cache_dir=cache_dir)
+
     def placed(self, ranks_per_node: int) -> "JobPlan":
         """This plan on nodes of ``ranks_per_node`` ranks (what a plain torchrun started)."""
         return replace(self, ranks_per_node=ranks_per_node)
@@ -125,8 +139,7 @@ class JobPlan:
     def with_block_costs(self, costs: list[float]) -> "JobPlan":
         """partition=measured: the stages split by the costs the ranks measured."""
         again = plan_job(self.cfg, block_costs=costs)
-        return replace(again, ranks_per_node=self.ranks_per_node,
-                       checkpoint_dir=self.checkpoint_dir, resume_from=self.resume_from)
+        return replace(again, **{name: getattr(self, name) for name in RUN_FIELDS})
 
 
 def plan_job(cfg: Config, simulated: bool = True,

@@ -22,7 +22,7 @@ from hybrid.planning.job import JobPlan, SchedulePlan, Stage
 from hybrid.planning.layout import Layout
 
 FILE = "plan.json"
-FORMAT = 1
+FORMAT = 2  # 2: the run's indexed data (data_prefixes, data_cache_dir)
 
 
 class PlanFileError(UserError):
@@ -47,6 +47,8 @@ def plan_to_dict(plan: JobPlan) -> dict:
         "costs_measured": plan.costs_measured,
         "checkpoint_dir": plan.checkpoint_dir,
         "resume_from": plan.resume_from,
+        "data_prefixes": list(plan.data_prefixes),
+        "data_cache_dir": plan.data_cache_dir,
         "dp_strategies": dict(zip(("sharding", "reduction"), plan.dp_strategies)),
         "groups": plan.role_groups(),
     }
@@ -69,7 +71,8 @@ def plan_from_dict(data: dict) -> JobPlan:
         priced_ranks_per_node=data["priced_ranks_per_node"],
         block_costs=None if data["block_costs"] is None else tuple(data["block_costs"]),
         costs_measured=data["costs_measured"], checkpoint_dir=data["checkpoint_dir"],
-        resume_from=data["resume_from"])
+        resume_from=data["resume_from"], data_prefixes=tuple(data["data_prefixes"]),
+        data_cache_dir=data["data_cache_dir"])
 
 
 def save_plan(plan: JobPlan, run_dir: Path) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
+from hybrid.planning.data_sources import data_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError, valid_sizes
 from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
@@ -90,8 +91,8 @@ def validate_config(cfg: Config) -> Layout:
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of ``cfg``, one line each (each check reports its first); the checks of
     the layout's consequences run only once the sizes make a layout."""
-    problems = [p for p in (_problem(check, cfg) for check in (_check_names, _check_numbers,
-                                                                 _check_dp_options)) if p]
+    problems = [p for p in (_problem(check, cfg) for check in (
+        _check_names, _check_numbers, _check_dp_options, _check_data)) if p]
     par = cfg.parallel
     try:
         layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
@@ -129,6 +130,13 @@ def _check_dp_options(cfg: Config) -> None:
     options = DpOptions.of(cfg.parallel)
     problem = option_problem(options, cfg.parallel.dp) or reduction_of(options).run_problem(
         options, steps=cfg.train.steps, checkpoint_every=cfg.checkpoint.every)
+    if problem:
+        raise LayoutError(problem)
+
+
+def _check_data(cfg: Config) -> None:
+    """The data settings (``data_sources``); the files are checked by ``hybrid.data``."""
+    problem = data_problem(cfg.data)
     if problem:
         raise LayoutError(problem)
 

@@ -1,0 +1,119 @@
+"""What a config's ``data`` names, read without touching a file (pure: no torch, no numpy).
+
+``data_problem(data)`` is the one-line problem of the data settings themselves (an unknown
+source, a blend list of odd length, a weight that is not a positive finite number, a split
+that is not three parts with a positive train part), checked with the rest of the config
+before launch; ``blend_of(data)`` the data sets an indexed source reads and their weights.
+The files themselves are checked by ``hybrid.data`` (numpy), also before launch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SOURCES = ("synthetic", "tokens", "indexed")
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class Blend:
+    """Data sets by weight: ``weights`` None for one data set (Megatron's ``blend=(paths,
+    None)``); otherwise normalised to sum 1."""
+
+    prefixes: tuple[str, ...]
+    weights: Optional[tuple[float, ...]]
+
+
+def data_problem(data: Any) -> Optional[str]:
+    """The first problem of ``data``'s settings, one line with the fix; None when none."""
+    if data.source not in SOURCES:
+        return f"data.source={data.source!r} is unknown; choose one of {', '.join(SOURCES)}"
+    if data.source != "indexed":
+        if data.blend is not None:
+            return (f"data.blend is for data.source=indexed, not data.source={data.source}; "
+                    f"use data=indexed")
+        return None
+    return _blend_problem(data) or split_problem(data.split)
+
+
+def _blend_problem(data: Any) -> Optional[str]:
+    if data.blend is not None and data.path is not None:
+        return ("data.path and data.blend both name data; give one: data.path=PREFIX or "
+                "data.blend=[0.7,PREFIX_A,0.3,PREFIX_B]")
+    if data.blend is None:
+        if not data.path:
+            return ("data.source=indexed needs data.path=PREFIX (PREFIX.bin and PREFIX.idx) "
+                    "or data.blend=[0.7,PREFIX_A,0.3,PREFIX_B]")
+        return None
+    items = list(data.blend)
+    if not items or len(items) % 2:
+        return (f"data.blend={_show(items)} has {len(items)} items; it alternates weight "
+                f"and prefix: data.blend=[0.7,PREFIX_A,0.3,PREFIX_B]")
+    for weight, prefix in zip(items[0::2], items[1::2]):
+        if _weight(weight) is None:
+            return (f"data.blend weight {weight!r} (of {prefix}) must be a positive finite "
+                    f"number; the list alternates weight and prefix")
+        if not isinstance(prefix, str) or not prefix:
+            return (f"data.blend prefix {prefix!r} must be a path prefix (PREFIX for "
+                    f"PREFIX.bin and PREFIX.idx); the list alternates weight and prefix")
+    return None
+
+
+def split_problem(split: Any) -> Optional[str]:
+    """The problem of a ``data.split`` (three non-negative numbers, train part positive)."""
+    parts = [_number(part) for part in split] if isinstance(split, (list, tuple)) else []
+    if len(parts) != 3 or any(p is None or p < 0 for p in parts) or parts[0] == 0:
+        return (f"data.split={_show(split)} must be three non-negative numbers (train, "
+                f"validation, test parts by document) with a positive train part, e.g. "
+                f"data.split=[969,30,1]")
+    return None
+
+
+def blend_of(data: Any) -> Blend:
+    """The data sets of a checked indexed source (``data_problem`` found nothing)."""
+    if data.blend is None:
+        return Blend(prefixes=(data.path,), weights=None)
+    items = list(data.blend)
+    weights = [_weight(w) for w in items[0::2]]
+    total = sum(weights)
+    return Blend(prefixes=tuple(items[1::2]), weights=tuple(w / total for w in weights))
+
+
+def split_fractions(split: Any) -> tuple[float, float, float]:
+    """``data.split`` normalised (Megatron's ``split_matrix`` widths)."""
+    parts = [float(p) for p in split]
+    return tuple(p / sum(parts) for p in parts)  # type: ignore[return-value]
+
+
+def split_documents(split: Any, documents: int) -> tuple[int, int, int]:
+    """How many of ``documents`` each split gets, as megatron-core's builder cuts them: the
+    split's bookends (cumulative fractions) each rounded to a document index."""
+    fractions = split_fractions(split)
+    ends = [sum(fractions[:i + 1]) for i in range(3)]
+    starts = [0.0] + ends[:2]
+    return tuple(int(round(end * documents)) - int(round(start * documents))  # type: ignore
+                 if fraction > 0 else 0
+                 for start, end, fraction in zip(starts, ends, fractions))
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _weight(value: Any) -> Optional[float]:
+    number = _number(value)
+    return number if number is not None and number > 0 else None
+
+
+def _show(items: Any) -> str:
+    if isinstance(items, (list, tuple)):
+        return "[" + ",".join(str(item) for item in items) + "]"
+    return repr(items)
