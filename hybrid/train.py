@@ -177,7 +177,8 @@ class Trainer:
             return run_pipeline_step(
                 self._rank_plan(), self.chunks, data, groups=self.groups,
                 pp=self.groups.layout.pp, vpp=self.groups.layout.vpp,
-                loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups),
+                loss_fn=lambda logits, labels: lm_loss(logits, labels, self.groups,
+                                                       self.cfg.model.vocab),
                 act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
                 recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch,
                 placement=self.groups.layout.stage_placement)

@@ -163,7 +163,7 @@ def _our_cross_entropy_and_mappings(tp, r) -> dict:
     full = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
     target = torch.tensor([[0, 7], [3, 4], [5, 1]])
     shard = full.detach()[..., 4 * r:4 * r + 4].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, target, tp)
+    loss = vocab_parallel_cross_entropy(shard, target, tp, 8)
     loss.sum().backward()
     ref = F.cross_entropy(full.view(-1, 8), target.view(-1), reduction="none").view(3, 2)
     ref.sum().backward()

@@ -108,7 +108,7 @@ def _saved_bytes_per_block(model: GPT, case: Case, tokens, labels) -> dict:
             with SavedTensors(block.parameters()) as saved:
                 hidden = block(hidden)
                 if block is model.blocks[-1]:
-                    lm_loss(hidden, labels, model.groups)
+                    lm_loss(hidden, labels, model.groups, model.cfg.vocab)
             if 1 <= block.block_id <= TINY["layers"]:
                 out["layer"].append(saved.total)
             elif block.block_id == TINY["layers"] + 1:

@@ -15,6 +15,12 @@ Each rank still shifts by its own max before exponentiating, so no exponential o
 arithmetic on a few numbers per token (on gloo, around a millisecond of CPU each), so one
 instead of three is what this buys. The loss is computed in fp32 whatever the logits' dtype
 (bf16 under autocast).
+
+Padding: the vocabulary is padded (``model.vocab_pad_multiple``) so that TP splits it evenly;
+the padding columns are no tokens, so their logits are set to the most negative float before
+the softmax. They then add nothing to the loss and get exactly zero gradient, and the loss is
+the cross entropy over the real vocabulary, as HF's GPT-2 (which has no padding) computes it.
+Not -inf: a rank whose whole slice is padding would compute ``exp(-inf - -inf)`` = NaN.
 """
 
 from __future__ import annotations
@@ -35,9 +41,13 @@ def _gather_stats(stats: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, group):
+    def forward(ctx, vocab_parallel_logits, target, group, vocab):
         logits = vocab_parallel_logits.float()  # [tokens, V/tp]; a copy only when bf16
         width, rank = logits.size(-1), group.rank()
+        padding = (rank + 1) * width - max(vocab, rank * width)  # this slice's padding columns
+        if padding > 0:  # out of place: the input may be the autograd input itself
+            logits = logits.clone()
+            logits[:, width - padding:] = torch.finfo(logits.dtype).min
         local_max = logits.max(dim=-1).values
         exp_logits = (logits - local_max.unsqueeze(-1)).exp_()
         in_shard = (target >= rank * width) & (target < (rank + 1) * width)
@@ -61,16 +71,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.scatter_add(-1, local_target.unsqueeze(-1),
                                    -in_shard.unsqueeze(-1).to(softmax.dtype))
         grad.mul_(grad_output.float().unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 group: Group) -> torch.Tensor:
-    """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/tp]`` and targets ``[s, b]``."""
+                                 group: Group, vocab: int) -> torch.Tensor:
+    """Per-token loss ``[s, b]`` (fp32) from logits ``[s, b, V/tp]`` and targets ``[s, b]``
+    over the first ``vocab`` columns of the padded vocabulary (the rest are padding)."""
     device_type = vocab_parallel_logits.device.type
     shape = target.shape
     with torch.autocast(device_type, enabled=False):
         loss = _VocabParallelCrossEntropy.apply(
             vocab_parallel_logits.reshape(-1, vocab_parallel_logits.size(-1)),
-            target.reshape(-1), group)
+            target.reshape(-1), group, vocab)
     return loss.view(shape)

@@ -98,11 +98,13 @@ def attach_specs(block: nn.Module, specs: dict, tp: int) -> None:
         param.spec = spec
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, groups: ParallelGroups,
+            vocab: int) -> torch.Tensor:
     """Mean token cross-entropy (fp32 scalar) of vocab-parallel logits ``[s, b, V/tp]``
-    against ``labels`` ``[b, s]``; identical on every TP rank."""
+    against ``labels`` ``[b, s]`` over the real ``vocab`` (padding columns masked); identical
+    on every TP rank."""
     labels_sb = labels.t().contiguous()  # [s, b], the logits' layout
-    return vocab_parallel_cross_entropy(logits, labels_sb, groups.tensor).mean()
+    return vocab_parallel_cross_entropy(logits, labels_sb, groups.tensor, vocab).mean()
 
 
 class GPT(nn.Module):
@@ -127,4 +129,4 @@ class GPT(nn.Module):
         hidden = tokens
         for block in self.blocks:
             hidden = block(hidden)
-        return lm_loss(hidden, labels, self.groups)
+        return lm_loss(hidden, labels, self.groups, self.cfg.vocab)

@@ -87,7 +87,7 @@ def measure_block_kinds(cfg: Config, groups: ParallelGroups,
         else:
             x = hidden.clone().requires_grad_()
             if block_id == m.layers + 1:
-                timed = forward_backward_seconds(lambda: lm_loss(block(x), tokens, groups),
+                timed = forward_backward_seconds(lambda: lm_loss(block(x), tokens, groups, m.vocab),
                                                  groups.device, runs, None, cfg.train.precision)
             else:
                 timed = forward_backward_seconds(lambda: block(x), groups.device, runs, grad,
