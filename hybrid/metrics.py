@@ -76,9 +76,19 @@ class MetricsWriter:
 
     def _show(self, r: dict) -> None:
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{r['loss']:.4f}", tok_s=f"{r['tokens_per_s']:.0f}")
+            shown = {"loss": f"{r['loss']:.4f}", "tok_s": f"{r['tokens_per_s']:.0f}"}
+            if "eval_loss" in r:
+                self._last_eval = f"{r['eval_loss']:.4f}"
+            if getattr(self, "_last_eval", None):
+                shown["eval_loss"] = self._last_eval
+            self._bar.set_postfix(shown)
             self._bar.update(1)
             return
+        if "eval_loss" in r:
+            print(f"step {r['step']:>5}/{self.total_steps}  eval_loss {r['eval_loss']:.4f}  "
+                  f"eval_ppl {r['eval_ppl']:.2f}  ({r['eval_tokens']:,} tokens, "
+                  f"{r['eval_s']:.1f} s)  train loss {r['loss']:.4f}", file=self.stream,
+                  flush=True)
         if r["step"] % self.log_every and r["step"] != self.total_steps:
             return
         elapsed = time.monotonic() - self._started

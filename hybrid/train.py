@@ -25,6 +25,7 @@ from hybrid import faults
 from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
 from hybrid.data import TokenDataset, open_dataset, rank_microbatches
+from hybrid.evaluate import make_evaluator
 from hybrid.dp import GradSync
 from hybrid.errors import UserError
 from hybrid.files import write_text
@@ -83,7 +84,8 @@ class Trainer:
     ``cfg.train.steps`` steps. The plan is used as it is: nothing is planned again here."""
 
     def __init__(self, plan: JobPlan, groups: ParallelGroups, run_dir: Path,
-                 store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None):
+                 store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None,
+                 eval_dataset: Optional[TokenDataset] = None):
         cfg = plan.cfg
         self.plan, self.cfg, self.groups, self.run_dir, self.store = plan, cfg, groups, \
             run_dir, store
@@ -98,6 +100,8 @@ class Trainer:
         self.watch = RankWatch(dist.get_rank())
         self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg,
                                          wait=self.watch.wait_async)
+        self.evaluator = make_evaluator(plan, groups, self.chunks, eval_dataset,
+                                        progress=self.watch)
         publish_pid(store, dist.get_rank(), socket.gethostname())
         self.counter = CommCounter(groups, watch=self.watch)
         self.slow = faults.slow_seconds(dist.get_rank())
@@ -224,7 +228,7 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, cfg.train.steps, enabled=is_rank0,
                                 log_every=cfg.train.log_every, first_step=self.start_step + 1)
         times = self._times_log() if is_rank0 else None
-        losses, norms = [], []
+        losses, norms, evals = [], [], {}
         checking = True  # until the first step that updates (dp_delay's step 1 does not)
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
@@ -237,8 +241,11 @@ class Trainer:
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
+                evaluation = self._evaluate(step)
+                if evaluation:
+                    evals[step] = evaluation["eval_loss"]
                 if times is not None:
-                    metrics.write(self._record(step, report, times))
+                    metrics.write({**self._record(step, report, times), **evaluation})
                 if recorder is not None:
                     self._write_timeline(recorder, step)
                 self.checkpointer.after_step(step)
@@ -248,8 +255,15 @@ class Trainer:
             if times is not None:
                 times.close()
             self.sync.close()
-        return {"losses": losses, "grad_norms": norms, "run_dir": str(self.run_dir),
+        return {"losses": losses, "grad_norms": norms, "eval_losses": evals,
+                "run_dir": str(self.run_dir),
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
+
+    def _evaluate(self, step: int) -> dict:
+        """The validation loss when ``step`` is an evaluation step, on every rank, else {}."""
+        if self.evaluator is None or not self.evaluator.due(step):
+            return {}
+        return self.evaluator.evaluate(self._autocast)
 
     def _saved_tensors(self, on: bool):
         """The first updating step counts what autograd keeps for backward
@@ -315,7 +329,9 @@ class Trainer:
 
 
 def train(plan: JobPlan, groups: ParallelGroups, run_dir: Path,
-          store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None) -> dict:
+          store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None,
+          eval_dataset: Optional[TokenDataset] = None) -> dict:
     """``store``: the job's key-value store, where a failed rank hears the others' reports;
-    ``dataset``: the training data, opened before the process group (else opened here)."""
-    return Trainer(plan, groups, run_dir, store, dataset).run()
+    ``dataset``/``eval_dataset``: the training and validation data, opened before the process
+    group (else opened here)."""
+    return Trainer(plan, groups, run_dir, store, dataset, eval_dataset).run()

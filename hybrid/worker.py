@@ -64,7 +64,7 @@ def init_distributed(backend: str, timeout: timedelta) -> dist.Store:
 def worker_main(plan_dict: dict, run_dir: str) -> dict:
     """Train this rank of the plan (``hybrid.planning.plan_file`` form); returns a summary
     (losses are known on every rank)."""
-    from hybrid.data import open_dataset
+    from hybrid.data import open_dataset, open_eval_dataset
     from hybrid.pipeline.calibrate import settle_measured_partition
     from hybrid.train import train
 
@@ -81,14 +81,14 @@ def worker_main(plan_dict: dict, run_dir: str) -> dict:
         torch.cuda.set_device(device)
     # Before the process group: megatron-core's dataset builder would otherwise run its
     # rank-0-first barriers on the world group (hybrid.data.megatron).
-    dataset = open_dataset(plan)
+    dataset, eval_dataset = open_dataset(plan), open_eval_dataset(plan)
     # A rank stuck in a collective this long fails instead of hanging the job forever.
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     store = init_distributed(backend_for(device), timeout)
     try:
         groups = ParallelGroups.create(plan.layout, device, timeout)
         plan = settle_measured_partition(plan, groups, Path(run_dir))
-        return train(plan, groups, Path(run_dir), store, dataset)
+        return train(plan, groups, Path(run_dir), store, dataset, eval_dataset)
     except UserError as err:
         # The launcher prints a UserError's line and nothing else (launch.run.failure_line):
         # bad input found on a rank (a damaged checkpoint, a diverging run) is no bug.

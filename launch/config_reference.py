@@ -17,6 +17,7 @@ from launch.app import CONF_DIR
 
 SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
             ("train", schema.TrainConfig), ("data", schema.DataConfig),
+            ("eval", schema.EvalConfig),
             ("optim", schema.OptimConfig), ("launcher", schema.LauncherConfig),
             ("checkpoint", schema.CheckpointConfig), ("cost", schema.CostConfig)]
 

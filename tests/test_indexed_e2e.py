@@ -24,7 +24,7 @@ TRAIN, DATA = str(BIN / "hybrid-train"), str(BIN / "hybrid-data")
 STEPS = 6
 COMMON = ["model=tiny", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
           "train.log_every=100", "train.timeline_step=0", "seed=5", "data=indexed",
-          "data.split=[90,8,2]"]
+          "data.split=[90,8,2]", "eval.every=3", "eval.batches=2"]
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -68,6 +68,11 @@ def run_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return done
 
 
+def evals(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run_dir / "metrics.jsonl")
+            if "eval_loss" in r}
+
+
 def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in checked_records(run_dir)]
 
@@ -83,10 +88,15 @@ def test_2x2x2_equals_one_process_and_resumes_bitwise(blend, tmp_path):
     assert full[0] == pytest.approx(reference[0], rel=1e-5)
     assert full == pytest.approx(reference, rel=1e-4)
 
+    # the validation split, evaluated on both layouts and after the resume
+    one_eval, full_eval = evals(tmp_path / "one"), evals(tmp_path / "full")
+    assert sorted(one_eval) == [3, 6] and full_eval == pytest.approx(one_eval, rel=1e-5)
+
     resumed = tmp_path / "resumed"
     run_train(resumed, blend["blend"],
               f"checkpoint.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_00000003'}")
     assert [r["loss"] for r in read_metrics(resumed / "metrics.jsonl")] == full[3:]
+    assert evals(resumed) == {6: full_eval[6]}  # the cadence counts from the run's start
     # every run built its caches in its own folder, and nothing was written beside the data
     assert sorted(p.name for p in blend["folder"].iterdir()) == blend["files"]
     for run in ("one", "full", "resumed"):

@@ -12,11 +12,11 @@ Nothing here imports torch at import time: the launcher checks data before any w
 from hybrid.data.dataset import DataError, TokenDataset
 from hybrid.data.loader import (epoch_permutation, global_batch_indices, rank_microbatches,
                                 steps_per_epoch)
-from hybrid.data.sources import make_dataset, open_dataset, validate_data
+from hybrid.data.sources import make_dataset, open_dataset, open_eval_dataset, validate_data
 from hybrid.data.synthetic import MarkovDataset, markov_entropy
 from hybrid.data.token_file import TOKEN_DTYPES, TokenFileDataset, max_token
 
 __all__ = ["DataError", "TokenDataset", "epoch_permutation", "global_batch_indices",
-           "rank_microbatches", "steps_per_epoch", "make_dataset", "open_dataset",
+           "rank_microbatches", "steps_per_epoch", "make_dataset", "open_dataset", "open_eval_dataset",
            "validate_data", "MarkovDataset", "markov_entropy", "TOKEN_DTYPES",
            "TokenFileDataset", "max_token"]

@@ -17,10 +17,10 @@ from hybrid.data.dataset import DataError, TokenDataset
 from hybrid.data.indexed import document_tokens, read_index
 from hybrid.data.metadata import check_same_tokenizer, check_vocab, recorded_tokenizer
 from hybrid.data.megatron import IndexedSpec, open_split
-from hybrid.data.synthetic import MarkovDataset
+from hybrid.data.synthetic import HeldOutMarkov, MarkovDataset
 from hybrid.data.token_file import TokenFileDataset, check_token_file, max_token
-from hybrid.planning.data_sources import (SPLITS, blend_of, data_problem, split_documents,
-                                          split_fractions)
+from hybrid.planning.data_sources import (SPLITS, blend_of, data_problem, evaluates,
+                                          split_documents, split_fractions)
 
 DATA_CACHE = "data_cache"
 """The run directory's folder for megatron's index caches when ``data.cache_dir`` is unset."""
@@ -50,14 +50,34 @@ def open_dataset(plan: Any, split: str = "train") -> TokenDataset:
     return make_dataset(cfg.data, cfg.model, cfg.seed)
 
 
+def open_eval_dataset(plan: Any) -> Optional[TokenDataset]:
+    """The validation data a rank evaluates on (None when the run does not evaluate): the
+    indexed source's validation split, or the synthetic chain's held-out walks; read in
+    order, ``eval.batches`` global batches of it, the same ones at every evaluation."""
+    cfg = plan.cfg
+    if not evaluates(cfg.eval):
+        return None
+    if cfg.data.source == "indexed":
+        return open_split(indexed_spec(plan), "valid")
+    train = make_dataset(cfg.data, cfg.model, cfg.seed)
+    return HeldOutMarkov(train, eval_samples(cfg))
+
+
+def eval_samples(cfg: Any) -> int:
+    """Samples one evaluation reads."""
+    return cfg.eval.batches * cfg.train.global_batch
+
+
 def indexed_spec(plan: Any) -> IndexedSpec:
-    """What megatron's indices of ``plan``'s indexed source depend on."""
+    """What megatron's indices of ``plan``'s indexed source depend on: the train split sized
+    for the run, the validation split for one evaluation, the test split for one batch."""
     cfg = plan.cfg
     blend = blend_of(cfg.data)
     batch = cfg.train.global_batch
+    valid = eval_samples(cfg) if evaluates(cfg.eval) else batch
     return IndexedSpec(prefixes=plan.data_prefixes, weights=blend.weights,
                        split=split_fractions(cfg.data.split), seq_len=cfg.model.seq_len,
-                       seed=cfg.seed, sizes=(cfg.train.steps * batch, batch, batch),
+                       seed=cfg.seed, sizes=(cfg.train.steps * batch, valid, batch),
                        cache_dir=plan.data_cache_dir, vocab_size=cfg.model.vocab)
 
 

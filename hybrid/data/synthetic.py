@@ -60,6 +60,10 @@ class MarkovDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         if not 0 <= index < self.samples:
             raise IndexError(f"sample {index} out of range for {self.samples} samples")
+        return self.walk(index)
+
+    def walk(self, index: int) -> np.ndarray:
+        """Walk ``index`` of the chain (any index >= 0: those >= ``samples`` are held out)."""
         rng = np.random.default_rng((self.seed, _STREAM_SAMPLE, index))
         choices = rng.choice(len(self.probs), size=self.seq_len, p=self.probs).tolist()
         token = int(rng.integers(self.vocab))
@@ -68,3 +72,21 @@ class MarkovDataset:
             token = self._successor_rows[token][choice]
             walk.append(token)
         return np.array(walk, dtype=np.int64)
+
+
+class HeldOutMarkov:
+    """``count`` walks of the same chain that training never reads (indices ``samples ...``
+    of the training set's seed): the synthetic source's validation data, read in order."""
+
+    ordered = True
+
+    def __init__(self, train: MarkovDataset, count: int):
+        self.train, self.count, self.seq_len = train, count, train.seq_len
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.count:
+            raise IndexError(f"held-out sample {index} out of range for {self.count}")
+        return self.train.walk(self.train.samples + index)

@@ -72,7 +72,7 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
                       act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
                       recv_timeout_s: Optional[float] = None,
                       progress: Optional[Progress] = None,
-                      placement: str = LOOP) -> Optional[float]:
+                      placement: str = LOOP, forward_only: bool = False) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
 
     ``actions``: a ``RankPlan`` from ``prepare_rank`` (checked once; what a trainer passes
@@ -88,6 +88,9 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
     group's timeout) raises ``PipelineTimeout``. ``progress`` is told when every action
     starts and finishes, so that a failure can say where each rank was.
 
+    ``forward_only``: evaluation: ``actions`` hold forwards only (``schedules.forward_only``),
+    no autograd graph is recorded and nothing is kept for a backward.
+
     Returns the mean of the micro-batch losses on the rank holding the last stage, else None.
     Every send has completed when it returns.
     """
@@ -95,21 +98,22 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
     if isinstance(actions, RankPlan):
         plan = actions
         plan.check_made_for(rank=groups.pp_rank, pp=pp, vpp=vpp, m=m, placement=placement,
-                            stages=chunks, recv_lookahead=recv_lookahead(groups))
+                            stages=chunks, recv_lookahead=recv_lookahead(groups),
+                            forward_only=forward_only)
     else:
         plan = prepare_rank(actions, chunks, groups=groups, pp=pp, vpp=vpp, m=m,
-                            placement=placement)
+                            placement=placement, forward_only=forward_only)
     step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, placement=placement,
                  loss_fn=loss_fn,
                  act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
-                 recv_timeout_s=recv_timeout_s, progress=progress)
-    with torch.enable_grad():
+                 recv_timeout_s=recv_timeout_s, progress=progress, forward_only=forward_only)
+    with torch.no_grad() if forward_only else torch.enable_grad():
         return step.run(plan.posting)
 
 
 def prepare_rank(actions: Sequence[Action], chunks: dict[int, nn.Module], *,
-                 groups: ParallelGroups, pp: int, vpp: int, m: int, placement: str = LOOP
-                 ) -> RankPlan:
+                 groups: ParallelGroups, pp: int, vpp: int, m: int, placement: str = LOOP,
+                 forward_only: bool = False) -> RankPlan:
     """This rank's ``RankPlan`` for ``run_pipeline_step``: ``actions`` lowered, checked
     against the stages in ``chunks``, and their messages planned for the PP group's backend."""
     if placement != LOOP and pp > 1 and groups.pipeline.backend != "gloo":
@@ -117,7 +121,8 @@ def prepare_rank(actions: Sequence[Action], chunks: dict[int, nn.Module], *,
                             f"only gloo does; use a loop-placed schedule (zb-h1) on "
                             f"{groups.pipeline.backend}")
     return plan_rank(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
-                     placement=placement, recv_lookahead=recv_lookahead(groups))
+                     placement=placement, recv_lookahead=recv_lookahead(groups),
+                     forward_only=forward_only)
 
 
 def recv_lookahead(groups: ParallelGroups) -> int:
@@ -128,7 +133,7 @@ class _Step:
     """The state of one step on one rank, keyed by (stage, micro-batch)."""
 
     def __init__(self, chunks, microbatches, *, groups, pp, vpp, placement, loss_fn, act_shape,
-                 act_dtype, recorder, recv_timeout_s, progress):
+                 act_dtype, recorder, recv_timeout_s, progress, forward_only=False):
         self.chunks, self.microbatches, self.groups = chunks, microbatches, groups
         self.pp, self.m, self.last_stage = pp, len(microbatches), pp * vpp - 1
         self.placement = placement
@@ -144,6 +149,7 @@ class _Step:
         self.deferred: dict[tuple[int, int], Callable[[], None]] = {}  # W work left by I
         self.losses: list[torch.Tensor] = []
         self.sends = p2p.SendsInFlight(threaded=groups.pipeline.backend == "gloo")
+        self.forward_only = forward_only
 
     def run(self, posting: Sequence[Posting]) -> Optional[float]:
         compute = {FORWARD: self.forward, BACKWARD: self.backward,
@@ -248,6 +254,9 @@ class _Step:
 
     # ----- compute ---------------------------------------------------------------------------
     def forward(self, stage: int, mb: int) -> None:
+        if self.forward_only:
+            self._evaluate(stage, mb)
+            return
         tokens, labels = self.microbatches[mb]
         if stage == 0:
             stage_input = tokens
@@ -268,6 +277,25 @@ class _Step:
             self.inputs[(stage + 1, mb)] = output.detach().requires_grad_()
         else:
             self.outbox[Action(stage, SEND_F, mb)] = output.detach()
+
+    def _evaluate(self, stage: int, mb: int) -> None:
+        """A forward that keeps nothing for a backward: the loss, or the output handed on."""
+        tokens, labels = self.microbatches[mb]
+        if stage == 0:
+            stage_input = tokens
+        elif not self._remote(stage, stage - 1):
+            stage_input = self.inputs.pop((stage, mb))
+        else:
+            stage_input = self.arrived.pop(Action(stage, RECV_F, mb))
+        output = self.chunks[stage](stage_input)
+        if stage == self.last_stage:
+            self.losses.append(self.loss_fn(output, labels) / self.m)
+            return
+        self._check_activation(stage, output)
+        if not self._remote(stage, stage + 1):
+            self.inputs[(stage + 1, mb)] = output
+        else:
+            self.outbox[Action(stage, SEND_F, mb)] = output
 
     def backward(self, stage: int, mb: int) -> None:
         root, grad = self.roots.pop((stage, mb)), self._output_grad(stage, mb)

@@ -164,6 +164,18 @@ class DataConfig:
     ranks start; None means ``<run dir>/data_cache``. Never the data's own folder."""
 
 
+@dataclass(kw_only=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate the validation loss after every N-th optimizer step (0 = never): the
+    validation split of data=indexed, or data=synthetic's held-out sequences."""
+    batches: int = 4
+    """Global batches (of train.global_batch samples) per evaluation: the same ones every
+    time, so evaluations compare."""
+    at_end: bool = False
+    """Also evaluate after the last step (when it is not already an every-th step)."""
+
+
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 """``optim.implementation``'s choices (torch.optim.AdamW's ``fused``/``foreach`` flags)."""
 
@@ -283,6 +295,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -38,6 +38,31 @@ def data_problem(data: Any) -> Optional[str]:
     return _blend_problem(data) or split_problem(data.split)
 
 
+def evaluates(eval_cfg: Any) -> bool:
+    """Whether the run evaluates at all."""
+    return eval_cfg.every > 0 or eval_cfg.at_end
+
+
+def eval_problem(eval_cfg: Any, data: Any) -> Optional[str]:
+    """The problem of the ``eval`` settings with this data (one line), or None."""
+    every, batches = eval_cfg.every, eval_cfg.batches
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        return f"eval.every={every!r} must be an integer >= 0 (0: never)"
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        return f"eval.batches={batches!r} must be an integer >= 1"
+    if not evaluates(eval_cfg):
+        return None
+    asked = f"eval.every={every}" if every else "eval.at_end=true"
+    if data.source == "tokens":
+        return (f"{asked} needs validation data, and data=tokens has none; use data=indexed "
+                f"(its data.split's validation part) or eval.every=0")
+    if data.source == "indexed" and not split_problem(data.split) and \
+            split_fractions(data.split)[1] == 0:
+        return (f"{asked} needs validation data, and data.split={_show(data.split)} has no "
+                f"validation part; give it one, e.g. data.split=[969,30,1], or eval.every=0")
+    return None
+
+
 def _blend_problem(data: Any) -> Optional[str]:
     if data.blend is not None and data.path is not None:
         return ("data.path and data.blend both name data; give one: data.path=PREFIX or "
@@ -114,6 +139,8 @@ def _weight(value: Any) -> Optional[float]:
 
 
 def _show(items: Any) -> str:
+    """A list as the override that gives it (``[969,30,1]``, not ``[969.0,30.0,1.0]``)."""
     if isinstance(items, (list, tuple)):
-        return "[" + ",".join(str(item) for item in items) + "]"
+        return "[" + ",".join(f"{item:g}" if isinstance(item, float) else str(item)
+                              for item in items) + "]"
     return repr(items)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
-from hybrid.planning.data_sources import data_problem
+from hybrid.planning.data_sources import data_problem, eval_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError, valid_sizes
 from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
@@ -136,7 +136,7 @@ def _check_dp_options(cfg: Config) -> None:
 
 def _check_data(cfg: Config) -> None:
     """The data settings (``data_sources``); the files are checked by ``hybrid.data``."""
-    problem = data_problem(cfg.data)
+    problem = data_problem(cfg.data) or eval_problem(cfg.eval, cfg.data)
     if problem:
         raise LayoutError(problem)
 

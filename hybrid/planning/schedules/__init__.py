@@ -11,7 +11,7 @@ from hybrid.planning.schedules import gpipe  # noqa: F401  (registers)
 from hybrid.planning.schedules import one_f_one_b  # noqa: F401  (registers)
 from hybrid.planning.schedules import interleaved  # noqa: F401  (registers)
 from hybrid.planning.schedules import zero_bubble  # noqa: F401  (registers)
-from hybrid.planning.schedules.lowering import add_communication
+from hybrid.planning.schedules.lowering import add_communication, forward_only
 from hybrid.planning.schedules.registry import (
     SCHEDULES, ScheduleSpec, batch_problem, build_schedule, layout_problem, register_schedule,
     schedule_names, schedule_placement, schedule_spec,
@@ -20,5 +20,6 @@ from hybrid.planning.schedules.registry import (
 BUILT_IN = (gpipe, one_f_one_b, interleaved, zero_bubble)
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "add_communication", "batch_problem", "build_schedule",
+           "forward_only",
            "layout_problem", "register_schedule", "schedule_names", "schedule_placement",
            "schedule_spec"]

@@ -40,10 +40,11 @@ def format_table(lists: list[list[Action]], marks: set[Cell] | None = None) -> s
 
 
 def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
-                   placement: str = LOOP) -> None:
+                   placement: str = LOOP, forward_only: bool = False) -> None:
     """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule.
 
-    Complete: every (stage, mb) has one F and either one B or one I and one W, nothing else,
+    Complete: every (stage, mb) has one F and (unless ``forward_only``: evaluation) either one
+    B or one I and one W, nothing else,
     each on the rank ``stage_rank(stage, pp, placement)`` gives; lowered lists also carry exactly the SEND/RECV pairs of
     every cross-rank edge. Ordered and deadlock-free: replaying all ranks with the runtime's
     semantics (SEND posted without waiting, RECV blocks until posted) runs every action.
@@ -52,7 +53,7 @@ def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
         raise ScheduleError(f"schedule has {len(lists)} rank lists but pp={pp}; "
                             f"give one list per pipeline rank")
     _check_placement(lists, pp, m, vpp, placement)
-    _check_complete(lists, pp, m, vpp, placement)
+    _check_complete(lists, pp, m, vpp, placement, forward_only)
     try:
         replay(lists, pp, vpp, duration=lambda action: 0, placement=placement)
     except OrderViolation as bad:
@@ -88,14 +89,14 @@ def _check_placement(lists: list[list[Action]], pp: int, m: int, vpp: int, place
                       f"{home}", lists, {(rank, step)})
 
 
-def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str
-                    ) -> None:
+def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str,
+                    forward_only: bool) -> None:
     counts = Counter(action for actions in lists for action in actions)
     for action, count in counts.items():
         if count > 1:
             _fail(f"{action} appears {count} times; keep exactly one", lists,
                   _locate(lists, action))
-    required = _required_actions(lists, pp, m, vpp, placement)
+    required = _required_actions(lists, pp, m, vpp, placement, forward_only)
     missing = sorted(required.difference(counts))
     if missing:
         action = missing[0]
@@ -107,9 +108,10 @@ def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placem
                   _locate(lists, action))
 
 
-def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str
-                      ) -> set[Action]:
-    """Every action a complete schedule must have; B vs I+W follows what each (s, mb) uses."""
+def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str,
+                      forward_only: bool = False) -> set[Action]:
+    """Every action a complete schedule must have; B vs I+W follows what each (s, mb) uses
+    (``forward_only``: forwards and their messages only)."""
     n_stages = pp * vpp
     present = {action for actions in lists for action in actions}
     lowered = any(action.is_comm for action in present)
@@ -120,6 +122,11 @@ def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int, plac
         next_remote = s < n_stages - 1 and stage_rank(s + 1, pp, placement) != here
         for mb in range(m):
             required.add(Action(s, FORWARD, mb))
+            if forward_only:
+                if lowered:
+                    required |= ({Action(s, RECV_F, mb)} if prev_remote else set()) | (
+                        {Action(s, SEND_F, mb)} if next_remote else set())
+                continue
             split = (Action(s, BACKWARD_INPUT, mb) in present
                      or Action(s, BACKWARD_WEIGHT, mb) in present)
             required |= ({Action(s, BACKWARD_INPUT, mb), Action(s, BACKWARD_WEIGHT, mb)}

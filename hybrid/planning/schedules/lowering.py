@@ -49,3 +49,11 @@ def _comms_around(action: Action, pp: int, n_stages: int, placement: str
         return ([Action(s, RECV_B, mb)] if has_next else [],
                 [Action(s, SEND_B, mb)] if has_prev else [])
     return [], []  # W needs nothing from another rank
+
+
+def forward_only(lists: list[list[Action]]) -> list[list[Action]]:
+    """A schedule's forwards alone, with their sends and receives, in the same order: what
+    evaluation runs. Every forward depends only on forwards, so dropping the backwards (and
+    their messages) from a deadlock-free schedule leaves one (``check_schedule(...,
+    forward_only=True)`` proves it)."""
+    return [[a for a in actions if a.kind in (FORWARD, SEND_F, RECV_F)] for actions in lists]

@@ -42,32 +42,38 @@ class RankPlan:
     m: int
     placement: str
     recv_lookahead: int
+    forward_only: bool = False
 
     def check_made_for(self, *, rank: int, pp: int, vpp: int, m: int, placement: str,
-                       stages: Sequence[int], recv_lookahead: int) -> None:
+                       stages: Sequence[int], recv_lookahead: int,
+                       forward_only: bool = False) -> None:
         """Raise ``ScheduleError`` (one line) unless the plan was made for this step."""
         made = (self.rank, self.pp, self.vpp, self.m, self.placement, self.stages,
-                self.recv_lookahead)
-        step = (rank, pp, vpp, m, placement, tuple(sorted(stages)), recv_lookahead)
+                self.recv_lookahead, self.forward_only)
+        step = (rank, pp, vpp, m, placement, tuple(sorted(stages)), recv_lookahead,
+                forward_only)
         if made != step:
             raise ScheduleError(
-                f"the rank plan was made for (rank, pp, vpp, m, placement, stages, lookahead)="
-                f"{made} but this step is {step}; make it with prepare_rank for this rank "
-                f"and batch")
+                f"the rank plan was made for (rank, pp, vpp, m, placement, stages, lookahead, "
+                f"forward only)={made} but this step is {step}; make it with prepare_rank for "
+                f"this rank and batch")
 
 
 def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,
-              vpp: int, m: int, placement: str = LOOP, recv_lookahead: int = 0) -> RankPlan:
+              vpp: int, m: int, placement: str = LOOP, recv_lookahead: int = 0,
+              forward_only: bool = False) -> RankPlan:
     """Lower ``actions`` (when compute-only), check them for this rank and plan the posting of
-    their messages; raises ``ScheduleError`` with the first problem."""
+    their messages; raises ``ScheduleError`` with the first problem. ``forward_only``: an
+    evaluation's list (forwards and their messages only)."""
     actions = list(actions)
     if pp > 1 and not any(action.is_comm for action in actions):
         actions = lower_rank_actions(actions, rank, pp, vpp, placement)
-    check_rank_actions(actions, stages, rank=rank, pp=pp, vpp=vpp, m=m, placement=placement)
+    check_rank_actions(actions, stages, rank=rank, pp=pp, vpp=vpp, m=m, placement=placement,
+                       forward_only=forward_only)
     posting = tuple((tuple(posts), action)
                     for posts, action in posting_plan(actions, recv_lookahead))
     return RankPlan(posting, tuple(sorted(stages)), rank, pp, vpp, m, placement,
-                    recv_lookahead)
+                    recv_lookahead, forward_only)
 
 
 def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
@@ -101,7 +107,8 @@ def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int,
 
 
 def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,
-                       vpp: int, m: int, placement: str = LOOP) -> None:
+                       vpp: int, m: int, placement: str = LOOP,
+                       forward_only: bool = False) -> None:
     """Raise ``ScheduleError`` unless ``actions`` is a complete, ordered list for this rank."""
     expected_stages = rank_stages(rank, pp, vpp, placement)
     if sorted(stages) != expected_stages:
@@ -118,12 +125,12 @@ def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank
     repeated = [str(a) for a, count in Counter(actions).items() if count > 1]
     if repeated:
         raise ScheduleError(f"rank {rank} runs {', '.join(repeated)} more than once")
-    _check_complete(actions, expected_stages, rank, pp, vpp, m, placement)
+    _check_complete(actions, expected_stages, rank, pp, vpp, m, placement, forward_only)
     _check_order(actions, rank, pp, vpp, placement)
 
 
 def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp: int,
-                    vpp: int, m: int, placement: str) -> None:
+                    vpp: int, m: int, placement: str, forward_only: bool = False) -> None:
     present = set(actions)
     compute = [a for a in actions if a.is_compute]
     required = set(compute) | set(lower_rank_actions(compute, rank, pp, vpp, placement))
@@ -131,7 +138,7 @@ def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp:
         for mb in range(m):
             split = {Action(stage, BACKWARD_INPUT, mb), Action(stage, BACKWARD_WEIGHT, mb)}
             backward = split if split & present else {Action(stage, BACKWARD, mb)}
-            required |= {Action(stage, FORWARD, mb)} | backward
+            required |= {Action(stage, FORWARD, mb)} | (set() if forward_only else backward)
     missing, extra = required - present, present - required
     if missing:
         raise ScheduleError(f"rank {rank}'s list lacks {', '.join(map(str, sorted(missing)))}; "

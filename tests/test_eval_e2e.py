@@ -1,0 +1,66 @@
+"""Validation loss through ``hybrid-train`` on every kind of layout: each equals the 1-process
+run's (rtol 1e-5), and evaluating changes no training number (bitwise)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.metrics import read_metrics
+from hybrid.testing import checked_records
+
+TRAIN = str(Path(sys.executable).parent / "hybrid-train")
+STEPS = 5
+COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_batch=8",
+          "train.micro_batch=2", "train.log_every=100", "train.timeline_step=0", "seed=3"]
+EVAL = ["eval.every=2", "eval.batches=2", "eval.at_end=true"]
+LAYOUTS = {
+    "2x2x2-1f1b": [],
+    "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
+                             "parallel.schedule=interleaved-1f1b"],
+    "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "dp2-zero2": ["parallel=single", "parallel.dp=2", "parallel.zero=2"],
+}
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def run_train(run_dir: Path, *overrides: str) -> list[dict]:
+    done = subprocess.run([TRAIN, *COMMON, f"hydra.run.dir={run_dir}", *overrides],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checked_records(run_dir)  # every rank's state and DP bytes as planned
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def evals(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    records = run_train(tmp_path_factory.mktemp("one"), "parallel=single", *EVAL)
+    assert sorted(evals(records)) == [2, 4, 5]  # every 2nd step, and the last
+    record = next(r for r in records if r["step"] == 2)
+    assert record["eval_tokens"] == 2 * 8 * 32 and record["eval_s"] > 0
+    assert record["eval_ppl"] == pytest.approx(2.718281828 ** record["eval_loss"])
+    return records
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_eval_loss_equals_the_1_process_run(name, reference, tmp_path):
+    records = run_train(tmp_path, *LAYOUTS[name], *EVAL)
+    expected = evals(reference)
+    assert sorted(evals(records)) == sorted(expected)
+    assert evals(records) == pytest.approx(expected, rel=1e-5)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference],
+                                                         rel=1e-4)
+
+
+def test_evaluating_changes_no_training_number(tmp_path):
+    on = run_train(tmp_path / "on", *EVAL)
+    off = run_train(tmp_path / "off")
+    keys = ("loss", "grad_norm", "lr", "comm_bytes", "comm_calls")
+    assert [{k: r[k] for k in keys} for r in on] == [{k: r[k] for k in keys} for r in off]
+    assert not evals(off)
