@@ -94,9 +94,11 @@ class MetricsWriter:
         elapsed = time.monotonic() - self._started
         done = r["step"] - self.first_step + 1
         eta = elapsed / done * (self.total_steps - r["step"])
+        mfu = f"  mfu {r['mfu']:.2%}" if "mfu" in r else ""
         print(f"step {r['step']:>5}/{self.total_steps}  loss {r['loss']:.4f}  "
               f"lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
               f"tokens/s {r['tokens_per_s']:,.0f}  step {r['step_time_s'] * 1000:.0f} ms  "
+              f"TFLOP/s/device {r.get('model_tflops_per_device', 0):.3g}{mfu}  "
               f"eta {eta:.0f}s", file=self.stream, flush=True)
 
     def close(self) -> None:

@@ -14,7 +14,6 @@ import math
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -38,10 +37,10 @@ from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
-from hybrid.planning.job import JobPlan, rank_dp_bytes
+from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.rank_check import RankPlan
-from hybrid.planning.strategies import DpOptions
 from hybrid.stall import who
+from hybrid.step_record import StepReport, metrics_record
 from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
 from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
 
@@ -57,26 +56,6 @@ def stop_if_not_finite(step: int, loss: float, grad_norm: float, lr: float) -> N
     raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}; the update was "
                          f"not applied and training stopped. Lower optim.lr (this step's lr "
                          f"{lr:.3g}) or resume from an earlier checkpoint")
-
-
-@dataclass
-class StepReport:
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    comm: dict
-    cpu_s: float
-    """CPU seconds of the step summed over all ranks (the cost of parallelism on CPUs)."""
-    peak_mem_bytes: int
-    """The largest peak memory of any rank so far."""
-    compute_s: list[float]
-    """Per rank: wall time of the step minus the time blocked in waits."""
-    wait_s: dict[str, list[float]]
-    """Per axis, per rank: seconds blocked in collectives and pipeline receives."""
-    data_s: float = 0.0
-    """The slowest rank's seconds building its micro-batches before the step (not in
-    ``step_time_s``; Megatron-LM's batch-generator time)."""
 
 
 class Trainer:
@@ -256,6 +235,7 @@ class Trainer:
                 times.close()
             self.sync.close()
         return {"losses": losses, "grad_norms": norms, "eval_losses": evals,
+                "initialised_from": self.checkpointer.initialised_from,
                 "run_dir": str(self.run_dir),
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
 
@@ -290,22 +270,7 @@ class Trainer:
         for straggler in stragglers:
             name = who(straggler.rank, self.coords_of, self.node_of)
             print(warning_line(straggler, name), file=sys.stderr, flush=True)
-        tokens_per_step = self.cfg.train.global_batch * self.cfg.model.seq_len
-        axes = ("dp", "tp", "pp")
-        return {
-            "step": step, "loss": report.loss, "lr": report.lr, "grad_norm": report.grad_norm,
-            "tokens_per_s": tokens_per_step / report.step_time_s,
-            "step_time_s": report.step_time_s, "cpu_s": report.cpu_s, "data_s": report.data_s,
-            "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in axes},
-            "comm_bytes_dp_uncompressed": self._exact_dp_bytes(step),
-            "comm_calls": {axis: report.comm[axis]["calls"] for axis in axes},
-            "peak_mem_bytes": report.peak_mem_bytes, **summary,
-        }
-
-    def _exact_dp_bytes(self, step: int) -> float:
-        """What rank 0 would send over DP this step with exact reduction (same ZeRO stage)."""
-        exact = DpOptions.of(self.cfg.parallel).uncompressed()
-        return rank_dp_bytes(self.cfg, self.plan, 0, step, exact)
+        return metrics_record(self.plan, step, report, summary)
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:

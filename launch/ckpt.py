@@ -1,7 +1,10 @@
-"""``hybrid-ckpt``: look into a checkpoint, or export its model for one process.
+"""``hybrid-ckpt``: look into a checkpoint, export its model, import an HF GPT-2.
 
-    hybrid-ckpt show PATH         # step, the layout it was saved from, model shape, tensors
-    hybrid-ckpt export PATH OUT   # the full model, global names, one torch.save file
+    hybrid-ckpt show PATH                  # step, the layout it was saved from, model, tensors
+    hybrid-ckpt export PATH OUT            # the full model, global names, one torch.save file
+    hybrid-ckpt export PATH OUT --format hf  # an HF GPT-2 directory (GPT2LMHeadModel loads it)
+    hybrid-ckpt import HF_DIR OUT          # an HF GPT-2 as OUT/step_00000000, for
+                                           # checkpoint.init_from=OUT (hybrid.interop)
 
 ``PATH`` is a checkpoint directory (``.../checkpoints/step_00000005``) or a run directory (its
 newest complete checkpoint). ``export`` needs no process group: it reads the model tensors of
@@ -19,7 +22,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
-from hybrid.checkpoint.store import CheckpointError, check_files, read_manifest, resolve_resume
+from hybrid.checkpoint.store import (WEIGHTS_KIND, CheckpointError, check_files, read_manifest,
+                                     resolve_resume)
 
 
 
@@ -29,9 +33,17 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="step, layout, model shape and tensors")
     show.add_argument("path", help="checkpoint directory (step_*) or run directory")
-    export = commands.add_parser("export", help="the full model as one torch.save file")
+    export = commands.add_parser("export", help="the full model as one torch.save file, or "
+                                                 "an HF GPT-2 directory (--format hf)")
     export.add_argument("path", help="checkpoint directory (step_*) or run directory")
-    export.add_argument("output", help="file to write, e.g. model.pt")
+    export.add_argument("output", help="file to write (model.pt), or folder for --format hf")
+    export.add_argument("--format", default="torch", choices=("torch", "hf"),
+                        help="torch (default): hybrid's global names in one file; hf: "
+                             "model.safetensors + config.json (+ the data's tokenizer)")
+    imports = commands.add_parser("import", help="a local HF GPT-2 directory as a "
+                                                 "checkpoint, for checkpoint.init_from")
+    imports.add_argument("path", help="HF model directory (config.json, model.safetensors)")
+    imports.add_argument("output", help="folder to write; it gets OUT/step_00000000")
     return parser.parse_args(argv)
 
 
@@ -46,11 +58,18 @@ def _human(n: float) -> str:
 def describe(path: Path, manifest: dict) -> str:
     """What ``show`` prints: a header, then one line per tensor."""
     layout, model = manifest["layout"], manifest["model"]
+    origin = f"imported from {manifest['source']} (weights only: checkpoint.init_from)" \
+        if manifest.get("kind") == WEIGHTS_KIND else (
+            f"saved from dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']} "
+            f"(vpp {layout['vpp']}, zero {layout['zero']}, schedule {layout['schedule']}, "
+            f"{layout['world']} ranks)")
+    tokenizer = manifest.get("tokenizer")
     lines = [f"checkpoint {path}",
              f"step {manifest['step']} (consumed samples {manifest['consumed_samples']})",
-             f"saved from dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']} "
-             f"(vpp {layout['vpp']}, zero {layout['zero']}, schedule {layout['schedule']}, "
-             f"{layout['world']} ranks)",
+             origin,
+             "tokenizer: " + ("none recorded" if tokenizer is None else
+                              f"{tokenizer['source']} (vocabulary {tokenizer['vocab_size']}, "
+                              f"end of document {tokenizer['eod']})"),
              "model: " + ", ".join(f"{key} {value}" for key, value in model.items()),
              f"files: {len(manifest['files'])} data files, "
              f"{_human(sum(f['bytes'] for f in manifest['files'].values()))}", ""]
@@ -68,15 +87,10 @@ def describe(path: Path, manifest: dict) -> str:
 def export_model(path: Path, output: str) -> int:
     """Write the checkpoint's model tensors (global names, full shapes) to ``output``."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    from hybrid.checkpoint.dcp_io import SafeReader, read_metadata
+    from hybrid.checkpoint.weights import read_model_weights
 
-    metadata = read_metadata(path)
-    state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-             for key, item in metadata.state_dict_metadata.items() if key.startswith("model.")}
-    dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
-    weights = {key.removeprefix("model."): tensor for key, tensor in state.items()}
+    weights = read_model_weights(path)
     out_dir = os.path.dirname(os.path.abspath(output))
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(output)}.",
                                suffix=".tmp")
@@ -91,24 +105,55 @@ def export_model(path: Path, output: str) -> int:
     return sum(t.numel() for t in weights.values())
 
 
+def _checkpoint(path_arg: str) -> tuple[Path, dict]:
+    path = resolve_resume(path_arg, Path(path_arg), field="PATH")
+    manifest = read_manifest(path)
+    check_files(path, manifest)
+    return path, manifest
+
+
+def _export(args: argparse.Namespace) -> None:
+    path, manifest = _checkpoint(args.path)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise CheckpointError(f"the folder of {args.output} does not exist; create it or "
+                              f"choose another output path")
+    out = os.path.abspath(args.output)
+    if args.format == "torch":
+        count = export_model(path, args.output)
+        print(f"wrote {count:,} parameters of {path} (step {manifest['step']}) to {out}")
+        return
+    from hybrid.interop.convert import export_hf
+
+    done = export_hf(path, manifest, args.output)
+    tokenizer = f", with its tokenizer ({done['tokenizer']})" if done["tokenizer"] else (
+        " (the byte-level tokenizer has no HF form: decode the ids as bytes)"
+        if done["bytes_tokenizer"] else " (the run recorded no tokenizer)")
+    print(f"wrote an HF GPT-2 of {done['parameters']:,} parameters of {path} (step "
+          f"{manifest['step']}) to {out}{tokenizer}")
+    print(f"use: transformers.GPT2LMHeadModel.from_pretrained({out!r})")
+
+
+def _import(args: argparse.Namespace) -> None:
+    from hybrid.interop.convert import import_hf
+
+    path = import_hf(args.path, args.output)
+    print(f"wrote {path} from {args.path}")
+    print(f"use: hybrid-train checkpoint.init_from={os.path.abspath(args.output)} with the "
+          f"model's shape (hybrid-ckpt show {os.path.abspath(args.output)} prints it)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = _parse(argv)
     try:
-        path = resolve_resume(args.path, Path(args.path), field="PATH")
-        manifest = read_manifest(path)
-        check_files(path, manifest)
         if args.command == "show":
-            print(describe(path, manifest))
-            return
-        if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-            raise CheckpointError(f"the folder of {args.output} does not exist; create it or "
-                                  f"choose another output path")
-        count = export_model(path, args.output)
+            print(describe(*_checkpoint(args.path)))
+        elif args.command == "export":
+            _export(args)
+        else:
+            _import(args)
     except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    print(f"wrote {count:,} parameters of {path} (step {manifest['step']}) to "
-          f"{os.path.abspath(args.output)}")
 
 
 if __name__ == "__main__":

@@ -89,5 +89,8 @@ def report_results(results: list, run_dir: Path) -> None:
     losses, resumed = results[0]["losses"], results[0]["resumed_from"]
     if resumed is not None:
         print(f"resumed from {resumed} (step {results[0]['start_step']})")
+    initialised = results[0].get("initialised_from")
+    if initialised:
+        print(f"started from the weights of {initialised} (step 0, a fresh optimizer)")
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     print(f"run directory: {run_dir}")

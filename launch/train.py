@@ -24,14 +24,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hybrid.checkpoint.store import (
-    CheckpointError, check_files, check_model_matches, checkpoint_dir, read_manifest,
-    resolve_resume,
+    WEIGHTS_KIND, CheckpointError, check_files, check_model_matches, checkpoint_dir,
+    read_manifest, resolve_resume,
 )
 from hybrid.data import validate_data
 from hybrid.errors import UserError
 from hybrid.files import RunDirError, write_error, write_text
 from hybrid.planning.config import Config
 from hybrid.planning.cost.block_costs import known_block_costs
+from hybrid.planning.cost.devices import device_for
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
@@ -97,21 +98,36 @@ def check_launchable(plan: JobPlan, launcher: Launcher) -> None:
                               "train.device=cpu or train.device=auto")
 
 
-def resolve_checkpointing(cfg: Config, run_dir: Path) -> tuple[str, Optional[str]]:
+def resolve_checkpointing(cfg: Config, run_dir: Path
+                          ) -> tuple[str, Optional[str], Optional[str]]:
     """(the checkpoint directory: ``checkpoint.dir``, default ``<run dir>/checkpoints``; the
-    checkpoint ``resume_from`` names, or None), after checking that checkpoint: complete,
-    files whole, the same model shape, steps left to train."""
+    checkpoint ``resume_from`` names, or None; the one ``init_from`` names, or None), after
+    checking them: complete, files whole, the model shape of the config, steps left."""
     directory = str(checkpoint_dir(cfg, run_dir).expanduser().resolve())
+    if cfg.checkpoint.init_from is not None and cfg.checkpoint.resume_from is not None:
+        raise CheckpointError("checkpoint.init_from and checkpoint.resume_from are both set: "
+                              "init_from starts a new run from a model's weights (step 0, a "
+                              "fresh optimizer), resume_from continues a run; drop one")
     path = resolve_resume(cfg.checkpoint.resume_from, Path(directory))
     if path is not None:
         manifest = read_manifest(path)
         check_files(path, manifest)
+        if manifest.get("kind") == WEIGHTS_KIND:
+            raise CheckpointError(f"checkpoint {path} holds a model only (no optimizer, no "
+                                  f"run to continue); start from it with "
+                                  f"checkpoint.init_from={path}")
         check_model_matches(manifest, cfg.model, path)
         if manifest["step"] >= cfg.train.steps:
             raise CheckpointError(f"checkpoint {path} is at step {manifest['step']}, "
                                   f"train.steps={cfg.train.steps} leaves nothing to train; "
                                   f"raise train.steps (it counts from the run's start)")
-    return directory, None if path is None else str(path)
+    init = resolve_resume(cfg.checkpoint.init_from, Path(directory),
+                          field="checkpoint.init_from")
+    if init is not None:
+        manifest = read_manifest(init)
+        check_files(init, manifest)
+        check_model_matches(manifest, cfg.model, init, padding=False)
+    return directory, None if path is None else str(path), None if init is None else str(init)
 
 
 def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
@@ -124,8 +140,10 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     validate_data(cfg.data, cfg.model, cfg.train)
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
-    directory, resume = resolve_checkpointing(cfg, run_dir)
-    plan = plan.for_run(checkpoint_dir=directory, resume_from=resume)
+    directory, resume, init = resolve_checkpointing(cfg, run_dir)
+    peak = device_for(cfg.cost).peak_flops(cfg.train.precision)
+    plan = plan.for_run(checkpoint_dir=directory, resume_from=resume, init_from=init,
+                        peak_flops=peak)
     check_run_dir(cfg, run_dir, resuming=resume is not None)
     plan = with_run_data(plan, run_dir)
     save_run_files(plan, run_dir)

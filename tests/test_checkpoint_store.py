@@ -104,7 +104,8 @@ def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(tmp_path):
         resolve_checkpointing(cfg, tmp_path)
     cfg = Config(train=TrainConfig(steps=12))
     cfg.checkpoint.resume_from = "auto"
-    directory, resume = resolve_checkpointing(cfg, tmp_path)
+    directory, resume, init = resolve_checkpointing(cfg, tmp_path)
+    assert init is None
     assert resume == str(path.resolve())
     assert directory == str((tmp_path / "checkpoints").resolve())
     assert cfg.checkpoint.resume_from == "auto" and cfg.checkpoint.dir is None  # untouched

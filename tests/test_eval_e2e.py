@@ -17,6 +17,7 @@ COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_
 EVAL = ["eval.every=2", "eval.batches=2", "eval.at_end=true"]
 LAYOUTS = {
     "2x2x2-1f1b": [],
+    "pp2-1f1b": ["parallel=single", "parallel.pp=2"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
     "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -56,6 +57,9 @@ def test_eval_loss_equals_the_1_process_run(name, reference, tmp_path):
     assert evals(records) == pytest.approx(expected, rel=1e-5)
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference],
                                                          rel=1e-4)
+    # MFU's model FLOPs are the model's, whatever the layout (no parallel axis inflates them)
+    assert {r["model_flops"] for r in records} == {reference[0]["model_flops"]}
+    assert all(0 < r["mfu"] <= r["hfu"] for r in records)
 
 
 def test_evaluating_changes_no_training_number(tmp_path):

@@ -14,7 +14,7 @@ from hybrid.planning.cost.devices import PRESETS, Link, with_inter_bandwidth
 from hybrid.planning.job import plan_job
 from hybrid.planning.cost.search import overrides_of, search
 from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
-from hybrid.planning.cost.flops import model_flops_per_step
+from hybrid.planning.cost.flops import paper_flops_per_step
 from hybrid.planning.cost.steptime import predict_step
 
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
@@ -36,7 +36,7 @@ def test_model_flops_are_narayanan_eq_3(recompute, factor):
     b, s, l, h, v = 1536, m.seq_len, m.layers, m.hidden, m.padded_vocab
     head = 6 * b * s * h * v  # the head's 3 passes, whether or not layers recompute
     layers = factor * b * s * l * h * h * (1 + s / (6 * h))
-    assert model_flops_per_step(config(m)) == pytest.approx(layers + head, rel=1e-12)
+    assert paper_flops_per_step(config(m)) == pytest.approx(layers + head, rel=1e-12)
 
 
 def test_ring_collectives():
@@ -51,7 +51,7 @@ def test_one_device_runs_the_model_flops_at_the_device_rate():
     # every width at full rate, no optimizer step: the model FLOPs alone
     device = replace(PRESETS["h100-80gb"], matmul_half_width=0.0, optimizer_s_per_param=0.0)
     p = predict_step(plan_job(cfg), device)
-    assert p.step_time_s == pytest.approx(model_flops_per_step(cfg) / device.flops["bf16"])
+    assert p.step_time_s == pytest.approx(paper_flops_per_step(cfg) / device.flops["bf16"])
     assert p.tflops_per_device == pytest.approx(device.flops["bf16"] / 1e12)
     # narrower multiplies run slower: half the rate at a width of matmul_half_width
     half = replace(device, matmul_half_width=1024.0)
@@ -165,3 +165,24 @@ def test_the_a100_preset_reproduces_korthikanti_2022_table_5():
     for row in rows:
         by_run.setdefault(row["run"], {})[row["recompute"]] = row["predicted_s"]
     assert all(times["selective"] < times["full"] for times in by_run.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_mfu_counts_palms_model_flops_and_hfu_the_work_that_runs(recompute):
+    """PaLM's appendix B: 6N per token (N: the layers' and the head's weights over the real
+    vocabulary) plus 12·L·h·s for attention; recompute and vocabulary padding are hardware
+    FLOPs only."""
+    from hybrid.planning.cost.flops import hardware_flops_per_step, model_flops_per_step
+
+    m = replace(GPT_175B, layers=4, hidden=1024, heads=16, vocab=50257, vocab_pad_multiple=128,
+                recompute=recompute)
+    cfg = config(m, global_batch=8)
+    tokens, h, f, s, v = 8 * m.seq_len, m.hidden, m.ffn, m.seq_len, m.vocab
+    weights = m.layers * (4 * h * h + 2 * h * f) + h * v
+    assert model_flops_per_step(cfg) == pytest.approx(
+        tokens * (6 * weights + 12 * m.layers * h * s), rel=1e-12)
+    padding = 6 * tokens * h * (m.padded_vocab - v)
+    extra = {"none": 0, "selective": 4 * 8 * s * s * h * m.layers,
+             "full": (8 * 8 * s * h * h + 4 * 8 * s * s * h + 4 * 8 * s * h * f) * m.layers}
+    assert hardware_flops_per_step(cfg) == pytest.approx(
+        model_flops_per_step(cfg) + padding + extra[recompute], rel=1e-12)

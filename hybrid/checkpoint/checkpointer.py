@@ -35,9 +35,12 @@ from hybrid.checkpoint.dcp_io import (
     verify_files,
 )
 from hybrid.checkpoint.store import (
-    FORMAT_VERSION, CheckpointError, checkpoint_dir, checkpoint_name, model_shape, partial_name,
-    prune, read_manifest, resolve_resume, write_manifest,
+    FORMAT_VERSION, TOKENIZER_FILE, CheckpointError, checkpoint_dir, checkpoint_name,
+    model_shape, partial_name, prune, read_manifest, resolve_resume, write_manifest,
 )
+from hybrid.checkpoint.weights import read_model_weights
+from hybrid.interop.gpt2 import pad_vocabulary
+from hybrid.model.shards import load_global_weights
 from hybrid.planning.config import to_dict
 from hybrid.dp.option_state import PREFIX as OPTION_PREFIX
 from hybrid.dp.option_state import (
@@ -58,6 +61,7 @@ class Checkpointer:
         self.plan, self.cfg, self.groups, self.sync = plan, cfg, groups, sync
         self.directory = Path(plan.checkpoint_dir) if plan.checkpoint_dir \
             else checkpoint_dir(cfg, run_dir)
+        self.run_dir = Path(run_dir)
         self.rank, self.world = groups.world.rank(), groups.world.size()
         self.mesh = tp_mesh(groups)
         self.params = unique_parameters(chunks.values())
@@ -70,6 +74,8 @@ class Checkpointer:
         self.pending: Optional[tuple] = None
         self.resumed_from: Optional[str] = None
         """The checkpoint this rank loaded, if any."""
+        self.initialised_from: Optional[str] = None
+        """The checkpoint whose weights this run started from (``checkpoint.init_from``)."""
         self.stall_s = 0.0
         """Seconds the training loop spent inside ``save`` (the stall a save causes)."""
 
@@ -143,6 +149,9 @@ class Checkpointer:
         faults.maybe_die("die_in_save", step=step, rank=self.rank)
         files = self.groups.world.all_gather_objects(file_checksums(partial, self.rank))
         if self.rank == 0:
+            tokenizer = self.run_dir / TOKENIZER_FILE
+            if tokenizer.is_file():  # the data's tokenizer travels with the model
+                shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
             write_manifest(partial, self._manifest(step, partial, files))
             _replace_dir(partial, self.directory / checkpoint_name(step))
             prune(self.directory, self.cfg.checkpoint.keep)
@@ -163,6 +172,7 @@ class Checkpointer:
                            "vpp": layout.vpp, "zero": cfg.parallel.zero,
                            "schedule": cfg.parallel.schedule, "world": self.world},
                 "model": model_shape(cfg.model), "config": to_dict(cfg), "tensors": tensors,
+                "tokenizer": self.plan.tokenizer,
                 "files": {name: info for per_rank in files for name, info in per_rank.items()}}
 
     # ----- loading ---------------------------------------------------------------------------
@@ -177,9 +187,22 @@ class Checkpointer:
         if path is None:
             path = self._planned_resume()
         if path is None:
+            if self.plan.init_from is not None:
+                self.load_weights(Path(self.plan.init_from))
             return 0
         self.resumed_from = str(path)
         return self.load(path)
+
+    def load_weights(self, path: Path) -> None:
+        """``checkpoint.init_from``: the model weights of checkpoint ``path`` (any layout, or
+        an imported HF model) into this rank's parameters; the optimizer starts fresh. Every
+        rank reads the whole model once and keeps its own shards."""
+        weights = pad_vocabulary(read_model_weights(path), self.cfg.model.padded_vocab)
+        names = {spec.name for spec, _ in self.params}
+        load_global_weights([param for _, param in self.params],
+                            {name: t for name, t in weights.items() if name in names},
+                            self.groups)
+        self.initialised_from = str(path)
 
     def _planned_resume(self) -> Optional[Path]:
         """What the plan resumes from (resolved before launch); a plan not made for a run (a

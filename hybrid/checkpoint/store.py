@@ -22,6 +22,10 @@ from typing import Optional
 from hybrid.errors import UserError
 
 MANIFEST = "hybrid.json"
+TOKENIZER_FILE = "tokenizer.json"
+"""The data's tokenizer (HF JSON) a checkpoint carries beside its manifest, when it has one."""
+WEIGHTS_KIND = "weights"
+"""The manifest ``kind`` of a checkpoint that holds a model only (``hybrid-ckpt import``)."""
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -148,10 +152,13 @@ def check_files(path: Path, manifest: dict) -> None:
                                   f"an older checkpoint")
 
 
-def check_model_matches(manifest: dict, model_cfg, path: Path) -> None:
-    """The checkpoint's model shape equals the config's, field by field."""
+def check_model_matches(manifest: dict, model_cfg, path: Path, padding: bool = True) -> None:
+    """The checkpoint's model shape equals the config's, field by field (``padding``: the
+    padded vocabulary too; weights alone load into any padding)."""
     saved, wanted = manifest["model"], model_shape(model_cfg)
     for name in MODEL_SHAPE_FIELDS:
+        if name == "padded_vocab" and not padding:
+            continue
         if saved.get(name) != wanted[name]:
             key = {"ffn": "ffn_hidden", "padded_vocab": "vocab_pad_multiple"}.get(name, name)
             raise CheckpointError(

@@ -86,6 +86,10 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def encode_text(self, text: str) -> list[int]:
+        """One text's ids (no end-of-document id): a prompt."""
+        return list(text.encode("utf-8"))
+
     def to_json(self) -> Optional[str]:
         return None
 
@@ -113,6 +117,10 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        """One text's ids (no end-of-document id): a prompt."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def to_json(self) -> Optional[str]:
         return self.tokenizer.to_str()

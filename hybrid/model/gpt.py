@@ -130,3 +130,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             hidden = block(hidden)
         return lm_loss(hidden, labels, self.groups, self.cfg.vocab)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s, vocab]`` logits of the real vocabulary (one process: tp=1, where this
+        rank holds every column)."""
+        if self.groups.layout.tp != 1:
+            raise LayoutError("GPT.logits gathers no vocabulary shards: use it at tp=1")
+        hidden = tokens
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden[..., :self.cfg.vocab].transpose(0, 1)

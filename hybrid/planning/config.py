@@ -271,6 +271,10 @@ class CheckpointConfig:
     resume_from: Optional[str] = None
     """A checkpoint directory, a run directory (its newest complete checkpoint), or ``auto``
     (the newest complete one in ``checkpoint.dir``; none there means start fresh)."""
+    init_from: Optional[str] = None
+    """Start from these model weights (a checkpoint or run directory of any layout, or what
+    ``hybrid-ckpt import`` made of an HF GPT-2) at step 0 with a fresh optimizer: fine-tuning.
+    Not with resume_from, which continues a run."""
     async_save: bool = False
     """Write checkpoints in the background (DCP's async save): training goes on while a
     host-memory copy of the state is written."""

@@ -61,8 +61,8 @@ class SchedulePlan:
     """Per pipeline rank: most micro-batches whose activations are held at once."""
 
 
-RUN_FIELDS = ("ranks_per_node", "checkpoint_dir", "resume_from", "data_prefixes",
-              "data_cache_dir")
+RUN_FIELDS = ("ranks_per_node", "checkpoint_dir", "resume_from", "init_from", "data_prefixes",
+              "data_cache_dir", "tokenizer", "peak_flops")
 """What a run adds to a plan (where it runs and reads and writes), kept when it is re-planned."""
 
 
@@ -90,6 +90,13 @@ class JobPlan:
     """Where this run's checkpoints go (set for a run by ``for_run``)."""
     resume_from: Optional[str] = None
     """The checkpoint this run resumes from, checked before launch (None: a fresh start)."""
+    init_from: Optional[str] = None
+    """The checkpoint whose model weights a fresh run starts from (checked before launch)."""
+    tokenizer: Optional[dict] = None
+    """The data's tokenizer record (``hybrid.data.tokenizer.TokenizerInfo``), when it has one:
+    checkpoints carry it, so that export and generation can decode."""
+    peak_flops: Optional[float] = None
+    """One device's peak FLOP/s at train.precision on ``cost.device``: what MFU divides by."""
     data_prefixes: tuple[str, ...] = ()
     """data.source=indexed: the data sets' prefixes, absolute (resolved where hybrid-train
     ran), in the order of ``data.path``/``data.blend``."""
@@ -124,9 +131,16 @@ class JobPlan:
         """Every role's groups, as global rank lists."""
         return {role: self.layout.role_groups(role) for role in (*ROLES, EMBEDDING)}
 
-    def for_run(self, *, checkpoint_dir: str, resume_from: Optional[str]) -> "JobPlan":
+    def for_run(self, *, checkpoint_dir: str, resume_from: Optional[str],
+                init_from: Optional[str] = None,
+                peak_flops: Optional[float] = None) -> "JobPlan":
         """This plan for a run whose checkpoints go to ``checkpoint_dir``."""
-        return replace(self, checkpoint_dir=checkpoint_dir, resume_from=resume_from)
+        return replace(self, checkpoint_dir=checkpoint_dir, resume_from=resume_from,
+                       init_from=init_from, peak_flops=peak_flops)
+
+    def with_tokenizer(self, record: dict) -> "JobPlan":
+        """This plan with the data's tokenizer record."""
+        return replace(self, tokenizer=record)
 
     def with_data(self, prefixes: tuple[str, ...], cache_dir: str) -> "JobPlan":
         """This plan reading indexed data at ``prefixes``, its index caches in ``cache_dir``."""

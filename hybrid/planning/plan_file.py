@@ -22,7 +22,7 @@ from hybrid.planning.job import JobPlan, SchedulePlan, Stage
 from hybrid.planning.layout import Layout
 
 FILE = "plan.json"
-FORMAT = 2  # 2: the run's indexed data (data_prefixes, data_cache_dir)
+FORMAT = 3  # 2: the run's indexed data (data_prefixes, data_cache_dir); 3: init_from, tokenizer, peak_flops
 
 
 class PlanFileError(UserError):
@@ -47,6 +47,9 @@ def plan_to_dict(plan: JobPlan) -> dict:
         "costs_measured": plan.costs_measured,
         "checkpoint_dir": plan.checkpoint_dir,
         "resume_from": plan.resume_from,
+        "init_from": plan.init_from,
+        "peak_flops": plan.peak_flops,
+        "tokenizer": plan.tokenizer,
         "data_prefixes": list(plan.data_prefixes),
         "data_cache_dir": plan.data_cache_dir,
         "dp_strategies": dict(zip(("sharding", "reduction"), plan.dp_strategies)),
@@ -71,7 +74,9 @@ def plan_from_dict(data: dict) -> JobPlan:
         priced_ranks_per_node=data["priced_ranks_per_node"],
         block_costs=None if data["block_costs"] is None else tuple(data["block_costs"]),
         costs_measured=data["costs_measured"], checkpoint_dir=data["checkpoint_dir"],
-        resume_from=data["resume_from"], data_prefixes=tuple(data["data_prefixes"]),
+        resume_from=data["resume_from"], init_from=data["init_from"],
+        peak_flops=data["peak_flops"],
+        tokenizer=data["tokenizer"], data_prefixes=tuple(data["data_prefixes"]),
         data_cache_dir=data["data_cache_dir"])
 
 

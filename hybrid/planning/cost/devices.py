@@ -79,6 +79,12 @@ class Device:
     group_links: dict = field(default_factory=dict)
     """Measured links inside a node by group size (``"2"``, ``"4"``, ...), from
     ``hybrid-plan calibrate``; other sizes use the nearest measured one, else ``intra``."""
+    peak: dict = field(default_factory=dict)
+    """Datasheet dense FLOP/s by precision, what MFU divides by; absent (a CPU, a calibrated
+    machine): the achieved ``flops``, the best rate known."""
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak.get(precision) or self.flops[precision]
 
     def compute_rate(self, precision: str, width: float, rows: float,
                      threads: int = 1) -> float:
@@ -110,6 +116,7 @@ def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
     return Device(
         name=name,
         flops={"bf16": bf16_peak * ACHIEVED_COMPUTE, "fp32": fp32_peak * ACHIEVED_COMPUTE},
+        peak={"bf16": bf16_peak, "fp32": fp32_peak},
         memory_bytes=int(memory_gib * GIB),
         intra=Link(bandwidth=nvlink_gbs * 1e9 * ACHIEVED_LINK, latency=5e-6),
         inter=Link(bandwidth=nic_gbit / 8 * 1e9 * ACHIEVED_LINK, latency=10e-6),
@@ -166,6 +173,7 @@ def load_device(name: str) -> Device:
                   collective_overhead_s=float(data.get("collective_overhead_s", 0.0)),
                   collective_cpu_s=float(data.get("collective_cpu_s", 0.0)),
                   all_gather_factor=float(data.get("all_gather_factor", 1.0)),
+                  peak=dict(data.get("peak", {})),
                   reduce_scatter_factor=float(data.get("reduce_scatter_factor", 1.0)),
                   group_links={n: Link(**link) for n, link in data.get("group_links", {}).items()})
 

@@ -22,7 +22,7 @@ from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import (
-    attention_core_flops, head_forward_flops, layer_forward_flops, model_flops_per_step,
+    attention_core_flops, head_forward_flops, layer_forward_flops, paper_flops_per_step,
 )
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.job import JobPlan
@@ -143,7 +143,7 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
         step_time_s=step, compute_s=busy[busiest], bubble_s=makespan - busy[busiest],
         tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=p2p, dp_s=dp_s,
         dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
-        tflops_per_device=model_flops_per_step(cfg) / step / world / 1e12 if step else 0.0,
+        tflops_per_device=paper_flops_per_step(cfg) / step / world / 1e12 if step else 0.0,
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory))
 
 

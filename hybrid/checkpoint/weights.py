@@ -1,0 +1,90 @@
+"""A checkpoint's model weights whole, without a process group, and checkpoints of weights only.
+
+``read_model_weights`` reads the model tensors of any layout's checkpoint at their global
+shapes (``hybrid-ckpt export``, ``hybrid-generate``, ``checkpoint.init_from``).
+``write_weights_checkpoint`` writes a checkpoint that holds a model and nothing else (no
+optimizer state, step 0): what ``hybrid-ckpt import`` makes of an HF model. It is an ordinary
+complete checkpoint (``OUT/step_00000000`` with DCP files and the manifest, written under a
+temporary name and renamed), marked ``"kind": "weights"``: ``checkpoint.init_from`` starts a
+run from it; ``checkpoint.resume_from`` refuses it, as there is no run to continue.
+
+A checkpoint also carries the tokenizer its data was made with (``tokenizer.json`` beside
+the manifest, and the record in the manifest), so that export and generation can decode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from hybrid.checkpoint.dcp_io import SafeReader, file_checksums, read_metadata
+from hybrid.checkpoint.store import (FORMAT_VERSION, TOKENIZER_FILE, WEIGHTS_KIND,
+                                     checkpoint_name, partial_name, write_manifest)
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of checkpoint ``path`` (global names, full shapes, any layout)."""
+    metadata = read_metadata(path)
+    state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+             for key, item in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    with _single_process():
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+
+
+def checkpoint_tokenizer(path: Path, manifest: dict) -> tuple[Optional[dict], Optional[str]]:
+    """(the tokenizer record, its JSON) a checkpoint carries; (None, None) for none."""
+    file = Path(path) / TOKENIZER_FILE
+    return manifest.get("tokenizer"), file.read_text() if file.is_file() else None
+
+
+def write_weights_checkpoint(directory: Path, weights: dict[str, torch.Tensor], *,
+                             model_shape: dict, config: Optional[dict], source: str,
+                             tokenizer: Optional[dict] = None,
+                             tokenizer_json: Optional[str] = None) -> Path:
+    """``directory/step_00000000``: the weights as a complete model-only checkpoint."""
+    directory = Path(directory)
+    partial, final = directory / partial_name(0), directory / checkpoint_name(0)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        state = {f"model.{name}": tensor.contiguous() for name, tensor in weights.items()}
+        with _single_process():
+            dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=True)
+        if tokenizer_json is not None:
+            (partial / TOKENIZER_FILE).write_text(tokenizer_json)
+        write_manifest(partial, _manifest(partial, weights, model_shape, config, source,
+                                          tokenizer))
+        partial.rename(final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return final
+
+
+def _manifest(partial: Path, weights: dict, model_shape: dict, config: Optional[dict],
+              source: str, tokenizer: Optional[dict]) -> dict:
+    tensors = {f"model.{name}": {"shape": list(t.shape),
+                                 "dtype": str(t.dtype).removeprefix("torch."),
+                                 "bytes": t.numel() * t.element_size()}
+               for name, t in sorted(weights.items())}
+    return {"format": FORMAT_VERSION, "kind": WEIGHTS_KIND, "step": 0, "consumed_samples": 0,
+            "source": source,
+            "layout": {"dp": 1, "tp": 1, "pp": 1, "vpp": 1, "zero": 0, "schedule": "none",
+                       "world": 1},
+            "model": model_shape, "config": config, "tensors": tensors,
+            "tokenizer": tokenizer, "files": file_checksums(partial, 0)}
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when asked for exactly that (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,0 +1,129 @@
+"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2 directory.
+
+The model runs in this process (one rank: a 1-process gloo group on an in-memory store, no
+socket), in fp32. Each new token is chosen from the logits of the real vocabulary at the last
+position: greedy (``temperature=0``, the first maximum, as ``torch.argmax`` and HF's greedy
+``generate``), or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
+most likely (0: all), with a generator seeded by ``seed``. The whole context is recomputed for
+every token (no cache: the models hybrid trains are small); beyond ``model.seq_len`` it slides,
+keeping the last ``seq_len`` tokens. Generation stops after ``max_new_tokens`` or at the
+end-of-document token (``stop_at_eod``). The prompt is encoded and the output decoded with the
+tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from hybrid.data.tokenizer import ByteTokenizer, TokenizerInfo, tokenizer_from_json
+from hybrid.errors import UserError
+from hybrid.planning.config import ModelConfig
+
+
+class GenerateError(UserError):
+    """A source, prompt or setting generation cannot use: one line with the fix."""
+
+
+@dataclass
+class Source:
+    """A model to generate from: its config, global weights (real vocabulary or padded), and
+    its tokenizer (record and JSON; both None when the data recorded none)."""
+
+    model: ModelConfig
+    weights: dict
+    tokenizer: Optional[dict]
+    tokenizer_json: Optional[str]
+    where: str
+
+
+def load_source(source: str) -> Source:
+    """An HF GPT-2 directory (it holds ``config.json``) or a hybrid checkpoint / run dir."""
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        from hybrid.interop.convert import hf_model
+
+        model, weights, record, tokenizer_json = hf_model(str(path))
+        return Source(model, weights, record, tokenizer_json, str(path))
+    from hybrid.checkpoint.store import check_files, read_manifest, resolve_resume
+    from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
+    from hybrid.interop.convert import model_config_of
+
+    checkpoint = resolve_resume(source, path, field="source")
+    manifest = read_manifest(checkpoint)
+    check_files(checkpoint, manifest)
+    record, tokenizer_json = checkpoint_tokenizer(checkpoint, manifest)
+    return Source(model_config_of(manifest), read_model_weights(checkpoint), record,
+                  tokenizer_json, str(checkpoint))
+
+
+def text_tokenizer(source: Source):
+    """The tokenizer that encodes prompts and decodes outputs of ``source``."""
+    if source.tokenizer is None:
+        raise GenerateError(f"{source.where} carries no tokenizer (its run trained on data with "
+                            f"none recorded, e.g. data=synthetic), so a text prompt cannot be "
+                            f"encoded; train on data made by hybrid-data")
+    info = TokenizerInfo.from_dict(source.tokenizer)
+    if info.kind == "bytes":
+        return ByteTokenizer()
+    if source.tokenizer_json is None:
+        raise GenerateError(f"{source.where} records a {info.kind} tokenizer but holds no "
+                            f"tokenizer.json; export the checkpoint again")
+    return tokenizer_from_json(source.tokenizer_json, info)
+
+
+@contextlib.contextmanager
+def one_process_model(source: Source) -> Iterator[torch.nn.Module]:
+    """The 1-process model of ``source`` with its weights, on a 1-rank group."""
+    import torch.distributed as dist
+
+    from hybrid.groups import ParallelGroups
+    from hybrid.interop.gpt2 import pad_vocabulary
+    from hybrid.model import GPT, load_global_weights
+    from hybrid.planning.layout import Layout
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups = ParallelGroups.create(Layout())
+        model = GPT(source.model, groups, seed=0)
+        load_global_weights(model.parameters(),
+                            pad_vocabulary(source.weights, source.model.padded_vocab), groups)
+        yield model.eval()
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
+             seed: int, eod: Optional[int], stop_at_eod: bool = True) -> list[int]:
+    """The ids that follow ``prompt`` (see the module doc)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids, window = list(prompt), model.cfg.seq_len
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-window:]], dtype=torch.int64)
+        logits = model.logits(context)[0, -1].float()
+        token = int(logits.argmax()) if temperature == 0 else \
+            _sample(logits, temperature, top_k, generator)
+        ids.append(token)
+        new.append(token)
+        if stop_at_eod and token == eod:
+            break
+    return new
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int,
+            generator: torch.Generator) -> int:
+    scaled = logits / temperature
+    if 0 < top_k < scaled.numel():
+        cutoff = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

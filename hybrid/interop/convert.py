@@ -1,0 +1,84 @@
+"""Checkpoints to HF directories and back (``hybrid-ckpt export --format hf`` and ``import``).
+
+Export reads the model of a checkpoint of any layout whole and writes ``model.safetensors``,
+``config.json`` (a ``GPT2Config``) and, when the run's data recorded an HF tokenizer, its
+``tokenizer.json`` with a ``tokenizer_config.json``. Import writes a model-only checkpoint
+(``OUT/step_00000000``, ``hybrid.checkpoint.weights``) holding the real vocabulary, with the HF
+directory's tokenizer; ``checkpoint.init_from=OUT`` starts a run from it on any layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hybrid.checkpoint.store import model_shape
+from hybrid.checkpoint.weights import (checkpoint_tokenizer, read_model_weights,
+                                       write_weights_checkpoint)
+from hybrid.interop.gpt2 import ConversionError, from_hf, hf_config, model_fields, to_hf
+from hybrid.interop.hf_dir import hf_tokenizer, read_hf_dir, write_hf_dir
+from hybrid.planning.config import ModelConfig
+
+
+def model_config_of(manifest: dict) -> ModelConfig:
+    """The ``ModelConfig`` a checkpoint was saved with (trained or imported)."""
+    return ModelConfig(**manifest["config"]["model"])
+
+
+def export_hf(path: Path, manifest: dict, out: str) -> dict:
+    """Write checkpoint ``path`` as an HF GPT-2 directory ``out``; what was written."""
+    model = model_config_of(manifest)
+    tensors = to_hf(read_model_weights(path), model)
+    record, tokenizer_json = checkpoint_tokenizer(path, manifest)
+    eod = None if record is None else record.get("eod")
+    eod_token = None
+    if tokenizer_json is not None and eod is not None:
+        from tokenizers import Tokenizer
+
+        eod_token = Tokenizer.from_str(tokenizer_json).id_to_token(eod)
+    write_hf_dir(out, tensors, hf_config(model, eod), tokenizer_json, eod_token,
+                 model.seq_len)
+    return {"parameters": sum(t.numel() for t in tensors.values()),
+            "tokenizer": None if tokenizer_json is None else record.get("source"),
+            "bytes_tokenizer": record is not None and record.get("kind") == "bytes"}
+
+
+def hf_model(hf_dir: str) -> tuple[ModelConfig, dict[str, torch.Tensor],
+                                   Optional[dict], Optional[str]]:
+    """(model config, hybrid weights with the real vocabulary, tokenizer record, tokenizer
+    JSON) of an HF GPT-2 directory."""
+    config, tensors = read_hf_dir(hf_dir)
+    model = ModelConfig(**model_fields(config, hf_dir), vocab_pad_multiple=1)
+    weights = from_hf(tensors, model)
+    found = hf_tokenizer(hf_dir)
+    if found is None:
+        return model, weights, None, None
+    tokenizer_json, eos = found
+    return model, weights, _record(tokenizer_json, eos, hf_dir, config), tokenizer_json
+
+
+def import_hf(hf_dir: str, out: str) -> Path:
+    """``hf_dir`` as a model-only hybrid checkpoint under ``out``; its path."""
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise ConversionError(f"{out} exists and is not empty; choose another folder")
+    model, weights, record, tokenizer_json = hf_model(hf_dir)
+    fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
+    return write_weights_checkpoint(target, weights, model_shape=model_shape(model),
+                                    config={"model": fields}, source=str(Path(hf_dir).resolve()),
+                                    tokenizer=record, tokenizer_json=tokenizer_json)
+
+
+def _record(tokenizer_json: str, eos: Optional[str], hf_dir: str, config: dict) -> dict:
+    """The tokenizer record of an HF directory's ``tokenizer.json`` (``TokenizerInfo``'s
+    fields; end of document: its eos token, else config.json's eos_token_id)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eod = tokenizer.token_to_id(eos) if eos else config.get("eos_token_id")
+    return {"kind": "hf", "source": str(hf_dir),
+            "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), "eod": eod,
+            "sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()}

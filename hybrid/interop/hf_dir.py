@@ -1,0 +1,100 @@
+"""HF model directories on disk: read one (offline, no transformers needed) and write one that
+``transformers.GPT2LMHeadModel.from_pretrained`` loads with no missing or unexpected key.
+
+Reading takes ``config.json`` and ``model.safetensors`` (or a ``pytorch_model.bin``, loaded
+with ``torch.load(weights_only=True)``, which refuses a pickle that carries code); sharded
+checkpoints are refused. A local directory never reaches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hybrid.interop.gpt2 import ConversionError
+
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def read_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(``config.json``, tensors by HF name) of the HF directory ``path``."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConversionError(f"{path} is not a folder; pass a local HF model directory (one "
+                              f"holding config.json and model.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise ConversionError(f"{path} has no config.json: it is not an HF model directory")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as err:
+        raise ConversionError(f"{folder / 'config.json'} is not JSON ({err})") from None
+    if config.get("model_type") != "gpt2":
+        raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2 "
+                              f"(model_type gpt2) converts")
+    if any(folder.glob("*.index.json")):
+        raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
+                              f"model.safetensors (save_pretrained(max_shard_size='100GB'))")
+    if (folder / WEIGHTS[0]).is_file():
+        return config, _safetensors().load_file(str(folder / WEIGHTS[0]))
+    if (folder / WEIGHTS[1]).is_file():
+        try:
+            return config, torch.load(folder / WEIGHTS[1], map_location="cpu", weights_only=True)
+        except Exception as err:  # an UnpicklingError names what it refused
+            raise ConversionError(f"{folder / WEIGHTS[1]} cannot be loaded as weights only "
+                                  f"({str(err).splitlines()[0]}); convert it to "
+                                  f"model.safetensors") from None
+    raise ConversionError(f"{path} has neither {' nor '.join(WEIGHTS)}")
+
+
+def write_hf_dir(out: str, tensors: dict[str, torch.Tensor], config: dict,
+                 tokenizer_json: Optional[str] = None, eod_token: Optional[str] = None,
+                 max_length: Optional[int] = None) -> None:
+    """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end."""
+    save_file = _safetensors().save_file
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise ConversionError(f"{out} exists and is not empty; choose another folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        save_file(tensors, str(staging / WEIGHTS[0]), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_json is not None:
+            (staging / TOKENIZER_FILE).write_text(tokenizer_json)
+            (staging / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod_token,
+                 "bos_token": eod_token, "model_max_length": max_length}, indent=2) + "\n")
+        if target.exists():
+            target.rmdir()
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def hf_tokenizer(path: str) -> Optional[tuple[str, Optional[str]]]:
+    """(tokenizer JSON, end-of-document token) of an HF directory, None without a
+    ``tokenizer.json``."""
+    folder = Path(path)
+    if not (folder / TOKENIZER_FILE).is_file():
+        return None
+    eos = None
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+    return (folder / TOKENIZER_FILE).read_text(), eos
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ConversionError("HF conversion needs safetensors: pip install -e '.[hf]'") from None
+    return safetensors.torch

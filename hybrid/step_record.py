@@ -1,0 +1,65 @@
+"""What a training step reports, and its ``metrics.jsonl`` record (docs/metrics.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.planning.cost.flops import hardware_flops_per_step, model_flops_per_step
+from hybrid.planning.job import JobPlan, rank_dp_bytes
+from hybrid.planning.strategies import DpOptions
+
+AXES = ("dp", "tp", "pp")
+
+
+@dataclass
+class StepReport:
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    comm: dict
+    cpu_s: float
+    """CPU seconds of the step summed over all ranks (the cost of parallelism on CPUs)."""
+    peak_mem_bytes: int
+    """The largest peak memory of any rank so far."""
+    compute_s: list[float]
+    """Per rank: wall time of the step minus the time blocked in waits."""
+    wait_s: dict[str, list[float]]
+    """Per axis, per rank: seconds blocked in collectives and pipeline receives."""
+    data_s: float = 0.0
+    """The slowest rank's seconds building its micro-batches before the step (not in
+    ``step_time_s``; Megatron-LM's batch-generator time)."""
+
+
+def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) -> dict:
+    """The step's record (``summary``: the stragglers' per-step figures)."""
+    cfg = plan.cfg
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    return {
+        "step": step, "loss": report.loss, "lr": report.lr, "grad_norm": report.grad_norm,
+        "tokens_per_s": tokens_per_step / report.step_time_s,
+        "step_time_s": report.step_time_s, "cpu_s": report.cpu_s, "data_s": report.data_s,
+        "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in AXES},
+        "comm_bytes_dp_uncompressed": exact_dp_bytes(plan, step),
+        "comm_calls": {axis: report.comm[axis]["calls"] for axis in AXES},
+        "peak_mem_bytes": report.peak_mem_bytes, **summary,
+        **utilisation(plan, report.step_time_s),
+    }
+
+
+def utilisation(plan: JobPlan, step_time_s: float) -> dict:
+    """Model FLOPs of the step (the same on every layout), model TFLOP/s per device, and MFU
+    and HFU against the plan's device peak (``hybrid.planning.cost.flops``)."""
+    cfg, world = plan.cfg, plan.world_size
+    model, hardware = model_flops_per_step(cfg), hardware_flops_per_step(cfg)
+    out = {"model_flops": model, "model_tflops_per_device": model / step_time_s / world / 1e12}
+    if plan.peak_flops:
+        out["mfu"] = model / step_time_s / world / plan.peak_flops
+        out["hfu"] = hardware / step_time_s / world / plan.peak_flops
+    return out
+
+
+def exact_dp_bytes(plan: JobPlan, step: int) -> float:
+    """What rank 0 would send over DP this step with exact reduction (same ZeRO stage)."""
+    exact = DpOptions.of(plan.cfg.parallel).uncompressed()
+    return rank_dp_bytes(plan.cfg, plan, 0, step, exact)

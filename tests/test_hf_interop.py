@@ -1,0 +1,142 @@
+"""HF GPT-2 in and out through ``hybrid-ckpt``: a round trip changes no tensor, an imported
+model in hybrid's 1-process GPT gives HF's logits and loss, and bad sources are one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_models import HYBRID_SHAPE, SHAPE, load_hf, make_hf_dir
+from hybrid.testing import spawn
+
+BIN = Path(sys.executable).parent
+CKPT, TRAIN = str(BIN / "hybrid-ckpt"), str(BIN / "hybrid-train")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("hf")
+    return {"tied": make_hf_dir(folder / "tied", tied=True),
+            "untied": make_hf_dir(folder / "untied", tied=False, seed=1, tokenizer=False)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_import_then_export_changes_no_tensor(kind, hf_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    source = hf_dirs[kind]
+    done = run(CKPT, "import", source, tmp_path / "imported")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "imported" / "step_00000000" / "hybrid.json").is_file()
+    done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
+    assert done.returncode == 0, done.stderr
+    before, after = load_file(source / "model.safetensors"), load_file(
+        tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    model, info = load_hf(tmp_path / "out")
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: config[k] for k in SHAPE} == SHAPE
+    assert config["tie_word_embeddings"] == (kind == "tied")
+    assert model.lm_head.weight is model.transformer.wte.weight or kind == "untied"
+    if kind == "tied":  # the tokenizer goes along, and loads in transformers as it was
+        from transformers import AutoTokenizer
+
+        assert (tmp_path / "out" / "tokenizer.json").read_text() == \
+            (source / "tokenizer.json").read_text()
+        text = "The assert statement checks a condition."
+        hf_ids = AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"]
+        from tokenizers import Tokenizer
+
+        assert hf_ids == Tokenizer.from_file(str(source / "tokenizer.json")).encode(text).ids
+
+
+def _hybrid_logits(rank, world, weights_path, tied, tokens):
+    from hybrid.generate import Source, one_process_model
+    from hybrid.planning.config import ModelConfig
+
+    model_cfg = ModelConfig(layers=4, hidden=32, heads=4, vocab=300, seq_len=32,
+                            tie_embeddings=tied)  # pads to 320: the import holds 300 rows
+    weights = torch.load(weights_path)
+    with one_process_model(Source(model_cfg, weights, None, None, "test")) as model, \
+            torch.no_grad():
+        logits = model.logits(tokens)
+        loss = model(tokens[:, :-1], tokens[:, 1:]).item()
+    return logits, loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_an_imported_model_gives_hfs_logits_and_loss(kind, hf_dirs, tmp_path):
+    from hybrid.checkpoint.weights import read_model_weights
+
+    assert run(CKPT, "import", hf_dirs[kind], tmp_path / "imported").returncode == 0
+    weights = read_model_weights(tmp_path / "imported" / "step_00000000")
+    assert weights["embedding.word_embeddings.weight"].shape[0] == 300  # no padding stored
+    torch.save(weights, tmp_path / "weights.pt")
+    tokens = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(4))
+    (logits, loss), = spawn(_hybrid_logits, 1, str(tmp_path / "weights.pt"), kind == "tied",
+                            tokens, timeout=120)
+    model, _ = load_hf(hf_dirs[kind])
+    with torch.no_grad():
+        hf_logits = model(tokens).logits
+        hf_loss = F.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, 300),
+                                  tokens[:, 1:].reshape(-1)).item()
+    assert (logits - hf_logits).abs().max() < 1e-5
+    assert loss == pytest.approx(hf_loss, rel=1e-5)  # padding is masked: HF's loss exactly
+
+
+def _config(folder: Path, **changes) -> Path:
+    make = json.loads((folder / "config.json").read_text())
+    make.update(changes)
+    (folder / "config.json").write_text(json.dumps(make))
+    return folder
+
+
+@pytest.mark.parametrize("name, make, needle", [
+    ("missing", lambda d, hf: d / "nothing", "is not a folder; pass a local HF model directory"),
+    ("no config", lambda d, hf: (d / "empty").mkdir() or d / "empty",
+     "has no config.json: it is not an HF model directory"),
+    ("llama", lambda d, hf: _config(_copy(hf, d / "llama"), model_type="llama"),
+     "holds a 'llama' model; only GPT-2 (model_type gpt2) converts"),
+    ("erf gelu", lambda d, hf: _config(_copy(hf, d / "gelu"), activation_function="gelu"),
+     "activation_function='gelu' cannot be converted: hybrid's GELU is the tanh one"),
+])
+def test_a_source_that_is_not_a_gpt2_is_one_line(name, make, needle, hf_dirs, tmp_path):
+    done = run(CKPT, "import", make(tmp_path, hf_dirs["tied"]), tmp_path / "out")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert needle in done.stderr and not (tmp_path / "out").exists()
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.hidden=64", "model.heads=4"],
+     "model.hidden: the checkpoint step_00000000 has hidden=32, the config hidden=64"),
+    (["checkpoint.resume_from=auto"], "checkpoint.init_from and checkpoint.resume_from are both"),
+])
+def test_init_from_is_checked_before_launch(overrides, needle, hf_dirs, tmp_path):
+    assert run(CKPT, "import", hf_dirs["tied"], tmp_path / "imported").returncode == 0
+    done = run(TRAIN, *HYBRID_SHAPE, "model.tie_embeddings=true", "parallel=single",
+               f"checkpoint.init_from={tmp_path / 'imported'}", *overrides,
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert needle in done.stderr
+    assert not (tmp_path / "run" / "workers").exists()
