@@ -44,7 +44,7 @@ class Source:
 def load_source(source: str) -> Source:
     """An HF GPT-2 directory (it holds ``config.json``) or a hybrid checkpoint / run dir."""
     path = Path(source).expanduser()
-    if (path / "config.json").is_file():
+    if _is_hf_dir(path):
         from hybrid.interop.convert import hf_model
 
         model, weights, record, tokenizer_json = hf_model(str(path))
@@ -59,6 +59,16 @@ def load_source(source: str) -> Source:
     record, tokenizer_json = checkpoint_tokenizer(checkpoint, manifest)
     return Source(model_config_of(manifest), read_model_weights(checkpoint), record,
                   tokenizer_json, str(checkpoint))
+
+
+def _is_hf_dir(path: Path) -> bool:
+    """An HF model directory, not a hybrid run directory (whose config.json is hybrid's)."""
+    import json
+
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def text_tokenizer(source: Source):

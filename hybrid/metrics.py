@@ -45,6 +45,7 @@ class MetricsWriter:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._last_eval: Optional[str] = None
         self._started = time.monotonic()
         if not enabled:
             return
@@ -79,27 +80,26 @@ class MetricsWriter:
             shown = {"loss": f"{r['loss']:.4f}", "tok_s": f"{r['tokens_per_s']:.0f}"}
             if "eval_loss" in r:
                 self._last_eval = f"{r['eval_loss']:.4f}"
-            if getattr(self, "_last_eval", None):
+            if self._last_eval is not None:
                 shown["eval_loss"] = self._last_eval
             self._bar.set_postfix(shown)
             self._bar.update(1)
             return
-        if "eval_loss" in r:
+        if r["step"] % self.log_every == 0 or r["step"] == self.total_steps:
+            elapsed = time.monotonic() - self._started
+            done = r["step"] - self.first_step + 1
+            eta = elapsed / done * (self.total_steps - r["step"])
+            mfu = f"  mfu {r['mfu']:.2%}" if "mfu" in r else ""
+            print(f"step {r['step']:>5}/{self.total_steps}  loss {r['loss']:.4f}  "
+                  f"lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
+                  f"tokens/s {r['tokens_per_s']:,.0f}  step {r['step_time_s'] * 1000:.0f} ms  "
+                  f"TFLOP/s/device {r.get('model_tflops_per_device', 0):.3g}{mfu}  "
+                  f"eta {eta:.0f}s", file=self.stream, flush=True)
+        if "eval_loss" in r:  # next to the training loss of the same step
             print(f"step {r['step']:>5}/{self.total_steps}  eval_loss {r['eval_loss']:.4f}  "
                   f"eval_ppl {r['eval_ppl']:.2f}  ({r['eval_tokens']:,} tokens, "
                   f"{r['eval_s']:.1f} s)  train loss {r['loss']:.4f}", file=self.stream,
                   flush=True)
-        if r["step"] % self.log_every and r["step"] != self.total_steps:
-            return
-        elapsed = time.monotonic() - self._started
-        done = r["step"] - self.first_step + 1
-        eta = elapsed / done * (self.total_steps - r["step"])
-        mfu = f"  mfu {r['mfu']:.2%}" if "mfu" in r else ""
-        print(f"step {r['step']:>5}/{self.total_steps}  loss {r['loss']:.4f}  "
-              f"lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
-              f"tokens/s {r['tokens_per_s']:,.0f}  step {r['step_time_s'] * 1000:.0f} ms  "
-              f"TFLOP/s/device {r.get('model_tflops_per_device', 0):.3g}{mfu}  "
-              f"eta {eta:.0f}s", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

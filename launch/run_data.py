@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.checkpoint.store import TOKENIZER_FILE
+from hybrid.data.examples import write_example
 from hybrid.data.megatron import build_caches
 from hybrid.data.metadata import read_meta, tokenizer_path
 from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes
@@ -25,9 +26,11 @@ def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
     """``plan`` with its data placed and its tokenizer recorded (see the module doc)."""
     data = plan.cfg.data
     if data.source == "indexed":
-        cache = Path(data.cache_dir).expanduser() if data.cache_dir else \
-            Path(run_dir) / DATA_CACHE
-        plan = plan.with_data(resolve_prefixes(data), str(cache.resolve()))
+        cache = (Path(data.cache_dir).expanduser() if data.cache_dir else
+                 Path(run_dir) / DATA_CACHE).resolve()
+        prefixes = (write_example(data.example, cache),) if data.example else \
+            resolve_prefixes(data)
+        plan = plan.with_data(prefixes, str(cache))
         started = time.monotonic()
         if build_caches(indexed_spec(plan)):
             print(f"data: built megatron-core's sample indices in {plan.data_cache_dir} "

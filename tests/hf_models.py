@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHAPE = dict(n_layer=4, n_embd=32, n_head=4, n_positions=32, vocab_size=300)
 """model=tiny's shape, with a vocabulary hybrid pads (300 -> 320 at vocab_pad_multiple 64)."""
-HYBRID_SHAPE = ["model=tiny", "model.vocab=300"]
+HYBRID_SHAPE = ["model=tiny", "data=synthetic", "model.vocab=300"]
 
 
 def make_hf_dir(path: Path, *, tied: bool = True, seed: int = 0, tokenizer: bool = True) -> Path:

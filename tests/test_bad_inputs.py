@@ -18,7 +18,7 @@ from test_train_cli import _alive, _descendants, _wait_for
 
 BIN = Path(sys.executable).parent
 TRAIN, DATA = str(BIN / "hybrid-train"), str(BIN / "hybrid-data")
-SMALL = ["model=tiny", "parallel=single", "parallel.dp=2", "train.global_batch=8",
+SMALL = ["model=tiny", "data=synthetic", "parallel=single", "parallel.dp=2", "train.global_batch=8",
          "train.timeline_step=0", "optim.warmup_steps=0"]
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,7 +63,8 @@ def test_a_file_that_is_not_a_token_file_is_named_before_launch(name, make, dtyp
                                                                  tmp_path):
     path = make(tmp_path / "data.bin")
     run_dir = tmp_path / "run"
-    done = run([TRAIN, *SMALL, "data=tokens", f"data.path={path}", f"data.dtype={dtype}",
+    small = [o for o in SMALL if o != "data=synthetic"]
+    done = run([TRAIN, *small, "data=tokens", f"data.path={path}", f"data.dtype={dtype}",
                 f"hydra.run.dir={run_dir}"])
     one_line(done, 2, needle)
     assert not (run_dir / "workers").exists() and not (run_dir / "config.json").exists()

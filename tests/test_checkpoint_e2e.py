@@ -21,8 +21,9 @@ from hybrid.testing import checked_records
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 CKPT = str(Path(sys.executable).parent / "hybrid-ckpt")
 STEPS = 10
-COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_batch=8",
-          "train.micro_batch=2", "train.log_every=100", "train.timeline_step=0", "seed=11"]
+COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS}",
+          "train.global_batch=8", "train.micro_batch=2", "train.log_every=100",
+          "train.timeline_step=0", "seed=11"]
 SINGLE = ["parallel=single"]
 LAYOUTS = {
     "2x2x2-zero1": ["parallel.zero=1"],

@@ -12,8 +12,9 @@ from hybrid.testing import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 STEPS = 5
-COMMON = ["model=tiny", "model.layers=8", f"train.steps={STEPS}", "train.global_batch=8",
-          "train.micro_batch=2", "train.log_every=100", "train.timeline_step=0", "seed=3"]
+COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS}",
+          "train.global_batch=8", "train.micro_batch=2", "train.log_every=100",
+          "train.timeline_step=0", "seed=3"]
 EVAL = ["eval.every=2", "eval.batches=2", "eval.at_end=true"]
 LAYOUTS = {
     "2x2x2-1f1b": [],

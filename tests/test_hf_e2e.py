@@ -99,3 +99,30 @@ def test_greedy_generation_equals_hfs(imported):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=20, do_sample=False, eos_token_id=0, pad_token_id=0)
     assert ids[imported["hf"]] == out[0, len(prompt_ids):].tolist()
+
+
+def test_a_run_carries_its_datas_tokenizer_to_export_and_generation(imported, tmp_path):
+    """Data tokenized with the HF model's own tokenizer, a fine-tuning run saving a
+    checkpoint, then export and generation decode with that tokenizer."""
+    import pydoc_data.topics
+
+    text = tmp_path / "topics.txt"
+    text.write_text("\n\n".join(pydoc_data.topics.topics.values()), encoding="utf-8")
+    run(BIN / "hybrid-data", text, tmp_path / "topics", "--tokenizer", imported["hf"],
+        "--format", "indexed", "--documents", "blank-lines", "--quiet")
+    run(BIN / "hybrid-train", *[o for o in COMMON if o != "data=synthetic"], "data=indexed",
+        f"data.path={tmp_path / 'topics'}", "parallel=single", "train.steps=2",
+        "checkpoint.every=2", f"checkpoint.init_from={imported['checkpoint']}",
+        f"hydra.run.dir={tmp_path / 'run'}")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert json.loads((checkpoint / "tokenizer.json").read_text()) == \
+        json.loads((imported["hf"] / "tokenizer.json").read_text())
+    done = run(BIN / "hybrid-ckpt", "export", tmp_path / "run", tmp_path / "hf", "--format", "hf")
+    assert "with its tokenizer" in done.stdout
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.eos_token == "<|endoftext|>"
+    done = run(BIN / "hybrid-generate", tmp_path / "run", "prompt=The for statement",
+               "max_new_tokens=8", "temperature=0.5", "seed=3")
+    assert done.stdout.startswith("The for statement")

@@ -30,6 +30,13 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "untied": make_hf_dir(folder / "untied", tied=False, seed=1, tokenizer=False)}
 
 
+@pytest.fixture(scope="module")
+def imported(hf_dirs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "tied"
+    assert run(CKPT, "import", hf_dirs["tied"], out).returncode == 0
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_import_then_export_changes_no_tensor(kind, hf_dirs, tmp_path):
@@ -98,33 +105,32 @@ def test_an_imported_model_gives_hfs_logits_and_loss(kind, hf_dirs, tmp_path):
     assert loss == pytest.approx(hf_loss, rel=1e-5)  # padding is masked: HF's loss exactly
 
 
-def _config(folder: Path, **changes) -> Path:
-    make = json.loads((folder / "config.json").read_text())
-    make.update(changes)
-    (folder / "config.json").write_text(json.dumps(make))
+def _hf_dir(folder: Path, **changes) -> Path:
+    """A directory that looks like an HF GPT-2 one until its config is read (weights are never
+    reached: the config is refused first)."""
+    folder.mkdir()
+    config = {"model_type": "gpt2", "activation_function": "gelu_new", "n_embd": 32,
+              "n_head": 4, "n_layer": 4, "n_positions": 32, "vocab_size": 300, **changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
     return folder
 
 
 @pytest.mark.parametrize("name, make, needle", [
-    ("missing", lambda d, hf: d / "nothing", "is not a folder; pass a local HF model directory"),
-    ("no config", lambda d, hf: (d / "empty").mkdir() or d / "empty",
+    ("missing", lambda d: d / "nothing", "is not a folder; pass a local HF model directory"),
+    ("no config", lambda d: (d / "empty").mkdir() or d / "empty",
      "has no config.json: it is not an HF model directory"),
-    ("llama", lambda d, hf: _config(_copy(hf, d / "llama"), model_type="llama"),
+    ("llama", lambda d: _hf_dir(d / "llama", model_type="llama"),
      "holds a 'llama' model; only GPT-2 (model_type gpt2) converts"),
-    ("erf gelu", lambda d, hf: _config(_copy(hf, d / "gelu"), activation_function="gelu"),
+    ("erf gelu", lambda d: _hf_dir(d / "gelu", activation_function="gelu"),
      "activation_function='gelu' cannot be converted: hybrid's GELU is the tanh one"),
+    ("cross attention", lambda d: _hf_dir(d / "cross", add_cross_attention=True),
+     "add_cross_attention=True cannot be converted: hybrid is decoder-only"),
 ])
-def test_a_source_that_is_not_a_gpt2_is_one_line(name, make, needle, hf_dirs, tmp_path):
-    done = run(CKPT, "import", make(tmp_path, hf_dirs["tied"]), tmp_path / "out")
+def test_a_source_that_is_not_a_gpt2_is_one_line(name, make, needle, tmp_path):
+    done = run(CKPT, "import", make(tmp_path), tmp_path / "out")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert needle in done.stderr and not (tmp_path / "out").exists()
-
-
-def _copy(source: Path, target: Path) -> Path:
-    import shutil
-
-    shutil.copytree(source, target)
-    return target
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -132,10 +138,9 @@ def _copy(source: Path, target: Path) -> Path:
      "model.hidden: the checkpoint step_00000000 has hidden=32, the config hidden=64"),
     (["checkpoint.resume_from=auto"], "checkpoint.init_from and checkpoint.resume_from are both"),
 ])
-def test_init_from_is_checked_before_launch(overrides, needle, hf_dirs, tmp_path):
-    assert run(CKPT, "import", hf_dirs["tied"], tmp_path / "imported").returncode == 0
+def test_init_from_is_checked_before_launch(overrides, needle, imported, tmp_path):
     done = run(TRAIN, *HYBRID_SHAPE, "model.tie_embeddings=true", "parallel=single",
-               f"checkpoint.init_from={tmp_path / 'imported'}", *overrides,
+               f"checkpoint.init_from={imported}", *overrides,
                f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert needle in done.stderr

@@ -97,6 +97,11 @@ def test_2x2x2_equals_one_process_and_resumes_bitwise(blend, tmp_path):
               f"checkpoint.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_00000003'}")
     assert [r["loss"] for r in read_metrics(resumed / "metrics.jsonl")] == full[3:]
     assert evals(resumed) == {6: full_eval[6]}  # the cadence counts from the run's start
+    # the run's checkpoint carries the byte-level tokenizer of the data: generation decodes
+    done = subprocess.run([str(BIN / "hybrid-generate"), str(tmp_path / "full"), "prompt=The ",
+                           "max_new_tokens=8", "temperature=0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("The "), done.stderr[-2000:]
     # every run built its caches in its own folder, and nothing was written beside the data
     assert sorted(p.name for p in blend["folder"].iterdir()) == blend["files"]
     for run in ("one", "full", "resumed"):

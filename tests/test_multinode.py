@@ -17,7 +17,7 @@ import pytest
 from test_train_cli import _alive, _descendants, _wait_for
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
-COMMON = ["model=tiny", "train.timeline_step=0", "train.log_every=1000", "seed=3"]
+COMMON = ["model=tiny", "data=synthetic", "train.timeline_step=0", "train.log_every=1000", "seed=3"]
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

@@ -85,7 +85,8 @@ def _run_case(case, groups, reference, tokens, labels, recorder=None) -> dict:
     loss = run_pipeline_step(
         lists[groups.pp_rank], chunks,
         list(zip(tokens.split(MICRO_BATCH), labels.split(MICRO_BATCH))),
-        groups=groups, pp=pp, vpp=vpp, loss_fn=functools.partial(lm_loss, groups=groups, vocab=CFG["vocab"]),
+        groups=groups, pp=pp, vpp=vpp,
+        loss_fn=functools.partial(lm_loss, groups=groups, vocab=CFG["vocab"]),
         act_shape=(seq, MICRO_BATCH, CFG["hidden"]), act_dtype=torch.float32, recorder=recorder)
     if sp:
         allreduce_sequence_parallel_grads(list(chunks.values()), groups.tensor)

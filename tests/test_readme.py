@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,3 +26,25 @@ def test_readme_opens_with_exactly_two_commands():
 def test_ci_runs_the_readme_test_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert readme_commands()[1] in ci
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_main_job_trains_on_english_text_with_the_validation_loss_beside(tmp_path):
+    """The README's first command's job as it is (only its run directory chosen): CPython's
+    documentation, the loss and the validation loss falling, printed side by side."""
+    import subprocess
+    import sys
+
+    from hybrid.metrics import read_metrics
+
+    done = subprocess.run([str(Path(sys.executable).parent / "hybrid-train"),
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(evals) == [20, 40, 60, 80, 100, 120]
+    assert records[-1]["loss"] < records[0]["loss"] - 2 and evals[120] < evals[20]
+    assert "step   120/120  eval_loss" in done.stdout
+    assert (tmp_path / "data_cache" / "examples" / "python-docs.bin").is_file()

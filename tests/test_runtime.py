@@ -257,7 +257,7 @@ def test_a_rank_plan_is_refused_for_another_batch_before_any_message(cases):
     for result in cases:
         kind, message, _ = result["plan-for-other-m"]
         assert kind == "ScheduleError" and "\n" not in message
-        assert "made for (rank, pp, vpp, m, placement, stages, lookahead)=(" in message
+        assert "made for (rank, pp, vpp, m, placement, stages, lookahead, forward only)=(" in message
         assert f", 2, 1, {M}, 'loop'," in message and f", 2, 1, {M - 2}, 'loop'," in message
 
 

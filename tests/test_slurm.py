@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 TEMPLATE = ROOT / "docs" / "slurm" / "hybrid.sbatch"
 # Two nodes of one rank each: the smallest multi-node job (tiny model, a few steps).
-SMALL = ["model=tiny", "train.steps=4", "train.global_batch=4", "train.micro_batch=1",
-         "train.log_every=100", "train.timeline_step=0", "parallel=single", "parallel.dp=2",
+SMALL = ["model=tiny", "data=synthetic", "train.steps=4", "train.global_batch=4",
+         "train.micro_batch=1", "train.log_every=100", "train.timeline_step=0", "parallel=single",
+         "parallel.dp=2",
          "optim.warmup_steps=0", "launcher=slurm", "launcher.nnodes=2", "seed=3"]
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

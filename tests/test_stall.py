@@ -20,7 +20,7 @@ from hybrid.planning.layout import Layout
 from test_train_cli import _alive, _descendants, _parent_of, _wait_for
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
-TINY = ["model=tiny", "train.timeline_step=0", "train.log_every=1000"]
+TINY = ["model=tiny", "data=synthetic", "train.timeline_step=0", "train.log_every=1000"]
 WHO = r"rank (\d) \(dp (\d), tp (\d), pp (\d), node 0\)"
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]

@@ -13,8 +13,8 @@ import pytest
 from launch.sweep_report import spearman
 
 BIN = Path(sys.executable).parent
-TINY = ["model=tiny", "train.steps=3", "train.global_batch=4", "train.log_every=100",
-        "optim.warmup_steps=0"]
+TINY = ["model=tiny", "data=synthetic", "train.steps=3", "train.global_batch=4",
+        "train.log_every=100", "optim.warmup_steps=0"]
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,8 +29,8 @@ def test_a_sweep_runs_every_valid_cell_skips_the_others_and_reports(tmp_path):
     """The issue's sweep: 6 cells, the 2 with tp=3 cannot split the tiny model's 4 heads and
     are skipped with that reason; the 4 others train; one report; exit 0."""
     done = subprocess.run(
-        [str(BIN / "hybrid-train"), "-m", "model=tiny", "train.steps=6", "parallel.dp=1",
-         "parallel.tp=1,2,3", "parallel.pp=1,2", "train.timeline_step=2",
+        [str(BIN / "hybrid-train"), "-m", "model=tiny", "data=synthetic", "train.steps=6",
+         "parallel.dp=1", "parallel.tp=1,2,3", "parallel.pp=1,2", "train.timeline_step=2",
          f"hydra.sweep.dir={tmp_path}"], capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"sweep report: {tmp_path / 'sweep.md'} (4 completed, 2 skipped, 0 failed)" \

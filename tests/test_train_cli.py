@@ -48,7 +48,7 @@ BAD = [
     (["launcher.omp_threads=0"], "launcher.omp_threads=0 must be an integer >= 1"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts=-1 must be a finite number >= 0"),
     (["checkpoint.every=-5"], "checkpoint.every=-5 must be a finite number >= 0"),
-    (["data.samples=0"], "data.samples=0 must be an integer >= 1"),
+    (["data=synthetic", "data.samples=0"], "data.samples=0 must be an integer >= 1"),
     (["model=gpt2-350m", "parallel.dp=4", "parallel.tp=2", "parallel.pp=1",
       "train.global_batch=16"], "model.recompute=full parallel.zero=1 would need"),
     (["launcher.nnodes=2"], "launcher=local runs one node, not launcher.nnodes=2; use "
@@ -96,13 +96,13 @@ def test_a_refused_config_ends_the_fork_server_it_started_early(tmp_path):
     overlap); a config refused before launch must not leave it importing on its own."""
     from launch.console import may_start_workers_here
 
-    assert may_start_workers_here(["model=tiny", "parallel.dp=3"])
+    assert may_start_workers_here(["model=tiny", "data=synthetic", "parallel.dp=3"])
     assert not may_start_workers_here(["-m", "parallel.dp=1,2"])
     assert not may_start_workers_here(["launcher=slurm"])
     assert not may_start_workers_here(["launcher.start_method=spawn"])
     before = _fork_servers()
     with open(tmp_path / "stderr", "w") as err:  # a file: a pipe would wait for the server
-        code = subprocess.run([TRAIN, "model=tiny", "parallel.dp=3",
+        code = subprocess.run([TRAIN, "model=tiny", "data=synthetic", "parallel.dp=3",
                                f"hydra.run.dir={tmp_path / 'run'}"],
                               stdout=subprocess.DEVNULL, stderr=err, timeout=60).returncode
     assert code == 2, (tmp_path / "stderr").read_text()
@@ -149,7 +149,8 @@ def _wait_for(condition, timeout: float, what: str):
 
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_run_with_its_rank_and_no_leftovers(tmp_path):
-    proc = subprocess.Popen([TRAIN, "model=tiny", "train.steps=1000", f"hydra.run.dir={tmp_path}",
+    proc = subprocess.Popen([TRAIN, "model=tiny", "data=synthetic", "train.steps=1000",
+                             f"hydra.run.dir={tmp_path}",
                              "train.timeline_step=0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -170,7 +171,8 @@ def test_a_killed_worker_ends_the_run_with_its_rank_and_no_leftovers(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
-    proc = subprocess.Popen([TRAIN, "model=tiny", "train.steps=1000", f"hydra.run.dir={tmp_path}",
+    proc = subprocess.Popen([TRAIN, "model=tiny", "data=synthetic", "train.steps=1000",
+                             f"hydra.run.dir={tmp_path}",
                              "train.timeline_step=0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -97,6 +97,11 @@ def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any) -> Optional[int
     one global batch, token ids >= ``model.vocab``, a recorded vocabulary larger than
     ``model.vocab``, a blend of differently tokenized data sets, or a split with no document.
     """
+    if data_cfg.source == "indexed" and data_cfg.example is not None:
+        if model_cfg.vocab < 256:  # the built-in corpora are byte-level
+            raise DataError(f"data.example={data_cfg.example} is byte-level (ids 0..255) but "
+                            f"model.vocab={model_cfg.vocab}; set model.vocab=256 or more")
+        return None
     if data_cfg.source == "indexed":
         _check_indexed(data_cfg, model_cfg)
         return None

@@ -13,13 +13,10 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from hybrid.checkpoint.store import model_shape
-from hybrid.checkpoint.weights import (checkpoint_tokenizer, read_model_weights,
-                                       write_weights_checkpoint)
-from hybrid.interop.gpt2 import ConversionError, from_hf, hf_config, model_fields, to_hf
-from hybrid.interop.hf_dir import hf_tokenizer, read_hf_dir, write_hf_dir
+from hybrid.interop.gpt2 import from_hf, hf_config, model_fields, to_hf
+from hybrid.interop.hf_dir import (ConversionError, hf_config as read_config, hf_tokenizer,
+                                   read_hf_weights, write_hf_dir)
 from hybrid.planning.config import ModelConfig
 
 
@@ -30,6 +27,8 @@ def model_config_of(manifest: dict) -> ModelConfig:
 
 def export_hf(path: Path, manifest: dict, out: str) -> dict:
     """Write checkpoint ``path`` as an HF GPT-2 directory ``out``; what was written."""
+    from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
+
     model = model_config_of(manifest)
     tensors = to_hf(read_model_weights(path), model)
     record, tokenizer_json = checkpoint_tokenizer(path, manifest)
@@ -46,13 +45,12 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
             "bytes_tokenizer": record is not None and record.get("kind") == "bytes"}
 
 
-def hf_model(hf_dir: str) -> tuple[ModelConfig, dict[str, torch.Tensor],
-                                   Optional[dict], Optional[str]]:
+def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[str]]:
     """(model config, hybrid weights with the real vocabulary, tokenizer record, tokenizer
-    JSON) of an HF GPT-2 directory."""
-    config, tensors = read_hf_dir(hf_dir)
+    JSON) of an HF GPT-2 directory (its config checked before any tensor is read)."""
+    config = read_config(hf_dir)
     model = ModelConfig(**model_fields(config, hf_dir), vocab_pad_multiple=1)
-    weights = from_hf(tensors, model)
+    weights = from_hf(read_hf_weights(hf_dir), model)
     found = hf_tokenizer(hf_dir)
     if found is None:
         return model, weights, None, None
@@ -66,6 +64,8 @@ def import_hf(hf_dir: str, out: str) -> Path:
     if target.exists() and any(target.iterdir()):
         raise ConversionError(f"{out} exists and is not empty; choose another folder")
     model, weights, record, tokenizer_json = hf_model(hf_dir)
+    from hybrid.checkpoint.weights import write_weights_checkpoint  # torch: once data is read
+
     fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
     return write_weights_checkpoint(target, weights, model_shape=model_shape(model),
                                     config={"model": fields}, source=str(Path(hf_dir).resolve()),

@@ -20,11 +20,12 @@ either side must be used, or the conversion fails with one line.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+from hybrid.interop.hf_dir import ConversionError
 
-from hybrid.errors import UserError
+if TYPE_CHECKING:  # torch is imported where tensors are touched: a bad config fails at once
+    import torch
 
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_python_tanh")
 """HF activation names that are tanh-GELU (hybrid's), equal to it within 5e-7 in fp32."""
@@ -47,10 +48,6 @@ OUTSIDE = ((EMBEDDING, "transformer.wte.weight", "vocab"),
            ("embedding.position_embeddings", "transformer.wpe.weight", "same"),
            ("final_norm.weight", "transformer.ln_f.weight", "same"),
            ("final_norm.bias", "transformer.ln_f.bias", "same"))
-
-
-class ConversionError(UserError):
-    """A model or a directory the conversion cannot represent: one line saying why."""
 
 
 def name_pairs(layers: int, tied: bool) -> list[tuple[str, str, str]]:
@@ -93,6 +90,8 @@ def from_hf(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Ten
     padding: ``pad_vocabulary`` adds it for a model that pads)."""
     tensors = {("transformer." + k if not k.startswith(("transformer.", "lm_head.")) else k): v
                for k, v in tensors.items() if not k.endswith(LEGACY_BUFFERS)}  # GPT2Model keys
+    import torch
+
     if model.tie_embeddings and "lm_head.weight" in tensors:
         if not torch.equal(tensors.pop("lm_head.weight"), tensors["transformer.wte.weight"]):
             raise ConversionError("tie_word_embeddings is true but lm_head.weight differs from "
@@ -119,6 +118,8 @@ def _convert(source: dict, pairs: list, model: Any, to_hf: bool) -> dict[str, to
 def pad_vocabulary(weights: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Tensor]:
     """The vocabulary matrices with zero rows up to ``padded`` (masked in the loss, never an
     input: any value trains the same)."""
+    import torch
+
     out = dict(weights)
     for name in (EMBEDDING, HEAD):
         if name in out and out[name].shape[0] < padded:

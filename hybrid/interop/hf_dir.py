@@ -3,7 +3,8 @@
 
 Reading takes ``config.json`` and ``model.safetensors`` (or a ``pytorch_model.bin``, loaded
 with ``torch.load(weights_only=True)``, which refuses a pickle that carries code); sharded
-checkpoints are refused. A local directory never reaches the network.
+checkpoints are refused. A local directory never reaches the network. ``hf_config`` checks a
+directory without importing torch, so a bad one is refused at once.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-import torch
-
-from hybrid.interop.gpt2 import ConversionError
+from hybrid.errors import UserError
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def read_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(``config.json``, tensors by HF name) of the HF directory ``path``."""
+class ConversionError(UserError):
+    """A model or a directory the conversion cannot represent: one line saying why."""
+
+
+def hf_config(path: str) -> dict:
+    """``config.json`` of the HF GPT-2 directory ``path``, after checking the directory."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConversionError(f"{path} is not a folder; pass a local HF model directory (one "
@@ -41,19 +44,27 @@ def read_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if any(folder.glob("*.index.json")):
         raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
                               f"model.safetensors (save_pretrained(max_shard_size='100GB'))")
+    if not any((folder / name).is_file() for name in WEIGHTS):
+        raise ConversionError(f"{path} has neither {' nor '.join(WEIGHTS)}")
+    return config
+
+
+def read_hf_weights(path: str) -> dict:
+    """The tensors (by HF name) of the checked HF directory ``path``."""
+    import torch
+
+    folder = Path(path).expanduser()
     if (folder / WEIGHTS[0]).is_file():
-        return config, _safetensors().load_file(str(folder / WEIGHTS[0]))
-    if (folder / WEIGHTS[1]).is_file():
-        try:
-            return config, torch.load(folder / WEIGHTS[1], map_location="cpu", weights_only=True)
-        except Exception as err:  # an UnpicklingError names what it refused
-            raise ConversionError(f"{folder / WEIGHTS[1]} cannot be loaded as weights only "
-                                  f"({str(err).splitlines()[0]}); convert it to "
-                                  f"model.safetensors") from None
-    raise ConversionError(f"{path} has neither {' nor '.join(WEIGHTS)}")
+        return _safetensors().load_file(str(folder / WEIGHTS[0]))
+    try:
+        return torch.load(folder / WEIGHTS[1], map_location="cpu", weights_only=True)
+    except Exception as err:  # an UnpicklingError names what it refused
+        raise ConversionError(f"{folder / WEIGHTS[1]} cannot be loaded as weights only "
+                              f"({str(err).splitlines()[0]}); convert it to "
+                              f"model.safetensors") from None
 
 
-def write_hf_dir(out: str, tensors: dict[str, torch.Tensor], config: dict,
+def write_hf_dir(out: str, tensors: dict, config: dict,
                  tokenizer_json: Optional[str] = None, eod_token: Optional[str] = None,
                  max_length: Optional[int] = None) -> None:
     """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end."""

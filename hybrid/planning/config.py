@@ -162,6 +162,10 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """source=indexed: where megatron-core's sample-index caches go, built once before the
     ranks start; None means ``<run dir>/data_cache``. Never the data's own folder."""
+    example: Optional[str] = None
+    """source=indexed: a built-in corpus instead of files, tokenized at launch into the cache
+    folder: python-docs (CPython's documentation topics, which every Python carries: about
+    2,600 paragraphs of English, one document each, byte-level: vocabulary 256)."""
 
 
 @dataclass(kw_only=True)

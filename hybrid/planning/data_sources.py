@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SOURCES = ("synthetic", "tokens", "indexed")
+EXAMPLES = ("python-docs",)
+"""Built-in corpora for data.example (``hybrid.data.examples``)."""
 SPLITS = ("train", "valid", "test")
 
 
@@ -31,10 +33,19 @@ def data_problem(data: Any) -> Optional[str]:
     if data.source not in SOURCES:
         return f"data.source={data.source!r} is unknown; choose one of {', '.join(SOURCES)}"
     if data.source != "indexed":
-        if data.blend is not None:
-            return (f"data.blend is for data.source=indexed, not data.source={data.source}; "
-                    f"use data=indexed")
+        for field in ("blend", "example"):
+            if getattr(data, field) is not None:
+                return (f"data.{field} is for data.source=indexed, not data.source="
+                        f"{data.source}; use data=indexed")
         return None
+    if data.example is not None:
+        if data.example not in EXAMPLES:
+            return (f"data.example={data.example!r} is unknown; choose one of "
+                    f"{', '.join(EXAMPLES)}, or give files with data.path")
+        if data.path is not None or data.blend is not None:
+            return ("data.example and data.path/data.blend both name data; give one (drop "
+                    "data.example with data.example=null)")
+        return split_problem(data.split)
     return _blend_problem(data) or split_problem(data.split)
 
 
@@ -97,7 +108,10 @@ def split_problem(split: Any) -> Optional[str]:
 
 
 def blend_of(data: Any) -> Blend:
-    """The data sets of a checked indexed source (``data_problem`` found nothing)."""
+    """The data sets of a checked indexed source (``data_problem`` found nothing); a built-in
+    example's prefix is known once it is written (the plan's ``data_prefixes``)."""
+    if data.example is not None:
+        return Blend(prefixes=(), weights=None)
     if data.blend is None:
         return Blend(prefixes=(data.path,), weights=None)
     items = list(data.blend)
