@@ -81,6 +81,7 @@ def _split(lengths, flat):
     return np.split(flat, np.cumsum(lengths)[:-1])
 
 
+@pytest.mark.slow
 def test_a_blend_keeps_its_weights_within_1_percent_over_10000_samples(tmp_path):
     """hybrid-plan out=DIR settles a run of 1,250 steps of 8 (its caches built there); the
     run's first 10,000 samples come from each data set by its weight, as the ranks read them."""
