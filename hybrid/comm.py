@@ -5,7 +5,7 @@ model's tensor-parallel regions (megatron-core's layers are built so that they i
 their own, ``hybrid.model.megatron_adapter``), the pipeline's messages, the DP reductions,
 clipping and the trainer's per-step reductions. A group knows its torch group (``pg``), its
 global ranks, its backend and the ``label`` its traffic is counted under (the axes of its role:
-``dp``, ``tp``, ``pp``, ``tp-pp``, ``embedding``, or ``world``).
+``dp``, ``cp-dp``, ``cp``, ``tp``, ``pp``, ``tp-pp``, ``embedding``, or ``world``).
 
 While an observer is attached and active (``CommCounter``, during each training step), every
 operation is counted and handed to the observer's ``RankWatch``, which times this rank's waits
@@ -35,8 +35,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-REPORTED_AXES = ("dp", "tp", "pp", "other")
+from hybrid.planning.layout import COORD_ORDER
+
+REPORTED_AXES = (*COORD_ORDER, "other")
 """The labels ``CommCounter`` reports; a group labelled otherwise counts as ``other``."""
+REPORTED_AS = {"cp-dp": "dp"}
+"""Groups reported under another axis: the gradient reduction over dp x cp is DP traffic
+(megatron's ``dp_cp`` group)."""
 ALL_REDUCE, GATHER_SCATTER, SEND, RECV = "all_reduce", "gather_scatter", "send", "recv"
 
 # The flat-tensor collectives, by their torch 2.13 names (the old ones print a FutureWarning);
@@ -47,6 +52,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def reported_axis(label: str) -> str:
     """The axis a group's traffic is reported under: its label, or ``other``."""
+    label = REPORTED_AS.get(label, label)
     return label if label in REPORTED_AXES else "other"
 
 

@@ -72,7 +72,8 @@ class Evaluator:
                     rank_microbatches(self.dataset, batch, global_batch=cfg.train.global_batch,
                                       micro_batch=cfg.train.micro_batch,
                                       dp=self.groups.data.size(), dp_rank=self.groups.data.rank(),
-                                      seed=cfg.seed)]
+                                      seed=cfg.seed, cp=self.groups.context.size(),
+                                      cp_rank=self.groups.context.rank())]
             with autocast():
                 loss = run_pipeline_step(
                     self.rank_plan, self.chunks, data, groups=self.groups, pp=layout.pp,

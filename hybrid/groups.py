@@ -65,22 +65,26 @@ class ParallelGroups:
         world, me = dist.get_world_size(), dist.get_rank()
         if world % layout.world_size:
             raise LayoutError(
-                f"world size {world} is not a multiple of dp*tp*pp={layout.world_size} "
+                f"world size {world} is not a multiple of dp*cp*tp*pp={layout.world_size} "
                 f"({layout.describe()}); launch {layout.world_size} processes or change the layout"
             )
         device = device or default_device()
         backend = backend_for(device)
         replicas = world // layout.world_size
-        by_key = {}
+        by_key, made = {}, {}
         for key in group_keys():
             for replica in range(replicas):
                 offset = replica * layout.world_size
                 for local in layout.groups(key):
                     members = [offset + r for r in local]
-                    # new_group is collective over the world: every rank makes every group.
-                    pg = dist.new_group(members, backend=backend, timeout=timeout)
+                    # new_group is collective over the world: every rank makes every group,
+                    # in the same order. Keys with the same ranks (cp-dp and dp at cp=1) share
+                    # one torch group and keep their own labels.
+                    if tuple(members) not in made:
+                        made[tuple(members)] = dist.new_group(members, backend=backend,
+                                                              timeout=timeout)
                     if me in members:
-                        by_key[key] = Group(pg, members, key, backend)
+                        by_key[key] = Group(made[tuple(members)], members, key, backend)
         return cls(layout=layout, global_rank=me, replica_offset=me - me % layout.world_size,
                    device=device, by_key=by_key, world=Group.world())
 
@@ -114,6 +118,11 @@ class ParallelGroups:
     def loss(self) -> Group:
         """Ranks whose last-stage losses are averaged into the step's loss."""
         return self.role("loss")
+
+    @property
+    def context(self) -> Group:
+        """Ranks that split each sequence (context parallelism's ring, in zigzag order)."""
+        return self.role("context")
 
     @property
     def tensor(self) -> Group:
@@ -169,6 +178,6 @@ class ParallelGroups:
 
     def destroy(self) -> None:
         """Release this layout's groups (optional; the default group outlives them)."""
-        for group in {id(g): g for g in self.by_key.values()}.values():
-            dist.destroy_process_group(group.pg)
+        for pg in {id(g.pg): g.pg for g in self.by_key.values()}.values():
+            dist.destroy_process_group(pg)
         self.by_key.clear()

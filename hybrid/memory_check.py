@@ -48,7 +48,8 @@ def write_memory_check(run_dir: Path, plan: JobPlan, per_rank: list[list[float]]
     for rank, (param, grad, optimizer, dp_state, activations) in enumerate(per_rank):
         coords = plan.layout.coords(rank % plan.world_size)
         blocks = [b for s in plan.stages_of(coords["pp"]) for b in s.blocks]
-        predicted = rank_state_bytes(cfg, plan.layout, blocks, dp_rank=coords["dp"]).to_dict()
+        shard = plan.layout.role_rank("sharding", rank % plan.world_size)
+        predicted = rank_state_bytes(cfg, plan.layout, blocks, dp_rank=shard).to_dict()
         counted = {"param_bytes": int(param), "grad_bytes": int(grad),
                    "optimizer_bytes": int(optimizer), "dp_state_bytes": int(dp_state)}
         equal &= counted == predicted

@@ -27,7 +27,7 @@ CoordsOf = Callable[[int], dict]
 
 FAILURE_FILE = "failure.json"
 """Written into the run directory by the first rank that finished hearing the others."""
-AXIS_NAMES = {"dp": "DP", "tp": "TP", "pp": "PP"}
+AXIS_NAMES = {"dp": "DP", "cp": "CP", "tp": "TP", "pp": "PP"}
 """How a wait's axis reads in the line; other groups (the world, tp-pp, embedding) by ranks."""
 
 
@@ -72,7 +72,8 @@ def describe_wait(wait: dict) -> str:
 def who(rank: int, coords_of: CoordsOf, node_of: Callable[[int], int]) -> str:
     """``rank 3 (dp 0, tp 1, pp 1, node 0)``."""
     c = coords_of(rank)
-    return f"rank {rank} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']}, node {node_of(rank)})"
+    cp = f", cp {c['cp']}" if "cp" in c else ""  # the trainer leaves it out at cp=1
+    return f"rank {rank} (dp {c['dp']}{cp}, tp {c['tp']}, pp {c['pp']}, node {node_of(rank)})"
 
 
 def absent_reason(rank: int, reports: dict[int, Report], coords_of: CoordsOf,

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from hybrid.planning.cost.flops import hardware_flops_per_step, model_flops_per_step
 from hybrid.planning.job import JobPlan, rank_dp_bytes
+from hybrid.planning.layout import COORD_ORDER as AXES
 from hybrid.planning.strategies import DpOptions
 
-AXES = ("dp", "tp", "pp")
 
 
 @dataclass

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Sequence
 
 from hybrid.files import write_error
+from hybrid.planning.layout import COORD_ORDER
 
-WAIT_AXES = ("dp", "tp", "pp", "other")
+WAIT_AXES = (*COORD_ORDER, "other")
 DEFAULT_PATIENCE = 3
 """Consecutive slow steps before a warning: one slow step is noise (a page fault, a GC)."""
 DEFAULT_WINDOW = 5

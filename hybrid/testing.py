@@ -136,13 +136,15 @@ def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts
     (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
-    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options; and the run
+    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options, and over its
+    context group what ``hybrid.planning.cost.context_time.cp_step_bytes`` predicts; and the run
     directory's ``plan.json`` is the plan of its ``config.json`` (nothing written back)."""
     import json
     from pathlib import Path
 
     from hybrid.metrics import read_metrics
     from hybrid.planning.config import from_dict
+    from hybrid.planning.cost.context_time import cp_step_bytes
     from hybrid.planning.job import plan_job, rank_dp_bytes
     from hybrid.planning.plan_file import load_plan
 
@@ -154,8 +156,11 @@ def checked_records(run_dir) -> list[dict]:
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     assert plan.cfg == cfg and plan.stages == plan_job(cfg, block_costs=plan.block_costs).stages
     records = read_metrics(run_dir / "metrics.jsonl")
+    layers = sum(1 for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers)
+    ring = cp_step_bytes(cfg, plan.layout, layers, plan.schedule.microbatches)
     for record in records:
         predicted = rank_dp_bytes(cfg, plan, 0, record["step"])
         assert abs(record["comm_bytes"]["dp"] - predicted) <= 1e-9 * predicted, \
             (record["step"], record["comm_bytes"]["dp"], predicted)
+        assert record["comm_bytes"]["cp"] == ring, (record["step"], record["comm_bytes"], ring)
     return records

@@ -95,8 +95,10 @@ class Trainer:
         self.watch.enabled = on
 
     def coords_of(self, rank: int) -> dict[str, int]:
-        """A global rank's (dp, tp, pp) coordinates."""
-        return self.groups.layout.coords(rank % self.groups.layout.world_size)
+        """A global rank's (dp, cp, tp, pp) coordinates; cp only where the layout has it."""
+        layout = self.groups.layout
+        coords = layout.coords(rank % layout.world_size)
+        return coords if layout.cp > 1 else {k: v for k, v in coords.items() if k != "cp"}
 
     def node_of(self, rank: int) -> int:
         return self.plan.node_of(rank % self.groups.layout.world_size)
@@ -110,7 +112,9 @@ class Trainer:
         t, data = self.cfg.train, self.groups.data
         pairs = rank_microbatches(self.dataset, step - 1, global_batch=t.global_batch,
                                   micro_batch=t.micro_batch, dp=data.size(),
-                                  dp_rank=data.rank(), seed=self.cfg.seed)
+                                  dp_rank=data.rank(), seed=self.cfg.seed,
+                                  cp=self.groups.context.size(),
+                                  cp_rank=self.groups.context.rank())
         # No per-step id check here: validate_data scanned the token file before launch and
         # the dataset checks each window as it reads it (every model-parallel rank reads the
         # same windows, so a bad one stops them all alike).

@@ -60,7 +60,9 @@ def describe(path: Path, manifest: dict) -> str:
     layout, model = manifest["layout"], manifest["model"]
     origin = f"imported from {manifest['source']} (weights only: checkpoint.init_from)" \
         if manifest.get("kind") == WEIGHTS_KIND else (
-            f"saved from dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']} "
+            f"saved from dp {layout['dp']} x "
+            f"{'cp %d x ' % layout['cp'] if layout.get('cp', 1) > 1 else ''}"
+            f"tp {layout['tp']} x pp {layout['pp']} "
             f"(vpp {layout['vpp']}, zero {layout['zero']}, schedule {layout['schedule']}, "
             f"{layout['world']} ranks)")
     tokenizer = manifest.get("tokenizer")

@@ -84,7 +84,8 @@ def dry_run_text(plan, run_dir: Path) -> str:
     submit = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
     script = _make_sbatch_string(command=submit, folder=folder, **sbatch_parameters(plan))
     nproc = plan.ranks_per_node
-    rows = [f"{r:>4}  {layout.node_of(r, nproc):>4}  {c['dp']:>2}  {c['tp']:>2}  {c['pp']:>2}"
+    rows = [f"{r:>4}  {layout.node_of(r, nproc):>4}  {c['dp']:>2}  "
+            + (f"{c['cp']:>2}  " if layout.cp > 1 else "") + f"{c['tp']:>2}  {c['pp']:>2}"
             for r in range(layout.world_size) for c in [layout.coords(r)]]
     return "\n".join([
         f"# dry run: launcher.nnodes={cfg.launcher.nnodes} nodes x 1 task, "
@@ -92,7 +93,7 @@ def dry_run_text(plan, run_dir: Path) -> str:
         "# job script (sbatch):", script.rstrip(), "",
         "# per-node command (one task per node; submitit runs it as "
         "launch.slurm_node.run_node):", node_command(run_dir), "",
-        "# ranks:", "rank  node  dp  tp  pp", *rows, "",
+        "# ranks:", "rank  node  dp  " + "cp  " * (layout.cp > 1) + "tp  pp", *rows, "",
         f"# run directory (config.json and plan.json written): {run_dir}",
     ])
 

@@ -12,8 +12,8 @@ from hybrid.stragglers import RankTimesLog, StragglerWatch, peer_sets, ratios, s
 LAYOUT = Layout(dp=2, tp=2, pp=2)
 
 
-def coords_of(rank):
-    return LAYOUT.coords(rank)
+def coords_of(rank):  # as the trainer's: no cp coordinate at cp=1
+    return {axis: i for axis, i in LAYOUT.coords(rank).items() if axis != "cp"}
 
 
 def node_of(rank):
@@ -132,14 +132,15 @@ def test_noise_is_not_a_straggler():
 
 def test_rank_times_log_writes_a_line_per_step_and_summarises(tmp_path):
     log = RankTimesLog(tmp_path / "rank_times.jsonl", [0, 0, 0], threshold=1.2)
-    waits = {"dp": [0.1, 0.5, 0.0], "tp": [0.0] * 3, "pp": [0.0] * 3, "other": [0.0] * 3}
+    waits = {"dp": [0.1, 0.5, 0.0], "cp": [0.0] * 3, "tp": [0.0] * 3, "pp": [0.0] * 3,
+             "other": [0.0] * 3}
     for step in (1, 2, 3):
         summary, found = log.add(step, [1.0, 1.0, 2.0], waits, 2.5)
     log.close()
     assert [s.rank for s in found] == [2]
     assert summary == step_summary([1.0, 1.0, 2.0], waits, peer_sets([0, 0, 0]))
     assert summary["slowest_rank"] == {"rank": 2, "compute_s": 2.0, "ratio": 2.0}
-    assert summary["max_wait_s"] == {"dp": 0.5, "tp": 0.0, "pp": 0.0, "other": 0.0}
+    assert summary["max_wait_s"] == {"dp": 0.5, "cp": 0.0, "tp": 0.0, "pp": 0.0, "other": 0.0}
     lines = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert lines[0]["wait_s"]["dp"] == [0.1, 0.5, 0.0]
@@ -147,6 +148,13 @@ def test_rank_times_log_writes_a_line_per_step_and_summarises(tmp_path):
 
 def test_threshold_zero_turns_the_warning_off(tmp_path):
     log = RankTimesLog(tmp_path / "t.jsonl", [0, 0], threshold=0)
-    waits = {axis: [0.0, 0.0] for axis in ("dp", "tp", "pp", "other")}
+    waits = {axis: [0.0, 0.0] for axis in ("dp", "cp", "tp", "pp", "other")}
     assert all(log.add(step, [1.0, 9.0], waits, 10.0)[1] == [] for step in range(5))
     log.close()
+
+
+def test_a_rank_of_a_context_parallel_layout_is_named_with_its_cp_coordinate():
+    from hybrid.stall import who
+
+    layout = Layout(cp=2, tp=2)
+    assert who(3, layout.coords, lambda rank: 0) == "rank 3 (dp 0, cp 1, tp 1, pp 0, node 0)"

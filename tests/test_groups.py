@@ -60,7 +60,7 @@ def test_two_layouts_coexist_and_small_layouts_replicate():
     results = spawn(_two_layouts_in_one_process, 4)
     for rank, (tp_sum, ref_sum, ref_coords, offset) in enumerate(results):
         assert (tp_sum, ref_sum) == (2.0, 1.0)
-        assert ref_coords == {"dp": 0, "tp": 0, "pp": 0}
+        assert ref_coords == {"dp": 0, "cp": 0, "tp": 0, "pp": 0}
         assert offset == rank
 
 
@@ -69,7 +69,7 @@ def _layout_not_fitting_world(rank, world):
 
 
 def test_layout_that_does_not_divide_the_world_is_a_layout_error():
-    with pytest.raises(SpawnError, match="world size 2 is not a multiple of dp\\*tp\\*pp=3"):
+    with pytest.raises(SpawnError, match="world size 2 is not a multiple of dp\\*cp\\*tp\\*pp=3"):
         spawn(_layout_not_fitting_world, 2)
 
 

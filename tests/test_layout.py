@@ -31,6 +31,46 @@ def test_groups_equal_megatron_rank_generator_for_every_layout_and_order():
     assert checked == 6 * sum(1 for _ in _layouts_up_to(64))
 
 
+@pytest.mark.slow
+def test_groups_with_cp_equal_megatron_rank_generator_for_every_order():
+    """The fourth axis: every order of tp, cp, dp, pp and the groups of every axis set,
+    megatron's dp-cp and tp-cp among them."""
+    from megatron.core.parallel_state import RankGenerator
+
+    axes = ["-".join(c) for n in (1, 2, 3, 4)
+            for c in itertools.combinations(("tp", "cp", "dp", "pp"), n)]
+    checked = 0
+    for dp, tp, pp in _layouts_up_to(24):
+        for cp in (2, 3):
+            if dp * tp * pp * cp > 48:
+                continue
+            for order in ("-".join(p) for p in itertools.permutations(("tp", "cp", "dp", "pp"))):
+                layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, order=order)
+                gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+                for axis in axes:
+                    assert layout.groups(axis) == gen.get_ranks(axis), (dp, cp, tp, pp, order,
+                                                                         axis)
+                checked += 1
+    assert checked > 1000
+
+
+def test_cp_joins_the_gradient_loss_and_sharding_roles_and_has_its_own():
+    layout = Layout(dp=2, cp=2, tp=2, pp=1)  # tp-cp-dp-pp: tp fastest, then cp
+    assert layout.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for role in ("gradient", "loss", "sharding"):
+        assert layout.role_groups(role) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.role_groups("data") == layout.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.role_groups("model") == layout.groups("tp")
+    assert layout.role_rank("sharding", 6) == 3 and layout.role_rank("data", 6) == 1
+    assert layout.coords(6) == {"dp": 1, "cp": 1, "tp": 0, "pp": 0}
+
+
+def test_an_order_may_leave_out_cp_only_while_it_is_1():
+    assert Layout(dp=2, tp=2, order="tp-pp-dp").axes == ("tp", "pp", "dp", "cp")
+    with pytest.raises(LayoutError, match="cp > 1 must be placed.*order=tp-cp-dp-pp"):
+        Layout(cp=2, order="tp-dp-pp")
+
+
 @pytest.mark.parametrize("order", ORDERS)
 def test_coords_and_rank_are_inverse(order):
     layout = Layout(dp=3, tp=2, pp=4, order=order)
@@ -48,7 +88,7 @@ def test_default_order_is_megatron_tp_fastest():
     assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert layout.groups("embedding") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.coords(5) == {"dp": 0, "tp": 1, "pp": 1}
+    assert layout.coords(5) == {"dp": 0, "cp": 0, "tp": 1, "pp": 1}
 
 
 def test_each_axis_partitions_the_world():

@@ -28,7 +28,7 @@ def test_json_plan_of_2x2x2_lists_megatron_groups():
         assert data["groups"][axis] == layout.groups(axis)
     assert data["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [r["rank"] for r in data["ranks"]] == list(range(8))
-    assert data["ranks"][5] == {"rank": 5, "node": 0, "dp": 0, "tp": 1, "pp": 1}
+    assert data["ranks"][5] == {"rank": 5, "node": 0, "dp": 0, "cp": 0, "tp": 1, "pp": 1}
     assert data["model"]["params"] > 0
     assert len(data["memory"]) == 2 and all(m["total_bytes"] > 0 for m in data["memory"])
     assert 0 < data["schedule"]["bubble_fraction"] < 1

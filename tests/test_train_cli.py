@@ -14,6 +14,7 @@ import pytest
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 
 BAD = [
+    (["parallel.cp=3"], "parallel.cp=3 needs model.seq_len=32 divisible by 2*cp=6"),
     (["parallel.tp=3"], "parallel.tp=3 does not divide model.heads=4"),
     (["parallel.pp=8"], "exceeds model.layers=4"),
     (["parallel.dp=0"], "parallel.dp=0 must be an integer >= 1"),

@@ -90,6 +90,19 @@ BAD = [
      "replicas that disagree; set train.steps=12"),
     ({"parallel": {"dp_compress": "powersgd", "zero": 1}},
      "parallel.dp_compress=powersgd needs unsharded optimizer state: set parallel.zero=0"),
+    ({"parallel": {"cp": 3}, "model": {"seq_len": 64}},
+     "parallel.cp=3 needs model.seq_len=64 divisible by 2*cp=6 (each rank holds two of 2*cp "
+     "equal chunks); use cp in {1, 2}"),
+    ({"parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}, "model": {"seq_len": 12}},
+     "parallel.sequence_parallel=true with parallel.cp=2 needs each rank's 6 tokens divisible "
+     "by parallel.tp=4"),
+    ({"parallel": {"cp": 2, "dp_sync_every": 2}, "train": {"steps": 10}},
+     "the ranks of a context group hold parts of the same sequences and must step together"),
+    ({"parallel": {"cp_comm": "ring"}}, "parallel.cp_comm='ring' is not one of p2p, allgather"),
+    ({"parallel": {"cp": 2, "order": "tp-dp-pp"}},
+     "parallel.order='tp-dp-pp' is not a permutation of tp-cp-dp-pp (cp > 1 must be placed)"),
+    ({"parallel": {"cp": 2}, "launcher": {"nproc_per_node": 8}},
+     "parallel.dp*cp*tp*pp = 2*2*2*2 = 16 but the launcher starts 8 processes"),
 ]
 
 

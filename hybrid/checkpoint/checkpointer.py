@@ -42,6 +42,7 @@ from hybrid.checkpoint.weights import read_model_weights
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.shards import load_global_weights
 from hybrid.planning.config import to_dict
+from hybrid.planning.layout import COORD_ORDER
 from hybrid.dp.option_state import PREFIX as OPTION_PREFIX
 from hybrid.dp.option_state import (
     load_option_state, option_state, option_targets, same_option_layout,
@@ -168,7 +169,7 @@ class Checkpointer:
         cfg, layout = self.cfg, self.groups.layout
         return {"format": FORMAT_VERSION, "step": step,
                 "consumed_samples": step * cfg.train.global_batch,
-                "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+                "layout": {**{axis: layout.size(axis) for axis in COORD_ORDER},
                            "vpp": layout.vpp, "zero": cfg.parallel.zero,
                            "schedule": cfg.parallel.schedule, "world": self.world},
                 "model": model_shape(cfg.model), "config": to_dict(cfg), "tensors": tensors,

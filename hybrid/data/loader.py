@@ -66,15 +66,19 @@ def global_batch_indices(step: int, *, num_samples: int, global_batch: int, seed
 
 
 def rank_microbatches(dataset: TokenDataset, step: int, *, global_batch: int,
-                      micro_batch: int, dp: int, dp_rank: int,
-                      seed: int) -> list[tuple[Any, Any]]:
+                      micro_batch: int, dp: int, dp_rank: int, seed: int,
+                      cp: int = 1, cp_rank: int = 0) -> list[tuple[Any, Any]]:
     """DP rank ``dp_rank``'s micro-batches of 0-based ``step``: ``(tokens, labels)`` pairs.
 
     Each tensor is ``torch.int64 [micro_batch, seq_len]``. The rank's share is the
     ``dp_rank``-th contiguous ``global_batch // dp`` slice of the step's global batch, so the
-    concatenation over DP ranks (in rank order) is the 1-process global batch.
+    concatenation over DP ranks (in rank order) is the 1-process global batch. Under context
+    parallelism every rank of a context group reads the same samples and keeps its own chunks
+    of each sequence (``[micro_batch, seq_len / cp]``, ``hybrid.model.context.context_slice``).
     """
     import torch
+
+    from hybrid.model.context import context_slice
 
     if dp < 1 or not 0 <= dp_rank < dp:
         raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp - 1} (dp={dp})")
@@ -87,5 +91,5 @@ def rank_microbatches(dataset: TokenDataset, step: int, *, global_batch: int,
     share = global_batch // dp
     mine = indices[dp_rank * share:(dp_rank + 1) * share]
     samples = torch.from_numpy(np.stack([dataset[int(i)] for i in mine]))  # [share, seq_len+1]
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+    return [(context_slice(chunk[:, :-1], cp, cp_rank), context_slice(chunk[:, 1:], cp, cp_rank))
             for chunk in samples.split(micro_batch)]

@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 
 from hybrid.planning.config import ParallelConfig
+from hybrid.planning.layout import COORD_ORDER
 from hybrid.planning.strategies import DpOptions, reduction_of
 
 PREFIX = "dp_option."
-MATCHING = ("dp", "tp", "pp", "vpp", "bucket_mb", "zero")
+MATCHING = (*COORD_ORDER, "vpp", "bucket_mb", "zero")
 
 
 def _tag(sync) -> str:

@@ -1,7 +1,8 @@
 """The three kinds of GPT block: embedding, transformer layer, head.
 
 Shapes (Megatron's, sequence first): tokens ``[b, s]`` int64; activations ``[s, b, h]``, or
-``[s/tp, b, h]`` with sequence parallelism; logits ``[s, b, V/tp]`` (vocab-parallel, ``V`` the
+``[s/tp, b, h]`` with sequence parallelism; logits ``[s, b, V/tp]``; under context parallelism
+``s`` is the rank's share of the sequence (``hybrid.model.context``) (vocab-parallel, ``V`` the
 padded vocabulary). Every block draws its weights from the ``torch.Generator`` it is given, in a
 fixed order, and megatron's CPU initialisation draws each full matrix before slicing it, so a
 shard's values do not depend on the TP size.
@@ -10,6 +11,7 @@ shard's values do not depend on the TP size.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -19,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hybrid.comm import Group
 from hybrid.planning.config import ModelConfig
+from hybrid.model.context import context_attention, context_positions
 from hybrid.model.megatron_adapter import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -54,13 +57,29 @@ def word_embedding(cfg: ModelConfig, tp_group: Group,
                                   init_method=normal_init(cfg.init_std, generator))
 
 
+@dataclass(frozen=True)
+class Context:
+    """How a block sees context parallelism: its group (size 1: off) and how keys and values
+    cross it (``parallel.cp_comm``)."""
+
+    group: Optional[Group] = None
+    comm: str = "p2p"
+
+    @property
+    def on(self) -> bool:
+        return self.group is not None and self.group.size() > 1
+
+
 class EmbeddingBlock(nn.Module):
-    """Token + learned position embedding: tokens ``[b, s]`` -> ``[s(/tp), b, h]``."""
+    """Token + learned position embedding: tokens ``[b, s]`` -> ``[s(/tp), b, h]``; under
+    context parallelism ``s`` is this rank's chunks, at their positions in the sequence."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *,
-                 generator: torch.Generator, sequence_parallel: bool):
+                 generator: torch.Generator, sequence_parallel: bool,
+                 context: Context = Context()):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.context = context
         self.word_embeddings = word_embedding(cfg, tp_group, generator)  # draws first
         self.position_embeddings = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden))
         normal_init(cfg.init_std, generator)(self.position_embeddings.data)
@@ -68,7 +87,12 @@ class EmbeddingBlock(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         hidden = self.word_embeddings(tokens.t())  # [s, b, h], all-reduced over TP
-        hidden = hidden + self.position_embeddings[:seq].unsqueeze(1)
+        if self.context.on:
+            group = self.context.group
+            where = context_positions(seq, group.size(), group.rank(), tokens.device)
+            hidden = hidden + self.position_embeddings[where].unsqueeze(1)
+        else:
+            hidden = hidden + self.position_embeddings[:seq].unsqueeze(1)
         if self.sequence_parallel:
             # After the add, so the position table's gradient is complete on every rank.
             hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
@@ -83,10 +107,14 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *,
-                 generator: torch.Generator, sequence_parallel: bool):
+                 generator: torch.Generator, sequence_parallel: bool,
+                 context: Context = Context()):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.recompute_core = cfg.recompute == "selective"
+        self.context = context
+        # Context-parallel attention keeps no scores for backward (it recomputes them), so
+        # selective recompute has nothing left to save there.
+        self.recompute_core = cfg.recompute == "selective" and not context.on
         self.head_dim = cfg.hidden // cfg.heads
         self.local_heads = cfg.heads // tp_group.size()
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, tp_group=tp_group,
@@ -103,7 +131,9 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(hidden).view(seq, batch, self.local_heads, 3, self.head_dim)
         # [s, b, n, hd] -> [b, n, s, hd], the layout scaled_dot_product_attention expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
-        if self.recompute_core and torch.is_grad_enabled():
+        if self.context.on:
+            context = context_attention(q, k, v, self.context.group, comm=self.context.comm)
+        elif self.recompute_core and torch.is_grad_enabled():
             # Selective recompute: the attention core keeps nothing for backward but its
             # inputs (which the QKV projection's output already holds) and runs again there.
             context = checkpoint(_attention_core, q, k, v, use_reentrant=False)
@@ -143,12 +173,13 @@ class TransformerLayer(nn.Module):
     """Pre-norm layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``[s,b,h]`` -> same."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *,
-                 generator: torch.Generator, sequence_parallel: bool):
+                 generator: torch.Generator, sequence_parallel: bool,
+                 context: Context = Context()):
         super().__init__()
         self.recompute = cfg.recompute == "full"
         self.input_norm = layer_norm(cfg)
         self.attention = SelfAttention(cfg, tp_group, generator=generator,
-                                       sequence_parallel=sequence_parallel)
+                                       sequence_parallel=sequence_parallel, context=context)
         self.mlp_norm = layer_norm(cfg)
         self.mlp = MLP(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
 

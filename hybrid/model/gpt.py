@@ -17,7 +17,7 @@ from torch import nn
 from hybrid.planning.config import ModelConfig
 from hybrid.groups import ParallelGroups
 from hybrid.planning.layout import LayoutError
-from hybrid.model.blocks import EmbeddingBlock, HeadBlock, TransformerLayer
+from hybrid.model.blocks import Context, EmbeddingBlock, HeadBlock, TransformerLayer
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.inputs import validate_batch_across
 from hybrid.planning.params import block_param_specs
@@ -53,12 +53,13 @@ def _checked_block_ids(cfg: ModelConfig, block_ids: Optional[Sequence[int]]) -> 
 
 def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
                  block_ids: Optional[Sequence[int]] = None,
-                 sequence_parallel: bool = False) -> list[nn.Module]:
+                 sequence_parallel: bool = False, cp_comm: str = "p2p") -> list[nn.Module]:
     """Build the requested blocks (all if None), in order, on ``groups.device``.
 
     Sharded over ``groups.tensor``. With tied embeddings, a head built together with the embedding
     shares its Parameter; a head built without it gets its own copy (see ``HeadBlock``).
-    ``sequence_parallel`` is ignored at tp=1. Every parameter gets its ``ParamSpec`` as
+    ``sequence_parallel`` is ignored at tp=1; at cp > 1 the embedding and attention work on this
+rank's chunks of each sequence (``hybrid.model.context``). Every parameter gets its ``ParamSpec`` as
     ``param.spec`` (``hybrid.planning.params``): its one identity, whatever the layout.
     """
     check_model_shape(cfg, groups.layout.tp)
@@ -66,16 +67,17 @@ def build_blocks(cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
     sequence_parallel = sequence_parallel and groups.layout.tp > 1
     blocks: list[nn.Module] = []
     embedding: Optional[EmbeddingBlock] = None
+    context = Context(groups.context, cp_comm) if groups.layout.cp > 1 else Context()
     for block_id in _checked_block_ids(cfg, block_ids):
         generator = block_generator(seed, block_id)
         common = dict(generator=generator, sequence_parallel=sequence_parallel)
         if block_id == 0:
-            block = embedding = EmbeddingBlock(cfg, tp_group, **common)
+            block = embedding = EmbeddingBlock(cfg, tp_group, **common, context=context)
         elif block_id == last:
             block = HeadBlock(cfg, tp_group, **common, embedding=embedding,
                               embedding_generator=block_generator(seed, 0))
         else:
-            block = TransformerLayer(cfg, tp_group, **common)
+            block = TransformerLayer(cfg, tp_group, **common, context=context)
         block.block_id = block_id
         attach_specs(block, block_param_specs(cfg, block_id, sequence_parallel=sequence_parallel),
                      groups.layout.tp)
@@ -111,7 +113,7 @@ class GPT(nn.Module):
     """All blocks in one module: the 1-process reference model, and the model for pp=1."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp_comm: str = "p2p"):
         super().__init__()
         if groups.layout.pp != 1:
             raise LayoutError(f"GPT holds every block, so it needs pp=1, got "
@@ -119,7 +121,8 @@ class GPT(nn.Module):
         self.cfg, self.groups = cfg, groups
         self.sequence_parallel = sequence_parallel and groups.layout.tp > 1
         self.blocks = nn.ModuleList(build_blocks(cfg, groups, seed=seed,
-                                                 sequence_parallel=sequence_parallel))
+                                                 sequence_parallel=sequence_parallel,
+                                                 cp_comm=cp_comm))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean loss over the micro-batch; every TP rank validates it before communicating."""

@@ -72,15 +72,16 @@ def measure_block_kinds(cfg: Config, groups: ParallelGroups,
 
     m, b = cfg.model, cfg.train.micro_batch
     sp = cfg.parallel.sequence_parallel and groups.layout.tp > 1
-    seq = m.seq_len // groups.layout.tp if sp else m.seq_len
+    local = m.seq_len // groups.layout.cp  # this rank's chunks under context parallelism
+    seq = local // groups.layout.tp if sp else local
     data = torch.Generator().manual_seed(cfg.seed)  # the same inputs on every TP rank
-    tokens = torch.randint(0, m.vocab, (b, m.seq_len), generator=data).to(groups.device)
+    tokens = torch.randint(0, m.vocab, (b, local), generator=data).to(groups.device)
     hidden = torch.randn(seq, b, m.hidden, generator=data).to(groups.device)
     grad = torch.randn(seq, b, m.hidden, generator=data).to(groups.device)
     forwards, backwards = [], []
     for block_id in (0, 1, m.layers + 1):
         block = build_blocks(m, groups, seed=cfg.seed, block_ids=[block_id],
-                             sequence_parallel=sp)[0]
+                             sequence_parallel=sp, cp_comm=cfg.parallel.cp_comm)[0]
         if block_id == 0:
             timed = forward_backward_seconds(lambda: block(tokens), groups.device, runs, grad,
                                              cfg.train.precision)

@@ -23,7 +23,8 @@ def build_chunks(plan: JobPlan, groups: ParallelGroups) -> dict[int, nn.Module]:
     stages = plan.stages_of(groups.pp_rank)
     held = sorted(block for stage in stages for block in stage.blocks)
     built = dict(zip(held, build_blocks(cfg.model, groups, seed=cfg.seed, block_ids=held,
-                                        sequence_parallel=cfg.parallel.sequence_parallel)))
+                                        sequence_parallel=cfg.parallel.sequence_parallel,
+                                        cp_comm=cfg.parallel.cp_comm)))
     return {stage.index: nn.Sequential(*(built[b] for b in stage.blocks)) for stage in stages}
 
 
@@ -38,9 +39,10 @@ def lowered_schedule(plan: JobPlan) -> list[list[Action]]:
 
 
 def activation_shape(plan: JobPlan) -> tuple[int, int, int]:
-    """``[s, b, h]`` between stages; the sequence is split over TP with sequence parallelism."""
+    """``[s, b, h]`` between stages; the sequence is split over CP (each rank's chunks), then
+    over TP with sequence parallelism."""
     cfg = plan.cfg
-    seq = cfg.model.seq_len
+    seq = cfg.model.seq_len // plan.layout.cp
     if cfg.parallel.sequence_parallel:
         seq //= plan.layout.tp
     return (seq, cfg.train.micro_batch, cfg.model.hidden)

@@ -28,8 +28,15 @@ class ParallelConfig:
     vpp: int = 1
     """Virtual stages (model chunks) per pipeline rank; > 1 needs schedule=interleaved-1f1b
     (any vpp >= 2) or zb-v (exactly 2)."""
-    order: str = "tp-dp-pp"
-    """Rank order, fastest-varying axis first (Megatron's default: TP fastest, inside a node)."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over this many ranks (two of 2*cp chunks
+    each, zigzag), attention passes keys and values around them; for long sequences."""
+    cp_comm: str = "p2p"
+    """How attention's keys and values cross the context group: p2p (around the ring, block by
+    block, behind each block's compute) | allgather (one all-gather of all of them)."""
+    order: str = "tp-cp-dp-pp"
+    """Rank order, fastest-varying axis first (Megatron's default: TP fastest, inside a node);
+    cp may be left out while parallel.cp=1."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v (V placement: rank r
     holds stages r and 2*pp-1-r, so rank 0 computes the loss; gloo only)."""

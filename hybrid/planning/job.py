@@ -220,7 +220,8 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight:
     held = [block for chunk in chunks for block in chunk]
     state = rank_state_bytes(cfg, layout, held, dp_rank=0) if exact else None
     estimate = estimate_memory(
-        cfg.model, chunks, tp=layout.tp, dp=layout.dp, zero=cfg.parallel.zero,
+        cfg.model, chunks, tp=layout.tp, cp=layout.cp, dp=layout.role_size("sharding"),
+        zero=cfg.parallel.zero,
         micro_batch=cfg.train.micro_batch, inflight=inflight,
         sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
         embedding_copy=cfg.model.tie_embeddings and 0 not in held,
@@ -231,20 +232,21 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight:
         return estimate
     shapes = rank_shapes(cfg.model, held, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
                          pp=layout.pp)
-    return replace(estimate, dp_state_bytes=dp_state_bytes(shapes, dp=layout.dp,
-                                                           options=options))
+    return replace(estimate, dp_state_bytes=dp_state_bytes(
+        shapes, dp=layout.role_size("gradient"), options=options))
 
 
 def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: int
                      ) -> StateBytes:
-    """Bytes of weights, gradients and AdamW state on the rank holding ``blocks``."""
+    """Bytes of weights, gradients and AdamW state on the rank holding ``blocks`` at place
+    ``dp_rank`` of its sharding group (dp x cp)."""
     shapes = rank_shapes(cfg.model, blocks, tp=layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=layout.pp)
     tensors = [(math.prod(shape), late) for shape, late in shapes]
     options = DpOptions.of(cfg.parallel)
-    held = sharding_of(options).state_bytes(tensors, dp=layout.dp, dp_rank=dp_rank,
-                                            bucket_mb=cfg.parallel.bucket_mb)
-    extra = dp_state_bytes(shapes, dp=layout.dp, options=options)
+    held = sharding_of(options).state_bytes(tensors, dp=layout.role_size("sharding"),
+                                            dp_rank=dp_rank, bucket_mb=cfg.parallel.bucket_mb)
+    extra = dp_state_bytes(shapes, dp=layout.role_size("gradient"), options=options)
     return replace(held, dp_state_bytes=extra)
 
 
@@ -255,6 +257,7 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
     blocks = [b for stage in plan.stages_of(pp_rank) for b in stage.blocks]
     shapes = rank_shapes(cfg.model, blocks, tp=plan.layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
-    return step_bytes(shapes, dp=plan.layout.dp, step=step, microbatches=microbatches(cfg),
+    return step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
+                      microbatches=microbatches(cfg),
                       options=options or DpOptions.of(cfg.parallel),
                       bucket_mb=cfg.parallel.bucket_mb)

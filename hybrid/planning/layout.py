@@ -1,19 +1,21 @@
 """The rank layout of a job: named axes in one declared order, and the roles built on them
 (pure: no torch).
 
-A layout is a grid of ``dp * tp * pp`` ranks. The axes are declared once, in ``AXES``; the
+A layout is a grid of ``dp * cp * tp * pp`` ranks. The axes are declared once, in ``AXES``; the
 ``order`` string names them from the fastest-varying to the slowest, exactly as megatron-core's
-``RankGenerator`` reads it: with the default ``"tp-dp-pp"`` the ranks of one TP group are
-consecutive (so they sit inside one node), and ``rank = tp + dp * tp_size + pp * tp_size *
-dp_size``. Every group of every axis is a slice of this one grid, so all groups agree.
+``RankGenerator`` reads it (``"tp-cp-ep-dp-pp"`` there, without ``ep`` here): with the default
+``"tp-cp-dp-pp"`` the ranks of one TP group are consecutive (so they sit inside one node), then
+those of one context-parallel group. As there, an order may leave out ``cp`` while it is 1
+(``"tp-dp-pp"``, every layout before context parallelism). Every group of every axis is a
+slice of this one grid, so all groups agree.
 
 Nothing outside this module asks for "the dp group". Consumers ask for a *role* (``ROLES``):
 which ranks split the data, average gradients, make the step's loss, shard optimizer state,
 split weight matrices, form a pipeline, hold one copy of the model. Each role is a set of
 axes; ``ParallelGroups`` (``hybrid.groups``) makes one process group per distinct set, so
-roles over the same axes share one group. A new axis (context parallelism: ``cp``, which joins
-the gradient, loss and sharding roles as megatron's ``dp_cp`` does) is declared in ``AXES``,
-as a ``Layout`` field and in the roles that span it; the consumers do not change.
+roles over the same axes share one group. Context parallelism (``cp``: each rank of a context
+group holds two of the ``2 * cp`` chunks of every sequence) joins the gradient, loss and
+sharding roles as megatron's ``dp_cp`` does, and has a role of its own for attention's ring.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from dataclasses import dataclass, field
 from hybrid.errors import UserError
 from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
 """The parallel axes, in Megatron's default order (fastest-varying first): the one place that
 names them. Each is also a ``Layout`` field holding its size."""
 DEFAULT_ORDER = "-".join(AXES)
-COORD_ORDER = ("dp", "tp", "pp")
+COORD_ORDER = ("dp", "cp", "tp", "pp")
 """The same axes in the order people read them: ``Layout.coords``' keys, rank tables."""
 AXIS_TRAFFIC = {
     "tp": "TP all-reduces run every layer: keep TP inside a node",
+    "cp": "CP passes keys and values around a ring every layer",
     "pp": "PP sends activations between neighbouring stages",
     "dp": "DP all-reduces gradients once per step",
 }
@@ -48,9 +51,11 @@ class Role:
 
 ROLES = {
     "data": Role(("dp",), "read different samples of the global batch (the loader's split)"),
-    "gradient": Role(("dp",), "average their gradients once per step (DP reduction)"),
-    "sharding": Role(("dp",), "share one copy of optimizer state (and gradients) under ZeRO"),
-    "loss": Role(("dp",), "average the last stage's losses into the step's loss"),
+    "gradient": Role(("cp", "dp"), "average their gradients once per step (DP reduction)"),
+    "sharding": Role(("cp", "dp"), "share one copy of optimizer state (and gradients) under "
+                                   "ZeRO"),
+    "loss": Role(("cp", "dp"), "average the last stage's losses into the step's loss"),
+    "context": Role(("cp",), "split each sequence and pass keys and values around a ring"),
     "tensor": Role(("tp",), "split each weight matrix (tensor and sequence parallelism)"),
     "pipeline": Role(("pp",), "run the stages of one pipeline (point-to-point messages)"),
     "model": Role(("tp", "pp"), "hold one copy of every parameter between them (global norms)"),
@@ -87,13 +92,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def parse_order(order: str) -> tuple[str, ...]:
-    """``"tp-dp-pp"`` -> ``("tp", "dp", "pp")``; the string must name each axis exactly once."""
+def parse_order(order: str, cp: int = 1) -> tuple[str, ...]:
+    """``"tp-cp-dp-pp"`` -> ``("tp", "cp", "dp", "pp")``: each axis exactly once. As in
+    megatron-core, an order may leave out ``cp`` while ``cp == 1`` (it then varies slowest)."""
     names = tuple(order.lower().split("-"))
+    if "cp" not in names and cp == 1:
+        names = names + ("cp",)
     if sorted(names) != sorted(AXES):
         raise LayoutError(
-            f"parallel.order={order!r} is not a permutation of {'-'.join(AXES)}; "
-            f"use e.g. order=tp-dp-pp (Megatron's default, TP fastest) or order=tp-pp-dp"
+            f"parallel.order={order!r} is not a permutation of {'-'.join(AXES)}"
+            f"{' (cp > 1 must be placed)' if 'cp' not in names else ''}; use e.g. "
+            f"order=tp-cp-dp-pp (Megatron's default, TP fastest) or order=tp-cp-pp-dp"
         )
     return names
 
@@ -105,6 +114,7 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     order: str = DEFAULT_ORDER
     vpp: int = 1
     stage_placement: str = "loop"
@@ -121,7 +131,7 @@ class Layout:
         if self.stage_placement not in PLACEMENTS:
             raise LayoutError(f"stage_placement={self.stage_placement!r} is not one of "
                               f"{PLACEMENTS}")
-        object.__setattr__(self, "_axes", parse_order(self.order))
+        object.__setattr__(self, "_axes", parse_order(self.order, self.cp))
 
     # ----- sizes and coordinates -------------------------------------------------------------
     @property
@@ -149,7 +159,7 @@ class Layout:
         return strides
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> its coordinate on every axis, ``{"dp": i, "tp": j, "pp": k}``."""
+        """Rank -> its coordinate on every axis, ``{"dp": i, "cp": c, "tp": j, "pp": k}``."""
         self._check_rank(rank)
         strides = self._strides()
         return {axis: (rank // strides[axis]) % self.size(axis) for axis in COORD_ORDER}
@@ -200,6 +210,18 @@ class Layout:
         """The group along ``axis`` that contains ``rank``."""
         self._check_rank(rank)
         return next(g for g in self.groups(axis) if rank in g)
+
+    def role_size(self, role: str) -> int:
+        """Ranks in each group of ``role``: the gradient reduction and ZeRO's sharding span
+        ``dp * cp`` ranks."""
+        size = 1
+        for axis in ROLES[role].axes:
+            size *= self.size(axis)
+        return size
+
+    def role_rank(self, role: str, rank: int) -> int:
+        """``rank``'s place in its group of ``role`` (what ``Group.rank()`` says there)."""
+        return self.group_of(role_key(role), rank).index(rank)
 
     def role_groups(self, role: str) -> list[list[int]]:
         """Rank lists of every group of ``role`` (``ROLES``, or ``"embedding"``)."""
@@ -253,7 +275,8 @@ class Layout:
         return warnings
 
     def describe(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} vpp={self.vpp} order={self.order}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{cp} tp={self.tp} pp={self.pp} vpp={self.vpp} order={self.order}"
 
 
 def _fastest_first(shape: list[int]) -> list[tuple[int, ...]]:

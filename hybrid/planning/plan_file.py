@@ -19,10 +19,12 @@ from hybrid.files import write_text
 from hybrid.planning.config import from_dict, to_dict
 from hybrid.planning.cost.sizes import MemoryEstimate
 from hybrid.planning.job import JobPlan, SchedulePlan, Stage
-from hybrid.planning.layout import Layout
+from hybrid.planning.layout import COORD_ORDER, Layout
 
 FILE = "plan.json"
-FORMAT = 3  # 2: the run's indexed data (data_prefixes, data_cache_dir); 3: init_from, tokenizer, peak_flops
+FORMAT = 4
+"""2: the run's indexed data (data_prefixes, data_cache_dir); 3: init_from, tokenizer,
+peak_flops; 4: the layout's cp."""
 
 
 class PlanFileError(UserError):
@@ -34,7 +36,7 @@ def plan_to_dict(plan: JobPlan) -> dict:
     return {
         "format": FORMAT,
         "config": to_dict(plan.cfg),
-        "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "order": layout.order,
+        "layout": {**{axis: layout.size(axis) for axis in COORD_ORDER}, "order": layout.order,
                    "vpp": layout.vpp, "stage_placement": layout.stage_placement},
         "ranks_per_node": plan.ranks_per_node,
         "priced_ranks_per_node": plan.priced_ranks_per_node,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
+from hybrid.planning.context import context_problem
 from hybrid.planning.data_sources import data_problem, eval_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError, valid_sizes
@@ -83,8 +84,13 @@ def validate_config(cfg: Config) -> Layout:
         more = len(problems) - 1
         raise LayoutError(problems[0] + (f" ({more} more problem{'s' * (more > 1)}: "
                                          f"hybrid-plan lists them all)" if more else ""))
+    return layout_of(cfg)
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The rank grid ``cfg.parallel`` declares (raises ``LayoutError`` on a bad size)."""
     par = cfg.parallel
-    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
+    return Layout(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
                   stage_placement=_placement(par.schedule))
 
 
@@ -93,10 +99,8 @@ def config_problems(cfg: Config) -> list[str]:
     the layout's consequences run only once the sizes make a layout."""
     problems = [p for p in (_problem(check, cfg) for check in (
         _check_names, _check_numbers, _check_dp_options, _check_data)) if p]
-    par = cfg.parallel
     try:
-        layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
-                        stage_placement=_placement(par.schedule))
+        layout = layout_of(cfg)
     except LayoutError as err:
         return problems + [str(err)]
     for check in (_check_model, _check_partition, _check_schedule, _check_batch, _check_world):
@@ -200,6 +204,9 @@ def _check_model(cfg: Config, layout: Layout) -> None:
     if cfg.parallel.sequence_parallel and m.seq_len % layout.tp:
         raise LayoutError(f"parallel.sequence_parallel=true needs model.seq_len={m.seq_len} "
                           f"divisible by parallel.tp={layout.tp}; change seq_len or tp")
+    problem = context_problem(m.seq_len, cfg.parallel)
+    if problem:
+        raise LayoutError(problem)
     stages = layout.pp * layout.vpp
     if stages > m.layers:
         raise LayoutError(
@@ -274,14 +281,16 @@ def _check_world(cfg: Config, layout: Layout) -> None:
     if launcher.nproc_per_node is None:
         if layout.world_size % launcher.nnodes:
             raise LayoutError(
-                f"dp*tp*pp={layout.world_size} ranks cannot be spread evenly over "
+                f"dp*cp*tp*pp={layout.world_size} ranks cannot be spread evenly over "
                 f"launcher.nnodes={launcher.nnodes}; set launcher.nproc_per_node or the sizes")
         return
     _positive("launcher.nproc_per_node", launcher.nproc_per_node)
     world = launcher.nnodes * launcher.nproc_per_node
     if world != layout.world_size:
+        sizes = f"{layout.dp}*{layout.cp}*{layout.tp}*{layout.pp}" if layout.cp > 1 else \
+            f"{layout.dp}*{layout.tp}*{layout.pp}"
         raise LayoutError(
-            f"parallel.dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} = {layout.world_size} "
+            f"parallel.dp*{'cp*' * (layout.cp > 1)}tp*pp = {sizes} = {layout.world_size} "
             f"but the launcher starts {world} processes (launcher.nnodes={launcher.nnodes} x "
             f"nproc_per_node={launcher.nproc_per_node}); make them equal")
 

@@ -10,10 +10,17 @@ from __future__ import annotations
 from hybrid.planning.config import Config
 from hybrid.planning.cost.sizes import human_bytes, param_count
 from hybrid.planning.job import JobPlan, plan_job
+from hybrid.planning.layout import AXIS_TRAFFIC
 from hybrid.planning.cost.block_costs import partition_basis
 from hybrid.planning.schedules.partition import format_partition
 
-GROUP_KEYS = ("tp", "dp", "pp", "tp-pp", "embedding")
+GROUP_KEYS = ("tp", "cp", "dp", "cp-dp", "pp", "tp-pp", "embedding")
+"""The groups shown, each once (roles over the same axes share one); those over ``cp`` only
+when it is above 1."""
+
+
+def shown_group_keys(layout) -> list[str]:
+    return [key for key in GROUP_KEYS if layout.cp > 1 or "cp" not in key.split("-")]
 
 
 def build_plan(cfg: Config) -> dict:
@@ -28,7 +35,8 @@ def plan_dict(plan: JobPlan) -> dict:
     sched = plan.schedule
     return {
         "world_size": layout.world_size,
-        "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+        "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp,
+                   "vpp": layout.vpp,
                    "order": layout.order, "nodes": plan.nodes, "ranks_per_node": per_node,
                    "nodes_given": cfg.launcher.nnodes > 1
                    or cfg.launcher.nproc_per_node is not None},
@@ -39,9 +47,9 @@ def plan_dict(plan: JobPlan) -> dict:
         "batch": {"global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
                   "microbatches": sched.microbatches},
         "ranks": ranks,
-        "groups": {axis: layout.groups(axis) for axis in GROUP_KEYS},
+        "groups": {axis: layout.groups(axis) for axis in shown_group_keys(layout)},
         "crossing_nodes": {axis: layout.crossing_groups(axis, per_node)
-                           for axis in ("tp", "dp", "pp")},
+                           for axis in shown_group_keys(layout) if axis in AXIS_TRAFFIC},
         "warnings": layout.placement_warnings(per_node),
         "stages": {"partition": cfg.parallel.partition,
                    "split_by": partition_basis(cfg.parallel.partition, plan.costs_measured),
@@ -67,8 +75,11 @@ SHOWN_ROWS, SHOWN_GROUPS = 8, 4
 
 
 def _rank_rows(ranks: list[dict], full: bool) -> list[str]:
+    with_cp = any(r["cp"] for r in ranks)
+
     def row(r: dict) -> str:
-        return f"{r['rank']:>4}  {r['node']:>4}  {r['dp']:>2}  {r['tp']:>2}  {r['pp']:>2}"
+        cp = f"  {r['cp']:>2}" if with_cp else ""
+        return f"{r['rank']:>4}  {r['node']:>4}  {r['dp']:>2}{cp}  {r['tp']:>2}  {r['pp']:>2}"
 
     if full or len(ranks) <= SUMMARY_ABOVE_RANKS:
         return [row(r) for r in ranks]
@@ -98,20 +109,22 @@ def _node_lines(plan: dict) -> list[str]:
 
 def format_plan(plan: dict, full: bool = False) -> str:
     lay, model, batch = plan["layout"], plan["model"], plan["batch"]
+    cp = f" cp={lay['cp']}" if lay["cp"] > 1 else ""
     lines = [
         f"model {model['name']}: {model['layers']} layers, hidden {model['hidden']}, "
         f"{model['heads']} heads, vocab {model['vocab']} (padded {model['padded_vocab']}), "
         f"seq {model['seq_len']}: {model['params']:,} parameters",
-        f"layout dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} "
+        f"layout dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} "
         f"order={lay['order']}: world size {plan['world_size']} on {lay['nodes']} node(s) x "
         f"{lay['ranks_per_node']}",
         f"batch: global {batch['global_batch']} = dp {lay['dp']} x {batch['microbatches']} "
         f"micro-batches x {batch['micro_batch']}",
-        "", "rank  node  dp  tp  pp",
+        "", "rank  node  dp  " + "cp  " * (lay["cp"] > 1) + "tp  pp",
     ]
     lines += _rank_rows(plan["ranks"], full)
     lines += ["", "groups (ranks in each):"]
-    names = {"tp-pp": "tp-pp (model parallel)", "embedding": "embedding (first+last stage)"}
+    names = {"tp-pp": "tp-pp (model parallel)", "embedding": "embedding (first+last stage)",
+             "cp": "cp (context: attention's ring)", "cp-dp": "cp-dp (gradients, loss, ZeRO)"}
     for axis, groups in plan["groups"].items():
         lines.append(f"  {names.get(axis, axis):<30} "
                      + _group_line(groups, full, plan["world_size"]))

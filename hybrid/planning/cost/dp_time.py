@@ -17,14 +17,15 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
     """(time of the DP communication per step, the part of it not hidden) for the pipeline
     rank where the hidden part is largest. ``last_backward``: one micro-batch's backward per
     pipeline rank; ``makespan``: the pipeline's time (what a delayed reduction can hide in)."""
-    if plan.layout.dp == 1:
+    width = plan.layout.role_size("gradient")  # dp x cp
+    if width == 1:
         return 0.0, 0.0
     cfg = plan.cfg
     options = DpOptions.of(cfg.parallel)
     sharding, reduction = sharding_of(options), reduction_of(options)
     worst = (0.0, 0.0)
     for r, est in enumerate(plan.memory):
-        traffic = RankTraffic(lambda r=r: _shapes(plan, r), dp=plan.layout.dp,
+        traffic = RankTraffic(lambda r=r: _shapes(plan, r), dp=width,
                               microbatches=plan.schedule.microbatches,
                               bucket_mb=cfg.parallel.bucket_mb)
         timing = DpTime(device=device, link=link, params=est.params, backward=last_backward[r],

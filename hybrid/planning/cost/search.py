@@ -1,13 +1,15 @@
 """Rank every layout of N devices before launch (pure: no torch): ``hybrid-plan search.world=N``.
 
-For the config's model and global batch, every (dp, tp, pp, vpp, schedule, micro-batch,
+For the config's model and global batch, every (dp, cp, tp, pp, vpp, schedule, micro-batch,
 zero, sequence parallelism, recompute) that ``validate_config`` accepts is planned
 (``plan_job`` with closed-form schedule shapes), dropped when its largest rank does not fit in
 the device's memory, and priced (``hybrid.planning.cost.steptime``); the best are priced again with the
 schedule simulated where that is cheap, and returned best first. Rejections are counted by
 reason. Tensor parallelism stays inside a node (``cost.gpus_per_node``), as every production
 recipe keeps it; the schedules and chunk counts tried are each spec's ``search_vpps`` (gpipe,
-1F1B's time with more memory, and zb-v, gloo only, are left out).
+1F1B's time with more memory, and zb-v, gloo only, are left out). Context parallelism is tried
+in powers of two while each rank keeps at least ``MIN_CP_TOKENS`` tokens of a sequence: below
+that attention is too small a share of the work to hide the ring behind.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ MICRO_BATCHES = (1, 2, 4, 8)
 SIMULATE_UP_TO = 4096
 """Stage x micro-batch pairs up to which a finalist's schedule is simulated (about 0.1 s)."""
 OUT_OF_MEMORY = "does not fit in device memory"
+MIN_CP_TOKENS = 2048
+"""The fewest tokens per rank the search splits a sequence down to with context parallelism
+(Megatron-LM's guidance: context parallelism pays from sequences of about 4-8K tokens)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ class Candidate:
 
 def settings_of(cfg: Config) -> dict:
     par = cfg.parallel
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "vpp": par.vpp, "schedule": par.schedule,
+    return {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp, "vpp": par.vpp,
+            "schedule": par.schedule,
             "micro_batch": cfg.train.micro_batch, "zero": par.zero,
             "sequence_parallel": par.sequence_parallel, "recompute": cfg.model.recompute}
 
@@ -66,15 +72,26 @@ def candidates(cfg: Config, world: int) -> Iterator[Config]:
     m, launcher = cfg.model, replace(cfg.launcher, nnodes=1, nproc_per_node=None, node_rank=0)
     tps = [tp for tp in valid_tp_sizes(m) if world % tp == 0 and tp <= cfg.cost.gpus_per_node]
     for tp in tps:
-        for pp in [p for p in valid_sizes(world // tp) if p <= m.layers]:
-            dp = world // (tp * pp)
-            for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp, tp):
-                yield replace(
-                    cfg, launcher=launcher,
-                    parallel=replace(cfg.parallel, dp=dp, tp=tp, pp=pp, vpp=vpp,
-                                     schedule=schedule, zero=zero, sequence_parallel=sp),
-                    train=replace(cfg.train, micro_batch=mb),
-                    model=replace(m, recompute=recompute))
+        for cp in searched_cps(m.seq_len, world // tp):
+            for pp in [p for p in valid_sizes(world // (tp * cp)) if p <= m.layers]:
+                dp = world // (tp * cp * pp)
+                for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp * cp, tp):
+                    yield replace(
+                        cfg, launcher=launcher,
+                        parallel=replace(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp, vpp=vpp,
+                                         schedule=schedule, zero=zero, sequence_parallel=sp),
+                        train=replace(cfg.train, micro_batch=mb),
+                        model=replace(m, recompute=recompute))
+
+
+def searched_cps(seq_len: int, ranks: int) -> list[int]:
+    """Context-parallel sizes the search tries: 1, and powers of two that split the sequence
+    into ``2 * cp`` chunks and leave each rank ``MIN_CP_TOKENS`` tokens or more."""
+    cps, cp = [1], 2
+    while ranks % cp == 0 and seq_len % (2 * cp) == 0 and seq_len // cp >= MIN_CP_TOKENS:
+        cps.append(cp)
+        cp *= 2
+    return cps
 
 
 def searched_schedules(pp: int) -> list[tuple[str, int]]:
@@ -117,7 +134,22 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     best.sort(key=lambda c: c.predicted.step_time_s)
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
-            "candidates": [c.to_dict() for c in best], "rejected": dict(rejected)}
+            "candidates": [c.to_dict() for c in best], "rejected": dict(rejected),
+            "why_cp": _why_cp(best, priced)}
+
+
+def _why_cp(best: list[Candidate], priced: list) -> str | None:
+    """Why the best layout splits sequences (None when it does not): no layout without
+    context parallelism fits, or the best one without it is slower."""
+    if not best or best[0].settings["cp"] == 1:
+        return None
+    cp = best[0].settings["cp"]
+    without = [first for first, candidate in priced if candidate.parallel.cp == 1]
+    if not without:
+        return (f"cp={cp}: no layout with cp=1 fits in device memory; context parallelism "
+                f"keeps 1/cp of each sequence's activations per rank")
+    return (f"cp={cp}: predicted {best[0].predicted.step_time_s:.3g} s against "
+            f"{without[0].step_time_s:.3g} s for the best layout with cp=1")
 
 
 def _final(cfg: Config, device: Device, closed_form: StepPrediction) -> Candidate:
@@ -137,18 +169,21 @@ def format_search(result: dict) -> str:
     """The table ``hybrid-plan search.world=N`` prints, best first."""
     lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
              f"{result['world']} devices ({result['device']}), by predicted step time:",
-             " #   dp  tp  pp vpp schedule          mb zero sp  recompute  step s   TFLOP/s "
-             "mem/rank GiB"]
+             " #   dp  cp  tp  pp vpp schedule          mb zero sp  recompute  step s   "
+             "TFLOP/s mem/rank GiB"]
     for i, c in enumerate(result["candidates"], 1):
         s, p = c["settings"], c["predicted"]
         lines.append(
-            f"{i:>2} {s['dp']:>4} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} {s['schedule']:<17} "
+            f"{i:>2} {s['dp']:>4} {s['cp']:>3} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} "
+            f"{s['schedule']:<17} "
             f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
             f"{s['recompute']:>9} {p['step_time_s']:>7.3g} "
             f"{p['tflops_per_device']:>9.4g} {p['mem_bytes_per_rank'] / 2**30:>12.1f}")
     if result["rejected"]:
         lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in
                                               sorted(result["rejected"].items())))
+    if result.get("why_cp"):
+        lines.append("why " + result["why_cp"])
     if result["candidates"]:
         lines.append("run the best: hybrid-train " + " ".join(
             overrides_of(result["candidates"][0]["settings"])))

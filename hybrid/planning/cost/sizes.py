@@ -73,7 +73,7 @@ def param_count(m: ModelConfig) -> int:
 
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
-                               precision: str, recompute: str = "none") -> int:
+                               precision: str, recompute: str = "none", cp: int = 1) -> int:
     """Bytes one transformer layer keeps for backward per micro-batch, tensor by tensor as
     hybrid's layer keeps them (``tests/test_model_tp.py`` checks this against saved-tensor
     hooks, byte for byte). Unlike Korthikanti et al. 2022's eq. 2, no attention scores: the
@@ -84,8 +84,10 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bo
     and their statistics; the two normed inputs of the column-parallel matmuls, gathered to
     the full sequence; the QKV output, the attention output, the MLP's two ``ffn``-wide
     tensors (sharded by TP). bf16 autocast keeps the matmul inputs and outputs in bf16, plus a
-    bf16 copy of the layer's matmul weights per micro-batch. Full recompute keeps the input."""
-    s, b, h = m.seq_len, micro_batch, m.hidden
+    bf16 copy of the layer's matmul weights per micro-batch. Full recompute keeps the input.
+    Context parallelism keeps the same per token, for this rank's ``seq_len / cp`` tokens (its
+    attention, too, keeps only the output and a log-sum-exp: ``hybrid.model.context``)."""
+    s, b, h = m.seq_len // cp, micro_batch, m.hidden
     seq_shard = tp if sp else 1
     stream = 4 * s * b * h // seq_shard
     if recompute == "full":
@@ -94,7 +96,7 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bo
     nbytes = 2 * stream + 2 * 2 * 4 * s * b // seq_shard  # + two norms' mean and rstd
     nbytes += 2 * s * b * h * low  # the normed inputs of QKV and fc1
     nbytes += (4 * h + 2 * m.ffn) * s * b // tp * low
-    if recompute == "none":
+    if recompute == "none" or cp > 1:  # context attention is never recomputed selectively
         nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
     if precision == "bf16":
         nbytes += 2 * (4 * h * h + 2 * h * m.ffn) // tp
@@ -102,12 +104,12 @@ def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bo
 
 
 def head_activation_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
-                          precision: str) -> int:
+                          precision: str, cp: int = 1) -> int:
     """What the head and loss keep per micro-batch: the final norm's input and statistics,
     the gathered normed input of the output layer, the cross entropy's fp32 softmax over this
     rank's vocabulary shard with its target mask and indices (and a bf16 copy of the output
-    weight under autocast)."""
-    s, b, h = m.seq_len, micro_batch, m.hidden
+    weight under autocast), for this rank's ``seq_len / cp`` tokens."""
+    s, b, h = m.seq_len // cp, micro_batch, m.hidden
     seq_shard = tp if sp else 1
     low = BYTES[precision]
     nbytes = (4 * s * b * h + 2 * 4 * s * b) // seq_shard + s * b * h * low
@@ -134,11 +136,11 @@ class MemoryEstimate:
 
 
 def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int, zero: int,
-                    micro_batch: int, inflight: int, sp: bool, precision: str,
+                    micro_batch: int, inflight: int, sp: bool, precision: str, cp: int = 1,
                     embedding_copy: bool = False, head_inflight: int = 1,
                     state: Optional[StateBytes] = None) -> MemoryEstimate:
     """Bytes on one rank holding the blocks of ``chunks`` (one block list per virtual chunk):
-    fp32 weights and gradients (sharded over DP with ZeRO-2), AdamW's two fp32 moments
+    fp32 weights and gradients (sharded over DP, ``dp`` being dp x cp, with ZeRO-2), AdamW's two fp32 moments
     (sharded over DP with ZeRO-1 and 2; bf16
     adds no master copy since weights stay fp32), and the activations of ``inflight``
     (chunk, micro-batch) pairs kept for backward, each holding one chunk's layers (the largest
@@ -150,12 +152,12 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
     params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)
     layers = max((sum(1 for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
-    act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute)
+    act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute, cp)
     act *= layers * inflight
     if m.recompute == "full" and layers:
-        act += activation_bytes_per_layer(m, micro_batch, tp, sp, precision)
+        act += activation_bytes_per_layer(m, micro_batch, tp, sp, precision, cp=cp)
     if any(m.layers + 1 in chunk for chunk in chunks):
-        act += head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision)
+        act += head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision, cp)
     if state is None:
         state = SHARDINGS[zero].closed_form_state(params, dp)
     return MemoryEstimate(params=params, param_bytes=state.param_bytes,

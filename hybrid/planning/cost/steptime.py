@@ -1,8 +1,9 @@
 """Predicted step time of a planned job on a device (pure: no torch).
 
 Each stage's compute comes from its FLOPs at the device's achieved rate; tensor-parallel
-collectives, pipeline sends and the data-parallel gradient reduction from their ring volumes
-over the link they cross (inside a node or between nodes). The pipeline's makespan, bubbles
+collectives, pipeline sends, context parallelism's ring (``context_time``) and the data-parallel
+gradient reduction from their volumes over the link they cross (inside a node or between
+nodes). The pipeline's makespan, bubbles
 included, is hybrid's own simulator run on those per-stage times; the DP reduction overlaps the
 last micro-batch's backward and only what sticks out counts (ZeRO-1's parameter all-gather
 after the step never overlaps); the optimizer step follows. The achieved rate depends on the
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
+from hybrid.planning.cost.context_time import ring_times
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import (
@@ -48,6 +50,10 @@ class StepPrediction:
     """The optimizer step of the rank where it is longest (after the reduction)."""
     tflops_per_device: float
     mem_bytes_per_rank: int
+    cp_s: float = 0.0
+    """Context parallelism's ring time per step on the busiest rank, and below what of it
+    is not hidden behind attention (inside ``compute_s``)."""
+    cp_exposed_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,18 +75,25 @@ class _StageTimes:
     tp_wire: float
     """Of which waiting (ring time, and the calls' time that is not CPU work), which other
     ranks can fill on shared cores."""
+    cp_ring: float = 0.0
+    """Context parallelism's ring in both passes (its exposed part is in forward/backward)."""
+    cp_exposed: float = 0.0
 
 
 def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
-    """One micro-batch of one stage on one TP rank: forward and full backward seconds."""
-    cfg, tp = plan.cfg, plan.layout.tp
+    """One micro-batch of one stage on one TP rank: forward and full backward seconds. Under
+    context parallelism a rank works on ``seq_len / cp`` tokens (zigzag: a ``1 / cp`` share of
+    the attention too) and passes keys and values around its ring."""
+    cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
     m, b = cfg.model, cfg.train.micro_batch
-    rate = device.compute_rate(cfg.train.precision, m.hidden / tp, b * m.seq_len,
+    rate = device.compute_rate(cfg.train.precision, m.hidden / tp, b * m.seq_len / cp,
                                threads_per_rank(plan, device))
-    act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision]
+    act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision] / cp
     tp_link = _link(plan, device, "tp")
     layers = sum(1 for block in blocks if 1 <= block <= m.layers)
-    compute = layers * layer_forward_flops(m, b) / tp / rate
+    compute = layers * layer_forward_flops(m, b) / tp / cp / rate
+    ring = ring_times(cfg, plan.layout, _link(plan, device, "cp"),
+                      attention_core_flops(m, b) / tp / cp / rate, overlaps=not device.cores)
     # After attention and after the MLP: an all-reduce, or with sequence parallelism an
     # all-gather before and a reduce-scatter after (the same ring volume, not the same time
     # on every backend: hybrid.planning.cost.devices).
@@ -94,24 +107,27 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
     if 0 in blocks:  # the vocabulary-parallel embedding sums its shards
         wire, calls = wire + ring_all_reduce(act, tp, tp_link), calls + 1
     if m.layers + 1 in blocks:
-        compute += head_forward_flops(m, b) / tp / rate
-        wire += 3 * ring_all_reduce(4 * b * m.seq_len, tp, tp_link)  # cross entropy
+        compute += head_forward_flops(m, b) / tp / cp / rate
+        wire += 3 * ring_all_reduce(4 * b * m.seq_len / cp, tp, tp_link)  # cross entropy
         calls += 3
     call = device.collective_overhead_s if tp > 1 else 0.0
     recompute_wire = recompute_calls = 0.0
     extra = 0.0
     if m.recompute == "full":
-        extra = layers * layer_forward_flops(m, b) / tp / rate
+        extra = layers * layer_forward_flops(m, b) / tp / cp / rate
         recompute_wire, recompute_calls = layers * 2 * layer_wire, layers * 2 * layer_calls
-    elif m.recompute == "selective":
+    elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
         extra = layers * attention_core_flops(m, b) / tp / rate
     tp_fwd = wire + calls * call
     recompute_comm = recompute_wire + recompute_calls * call
     waiting = (device.collective_overhead_s - device.collective_cpu_s) if tp > 1 else 0.0
-    return _StageTimes(forward=compute + tp_fwd,
-                       backward=2 * compute + tp_fwd + extra + recompute_comm,
+    return _StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s,
+                       backward=(2 * compute + tp_fwd + extra + recompute_comm
+                                 + layers * ring.backward_exposed_s),
                        tp_comm=2 * tp_fwd + recompute_comm,
-                       tp_wire=2 * wire + recompute_wire + (2 * calls + recompute_calls) * waiting)
+                       tp_wire=2 * wire + recompute_wire + (2 * calls + recompute_calls) * waiting,
+                       cp_ring=layers * (ring.forward_s + ring.backward_s),
+                       cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
 
 
 def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepPrediction:
@@ -144,7 +160,9 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
         tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=p2p, dp_s=dp_s,
         dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
         tflops_per_device=paper_flops_per_step(cfg) / step / world / 1e12 if step else 0.0,
-        mem_bytes_per_rank=max(est.total_bytes for est in plan.memory))
+        mem_bytes_per_rank=max(est.total_bytes for est in plan.memory),
+        cp_s=m * sum(t.cp_ring for t in per_rank[busiest]),
+        cp_exposed_s=m * sum(t.cp_exposed for t in per_rank[busiest]))
 
 
 def threads_per_rank(plan: JobPlan, device: Device) -> int:
@@ -167,14 +185,14 @@ def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: f
     layout = plan.layout
     nodes = max(1, layout.world_size // plan.priced_ranks_per_node)
     groups = max(1, plan.priced_ranks_per_node // layout.tp)
-    return layout.dp * layout.tp * sum(work) / nodes / device.cores + wire / groups
+    return layout.dp * layout.cp * layout.tp * sum(work) / nodes / device.cores + wire / groups
 
 
 def _p2p_time(plan: JobPlan, device: Device) -> float:
     if plan.layout.pp == 1:
         return 0.0
     cfg = plan.cfg
-    nbytes = (cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden
+    nbytes = (cfg.train.micro_batch * cfg.model.seq_len // plan.layout.cp * cfg.model.hidden
               * BYTES[cfg.train.precision])
     if cfg.parallel.sequence_parallel:
         nbytes /= plan.layout.tp
