@@ -1,4 +1,4 @@
-"""Files written whole, and write failures that end in one line.
+"""Files written whole, records appended whole, and write failures that end in one line.
 
 ``atomic_write(path)`` yields a temporary path beside ``path`` to write to; only when the block
 ends without error is it renamed over ``path``, so a full disk or a kill never leaves a
@@ -9,6 +9,8 @@ or vanished directory) becomes ``RunDirError``, which names the file and what to
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -95,3 +97,31 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+class JsonLines:
+    """A ``.jsonl`` file whose records are whole or absent: each line goes out in one
+    ``write``, and one that does not fit (a full disk, a file size limit) is cut off again, so
+    a reader never meets half a record."""
+
+    def __init__(self, path: Path, append: bool):
+        self.path = path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        try:
+            self._fd = os.open(path, flags, 0o666)
+        except OSError as err:
+            raise write_error(path, err) from None
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            if os.write(self._fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "no space left for the whole record")
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise write_error(self.path, err) from None
+
+    def close(self) -> None:
+        os.close(self._fd)

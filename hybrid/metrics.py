@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from hybrid.files import write_error
+from hybrid.files import JsonLines
 
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                  "comm_bytes", "peak_mem_bytes")
@@ -51,7 +51,7 @@ class MetricsWriter:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._jsonl = self.path.open("a" if first_step > 1 else "w")
+        self._jsonl = JsonLines(self.path, append=first_step > 1)
         self._tb = _tensorboard_writer(run_dir / "tensorboard")
         if self.stream.isatty():
             from tqdm import tqdm
@@ -64,11 +64,7 @@ class MetricsWriter:
             return
         missing = [k for k in REQUIRED_KEYS if k not in record]
         assert not missing, f"metrics record lacks {missing}"
-        try:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        except OSError as err:
-            raise write_error(self.path, err) from None
+        self._jsonl.append(record)
         if self._tb is not None:
             for key, value in _flatten(record).items():
                 if key != "step" and isinstance(value, (int, float)):

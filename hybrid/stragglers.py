@@ -12,14 +12,13 @@ never flagged (its times are still in ``rank_times.jsonl``): slow and heavy look
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from hybrid.files import write_error
+from hybrid.files import JsonLines
 from hybrid.planning.layout import COORD_ORDER
 
 WAIT_AXES = (*COORD_ORDER, "other")
@@ -142,7 +141,7 @@ class RankTimesLog:
     def __init__(self, path: Path, pp_of_rank: Sequence[int], threshold: float, *,
                  append: bool = False):
         self.path = path
-        self._file = path.open("a" if append else "w")
+        self._file = JsonLines(path, append=append)
         self._peers = peer_sets(pp_of_rank)
         self._watch = StragglerWatch(pp_of_rank, threshold) if threshold else None
 
@@ -150,11 +149,7 @@ class RankTimesLog:
             step_time_s: float) -> tuple[dict, list[Straggler]]:
         line = {"step": step, "compute_s": [round(t, 6) for t in compute_s],
                 "wait_s": {axis: [round(t, 6) for t in waits[axis]] for axis in WAIT_AXES}}
-        try:
-            self._file.write(json.dumps(line) + "\n")
-            self._file.flush()
-        except OSError as err:
-            raise write_error(self.path, err) from None
+        self._file.append(line)
         found = self._watch.update(compute_s, step_time_s) if self._watch is not None else []
         return step_summary(compute_s, waits, self._peers), found
 

@@ -211,6 +211,8 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, cfg.train.steps, enabled=is_rank0,
                                 log_every=cfg.train.log_every, first_step=self.start_step + 1)
         times = self._times_log() if is_rank0 else None
+        if is_rank0:
+            self._say_where_it_starts()
         losses, norms, evals = [], [], {}
         checking = True  # until the first step that updates (dp_delay's step 1 does not)
         try:
@@ -242,6 +244,16 @@ class Trainer:
                 "initialised_from": self.checkpointer.initialised_from,
                 "run_dir": str(self.run_dir),
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
+
+    def _say_where_it_starts(self) -> None:
+        """Before the first step: the checkpoint this run (or this attempt, after a restart)
+        resumed from, or the weights it started from."""
+        resumed, initialised = self.checkpointer.resumed_from, self.checkpointer.initialised_from
+        if resumed is not None:
+            print(f"resumed from {resumed} (step {self.start_step})", flush=True)
+        if initialised:
+            print(f"started from the weights of {initialised} (step 0, a fresh optimizer)",
+                  flush=True)
 
     def _evaluate(self, step: int) -> dict:
         """The validation loss when ``step`` is an evaluation step, on every rank, else {}."""

@@ -28,7 +28,8 @@ import signal
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from launch.failures import LaunchInterrupted, WorkerInterrupted, worker_failure_from
+from launch.failures import (LaunchInterrupted, RestartNotices, WorkerInterrupted,
+                             worker_failure_from)
 from launch.rendezvous import Rendezvous, rendezvous_failure
 
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
@@ -37,6 +38,9 @@ MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 """PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
 and Apex are absent, expected on CPU and noise on a console."""
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+AGENT_INFO_LOGGERS = ("torch.distributed.elastic.agent.server.api",
+                      "torch.distributed.elastic.agent.server.local_elastic_agent")
+"""Whose INFO records (workers started, the group restarted) go to ``train.log`` too."""
 AGENT_LOG = "train.log"
 """The agent's messages go here, in the run directory (Hydra's log of the launcher too)."""
 SHUTDOWN_TIMEOUT_S = 10
@@ -106,9 +110,13 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
     if start_method == "forkserver":
         start_fork_server(preload, threads)
+    with _hangup_ignored():
+        pass  # the resource tracker, for spawned workers too
     # Workers inherit the launcher's environment when they start, before they import torch.
     with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers(), \
-            _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG)), \
+            _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG),
+                          RestartNotices(rendezvous.node_rank * nproc,
+                                         os.path.join(os.fspath(run_dir), "workers"))), \
             _own_error_files():
         os.environ.update(_worker_environ(threads))
         try:
@@ -138,9 +146,29 @@ def start_fork_server(preload: Sequence[str], omp_threads: Optional[int] = None)
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     environ = _worker_environ(omp_threads)
-    with _restored_environ(tuple(environ)):
+    with _restored_environ(tuple(environ)), _hangup_ignored():
         os.environ.update(environ)
         forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _hangup_ignored() -> Iterator[None]:
+    """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP:
+    a closed terminal sends it to the whole process group, and a tracker that dies of it while
+    workers still unregister their shared memory prints a traceback per segment. The launcher
+    keeps its own handler (it stops the workers and says so in one line); an ignored signal
+    stays ignored in the helpers and the workers they fork."""
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, saved)
 
 
 def stop_fork_server() -> None:
@@ -219,22 +247,31 @@ class _QuietFileHandler(logging.FileHandler):
 
 
 @contextlib.contextmanager
-def _agent_log_to(path: str) -> Iterator[None]:
-    """Send torch elastic's own log records (worker failures with their tracebacks, restarts)
-    to ``path`` instead of the console, where the caller prints one line per failure."""
+def _agent_log_to(path: str, notices: logging.Handler) -> Iterator[None]:
+    """Send torch elastic's own log records (the workers it starts, their failures with
+    tracebacks, restarts) to ``path`` instead of the console, where the caller prints one line
+    per failure and ``notices`` says when a worker died and the group restarted."""
     loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
     handler = _QuietFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     propagate = [logger.propagate for logger in loggers]
+    told = [logging.getLogger(name) for name in AGENT_INFO_LOGGERS]
+    levels = [logger.level for logger in told]
+    for logger in told:  # torch sets WARNING on each; its INFO records are the run's story
+        logger.setLevel(logging.INFO)
     for logger in loggers:
         logger.addHandler(handler)
+        logger.addHandler(notices)
         logger.propagate = False
     try:
         yield
     finally:
         for logger, saved in zip(loggers, propagate):
             logger.removeHandler(handler)
+            logger.removeHandler(notices)
             logger.propagate = saved
+        for logger, level in zip(told, levels):
+            logger.setLevel(level)
         handler.close()
 
 

@@ -59,14 +59,17 @@ def run_hydra_app(app: Callable[[], None]) -> None:
 
 
 def _first_lines(err: BaseException) -> str:
-    """``Could not override 'parallel.tpp'. Key 'tpp' not in 'ParallelConfig'``."""
-    parts = []
+    """``Could not override 'parallel.tpp'. Key 'tpp' not in 'ParallelConfig'``; for an
+    unknown preset (``model=tinyy``) the presets there are."""
+    parts, options = [], None
     while err is not None and len(parts) < 2:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         if first and first not in parts:
             parts.append(first)
+        options = options or getattr(err, "options", None)
         err = err.__cause__
-    return " ".join(parts)
+    line = " ".join(parts)
+    return f"{line}; choose one of: {', '.join(sorted(options))}" if options else line
 
 
 def available_memory(cfg: Config) -> tuple[Optional[int], str]:

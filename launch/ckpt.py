@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
+from hybrid.files import atomic_write
 from hybrid.checkpoint.store import (WEIGHTS_KIND, CheckpointError, check_files, read_manifest,
                                      resolve_resume)
-
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -93,17 +92,8 @@ def export_model(path: Path, output: str) -> int:
     from hybrid.checkpoint.weights import read_model_weights
 
     weights = read_model_weights(path)
-    out_dir = os.path.dirname(os.path.abspath(output))
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(output)}.",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(weights, handle)
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(output) as tmp:  # whole or not at all, with a plain file's mode
+        torch.save(weights, tmp)
     return sum(t.numel() for t in weights.values())
 
 
@@ -115,7 +105,10 @@ def _checkpoint(path_arg: str) -> tuple[Path, dict]:
 
 
 def _export(args: argparse.Namespace) -> None:
+    from hybrid.checkpoint.dcp_io import verify_files_here
+
     path, manifest = _checkpoint(args.path)
+    verify_files_here(path, manifest)  # what a resume checks: never export damaged weights
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise CheckpointError(f"the folder of {args.output} does not exist; create it or "
                               f"choose another output path")

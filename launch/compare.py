@@ -9,7 +9,8 @@ step. A step stays within tolerance when ``|run - base| <= max(rtol * |base|, at
 tolerance, relative 1e-4. Exit status: 0 when every run stays within tolerance, 1 when one
 parts from the baseline, 2 for input that cannot be compared (one line on stderr each). Runs
 of different lengths are compared over their common steps, and that is an error too (unless a
-run parts: that verdict stands).
+run parts: that verdict stands), except for a run that resumed the other's checkpoint: it lacks
+only the steps before its first, and the common steps are the comparison.
 
 The comparison itself is pure (``launch.loss_compare``); this module reads the runs and
 prints. It imports nothing heavy (no torch), so it answers at once.
@@ -27,7 +28,8 @@ from typing import NoReturn, Optional, Sequence, Union
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
 from launch.loss_compare import (RTOL, CompareError, LossComparison, Run, compare_losses,
-                                 numerics_differences, span, summary_line)
+                                 lossy_differences, numerics_differences, resumed_from, span,
+                                 summary_line)
 
 PARTED_EXIT = 1
 METRICS = "metrics.jsonl"
@@ -99,19 +101,40 @@ def format_table(base_name: str, name: str, c: LossComparison) -> str:
 
 
 def length_problem(base: Run, run: Run, c: LossComparison) -> Optional[str]:
-    if not (c.base_only or c.run_only):
+    """Runs of different lengths, unless one resumed the other: then it has only the steps
+    after its checkpoint, and the common steps are the comparison."""
+    if not (c.base_only or c.run_only) or _resumed_suffix(base, run, c):
         return None
     return (f"{run.name} has {len(run.losses)} steps ({span(run.losses)}) and {base.name} "
             f"{len(base.losses)} ({span(base.losses)}): only the {len(c.steps)} common steps "
             f"were compared; compare runs that trained the same steps")
 
 
+def _resumed_suffix(base: Run, run: Run, c: LossComparison) -> bool:
+    """One run resumed (``checkpoint.resume_from``) and lacks only steps before its first."""
+    for short, only in ((run, c.base_only), (base, c.run_only)):
+        other_only = c.run_only if short is run else c.base_only
+        if resumed_from(short.config) and not other_only and short.losses and \
+                all(step < min(short.losses) for step in only):
+            return True
+    return False
+
+
+def resume_note(base: Run, run: Run, c: LossComparison) -> Optional[str]:
+    if not (c.base_only or c.run_only) or not _resumed_suffix(base, run, c):
+        return None
+    common = dict.fromkeys(d.step for d in c.steps)
+    return (f"note: {run.name} and {base.name} overlap in steps {span(common)} (one resumed "
+            f"the other's checkpoint): those were compared")
+
+
 def config_note(base: Run, run: Run) -> Optional[str]:
-    """Why a run may part: it computes something else (shown, not judged: exit codes follow
-    the losses alone)."""
+    """Why a run may part: it computes something else, or with a lossy DP option (shown, not
+    judged: exit codes follow the losses alone)."""
     if base.config is None or run.config is None:
         return None
-    diffs = numerics_differences(base.config, run.config)
+    diffs = numerics_differences(base.config, run.config) + \
+        lossy_differences(base.config, run.config)
     if not diffs:
         return None
     more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
@@ -183,9 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print("\n\n".join(format_table(base.name, run.name, c) for run, c in results) + "\n")
         for run, c in results:
             print(summary_line(run.name, base.name, c))
-            note = config_note(base, run)
-            if note:
-                print(note)
+            for note in (config_note(base, run), resume_note(base, run, c)):
+                if note:
+                    print(note)
     problems = [p for p in (length_problem(base, run, c) for run, c in results) if p]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)

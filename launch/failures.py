@@ -3,12 +3,17 @@ error and its traceback tail, from torch elastic's ``ChildFailedError``) or a si
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 TRACEBACK_TAIL_LINES = 15
 AGENT_FRAME_MARK = "torch/distributed/elastic/"
+RESTART_MARK = "will restart worker group"
+"""What torch elastic's agent logs when it restarts the worker group after a failure."""
 
 
 class WorkerFailure(RuntimeError):
@@ -89,3 +94,47 @@ def interrupted_by(err: BaseException) -> KeyboardInterrupt | None:
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
+
+
+class RestartNotices(logging.Handler):
+    """Say on the console that a worker died and the group restarts (torch elastic logs both,
+    into ``train.log``). A failure that no restart follows ends the run with its own error
+    line instead, so a failure is held until its restart is logged."""
+
+    def __init__(self, first_rank: int, workers_dir: str):
+        super().__init__(logging.INFO)
+        self.first_rank, self.workers_dir = first_rank, Path(workers_dir)
+        self.failed: tuple[int, int] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text, args = str(record.msg), record.args or ()
+        if text.startswith("failed (exitcode") and len(args) >= 2:
+            self.failed = (int(args[0]), int(args[1]))
+        elif RESTART_MARK in text and "attempts left" in text and len(args) >= 4:
+            if self.failed is not None:
+                exitcode, local = self.failed
+                print(f"warning: rank {self.first_rank + local} died ({exit_text(exitcode)}); "
+                      f"its log: {self._log_of(local)}", file=sys.stderr, flush=True)
+            print(f"warning: restarting all workers ({args[2]} of {args[3]} restarts left); "
+                  f"they resume from the newest checkpoint", file=sys.stderr, flush=True)
+            self.failed = None
+
+    def _log_of(self, local_rank: int) -> Path:
+        found = sorted(self.workers_dir.glob(f"*/attempt_*/{local_rank}"),
+                       key=lambda p: p.stat().st_mtime)
+        return found[-1] if found else self.workers_dir
+
+
+def exit_text(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by signal {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def count_restarts(run_dir: Path, log_name: str = "train.log") -> int:
+    """How many times the agent restarted the worker group in this run (from its log)."""
+    log = Path(run_dir) / log_name
+    if not log.is_file():
+        return 0
+    return sum(RESTART_MARK in line and "attempts left" in line
+               for line in log.read_text(errors="replace").splitlines())

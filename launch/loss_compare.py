@@ -28,6 +28,25 @@ LAYOUT_ONLY = ("parallel.", "train.micro_batch", "model.recompute", "launcher.",
                "train.skip_memory_check", "train.overwrite")
 
 
+LOSSY_DP = ("parallel.dp_compress", "parallel.powersgd_rank", "parallel.powersgd_warmup",
+            "parallel.dp_sync_every", "parallel.dp_sync_moments", "parallel.dp_delay")
+"""Layout settings that change what a step computes: the lossy DP options (a sweep still
+compares their cells with the 1-process run, to show how far they drift)."""
+
+
+def lossy_differences(base: dict, run: dict) -> list[str]:
+    """The lossy DP options in which two resolved configs differ (``parallel.dp_delay: 0 vs
+    1``)."""
+    a, b = _flat(base), _flat(run)
+    return [f"{key}: {a.get(key, '(unset)')} vs {b.get(key, '(unset)')}"
+            for key in LOSSY_DP if a.get(key) != b.get(key)]
+
+
+def resumed_from(config: Optional[dict]) -> Optional[str]:
+    """The checkpoint a run resumed from, from its resolved config (None: it started fresh)."""
+    return ((config or {}).get("checkpoint") or {}).get("resume_from")
+
+
 class CompareError(UserError):
     """Input that cannot be compared: a user error, reported as one line."""
 

@@ -30,7 +30,7 @@ from hybrid.planning.cost.dp_options import compare_dp_options
 from hybrid.planning.job import plan_job
 from hybrid.planning.cost.block_costs import known_block_costs
 from hybrid.planning.view import format_plan, plan_dict
-from hybrid.planning.cost.search import format_search, overrides_of, search
+from hybrid.planning.cost.search import format_search, no_layout_line, overrides_of, search
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.validate import config_problems
 from launch.launchers import unknown_launcher
@@ -121,6 +121,8 @@ def _search(cfg: PlanConfig, device) -> None:
         raise LayoutError(f"search.world={cfg.search.world} and search.top={cfg.search.top} "
                           f"must be integers >= 1")
     result = search(cfg, cfg.search.world, device, top=cfg.search.top)
+    if not result["candidates"]:
+        raise LayoutError(no_layout_line(result))
     print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result),
           flush=True)
     if cfg.search.run:

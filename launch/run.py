@@ -17,8 +17,9 @@ from hybrid.files import write_text
 from hybrid.planning.config import to_dict
 from hybrid.planning.plan_file import plan_to_dict, save_plan
 from hybrid.stall import FAILURE_FILE
-from launch.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, default_omp_threads, \
-    start_fork_server
+from launch.agent import AGENT_LOG, MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, \
+    default_omp_threads, start_fork_server
+from launch.failures import count_restarts
 
 WORKER_FAILED_EXIT = 1
 WORKER_USER_ERROR = UserError.__name__
@@ -86,11 +87,16 @@ def launch(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
 
 
 def report_results(results: list, run_dir: Path) -> None:
-    losses, resumed = results[0]["losses"], results[0]["resumed_from"]
-    if resumed is not None:
-        print(f"resumed from {resumed} (step {results[0]['start_step']})")
-    initialised = results[0].get("initialised_from")
-    if initialised:
-        print(f"started from the weights of {initialised} (step 0, a fresh optimizer)")
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    """The run's last lines: its loss over every step it trained, across restarts (from
+    ``metrics.jsonl``, where every attempt's steps are), and where it lives."""
+    from hybrid.metrics import read_metrics
+
+    last = {}
+    metrics = run_dir / "metrics.jsonl"
+    for record in read_metrics(metrics) if metrics.is_file() else []:
+        last[record["step"]] = record["loss"]  # a step run again after a restart: its last
+    losses = [last[s] for s in sorted(last)] or results[0]["losses"]
+    restarts = count_restarts(run_dir, AGENT_LOG)
+    again = f" ({restarts} restart{'s' * (restarts > 1)})" if restarts else ""
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps{again}")
     print(f"run directory: {run_dir}")

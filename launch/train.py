@@ -28,6 +28,7 @@ from hybrid.checkpoint.store import (
     read_manifest, resolve_resume,
 )
 from hybrid.data import validate_data
+from hybrid.data.fingerprint import changed_file, data_files, fingerprint, order_changes
 from hybrid.errors import UserError
 from hybrid.files import RunDirError, write_error, write_text
 from hybrid.planning.config import Config
@@ -146,8 +147,28 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
                         peak_flops=peak)
     check_run_dir(cfg, run_dir, resuming=resume is not None)
     plan = with_run_data(plan, run_dir)
+    check_resumed_data(plan)
     save_run_files(plan, run_dir)
     return plan, launcher
+
+
+def check_resumed_data(plan: JobPlan) -> None:
+    """A resume reads the data the checkpoint's run read (refused otherwise, in one line), in
+    the order it read it (warned of otherwise: a new seed or global batch is a choice)."""
+    if plan.resume_from is None:
+        return
+    saved = read_manifest(Path(plan.resume_from)).get("data")
+    if saved is None:  # saved before checkpoints recorded their data
+        return
+    for change in order_changes(saved, plan.cfg):
+        print(f"warning: resuming with {change}: the data order from here on is not the "
+              f"saved run's", file=sys.stderr)
+    changed = changed_file(saved["files"], fingerprint(data_files(plan.cfg, plan.data_prefixes)))
+    if changed:
+        raise CheckpointError(f"the data is not what checkpoint {plan.resume_from} trained on: "
+                              f"{changed}; restore it, or start a new run from the "
+                              f"checkpoint's weights with checkpoint.init_from="
+                              f"{plan.resume_from}")
 
 
 class RunFailed(Exception):
@@ -193,6 +214,7 @@ def _train(dict_cfg: DictConfig) -> None:
         trained = run(*prepare(cfg, run_dir), run_dir)
     except UserError as err:
         if not cell:
+            discard_scaffolding(run_dir)
             exit_user_error(err)
         _record_cell(run_dir, "skipped", " ".join(str(err).split("\n")), hydra_cfg)
     except RunFailed as err:
@@ -203,6 +225,23 @@ def _train(dict_cfg: DictConfig) -> None:
     else:
         if cell:
             _record_cell(run_dir, "completed" if trained else "submitted", "", hydra_cfg)
+
+
+def discard_scaffolding(run_dir: Path) -> None:
+    """A run refused before it wrote anything leaves nothing behind: Hydra made the run
+    directory with its ``.hydra/`` and an empty ``train.log`` before hybrid saw the config;
+    remove them (and Hydra's dated folder and ``outputs/`` above, once empty). A directory with
+    anything else in it is left as it is."""
+    log = run_dir / "train.log"
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {".x"}
+    if not names <= {".hydra", "train.log"} or (log.exists() and log.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    dated = run_dir.parent
+    if dated.parent.name == "outputs":
+        for folder in (dated, dated.parent):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 def _record_cell(run_dir: Path, status: str, reason: str, hydra_cfg) -> None:

@@ -144,6 +144,19 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes_with_the_same_losses(
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]  # step 5 ran again after the restart
     assert last_loss_per_step(tmp_path) == last_loss_per_step(saved("2x2x2-zero1"))
+    # What the console said: which rank died, why and where its log is; the restart; the
+    # checkpoint the new group resumed from (before its first step); a summary of every step.
+    died = re.search(r"warning: rank 3 died \(killed by signal SIGKILL\); its log: (\S+)",
+                     done.stderr)
+    assert died and Path(died[1]).is_dir() and died[1].startswith(str(tmp_path / "workers"))
+    assert "warning: restarting all workers (1 of 1 restarts left)" in done.stderr
+    out = done.stdout
+    resumed = f"resumed from {step_dir(tmp_path, 4)} (step 4)"
+    assert resumed in out and out.index(resumed) < out.index(
+        f"checkpoint saved: {step_dir(tmp_path, 6)}")  # said at the start of the new attempt
+    assert f"checkpoint saved: {step_dir(tmp_path, 10)} (training waited " in out
+    assert "over 10 steps (1 restart)" in out
+    assert "will restart worker group" in (tmp_path / "train.log").read_text()
 
 
 def test_export_loads_into_the_one_process_model_with_the_parallel_loss(saved, tmp_path):

@@ -133,6 +133,7 @@ def test_a_source_that_is_not_a_gpt2_is_one_line(name, make, needle, tmp_path):
     assert needle in done.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, needle", [
     (["model.hidden=64", "model.heads=4"],
      "model.hidden: the checkpoint step_00000000 has hidden=32, the config hidden=64"),

@@ -51,6 +51,28 @@ def test_draw_timeline_writes_a_real_png(tmp_path, name, v, lowered):
     assert len(data) > 10_000
 
 
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (8, 32)])
+def test_the_legend_clears_the_title_and_no_bar_is_cut_off(pp, m):
+    """On the drawn extents (display coordinates), narrow figures and wide ones: the legend
+    overlaps neither the title nor the plot and stays inside the figure, and the last
+    backward bar ends inside the plot's frame."""
+    from hybrid.pipeline.timeline import timeline_figure
+
+    costs = Costs(F=Fr(1), B=Fr(2), I=Fr(1), W=Fr(1), p2p=Fr(1, 10))
+    result = _simulated("1f1b", pp, m, 1, True, costs.per_chunk(1))
+    figure = timeline_figure(result.events, title=f"1f1b pp={pp} m={m}", pp=pp, unit="s")
+    renderer = figure.canvas.get_renderer()
+    axes = figure.axes[0]
+    title, legend = axes.title.get_window_extent(renderer), axes.get_legend().get_window_extent(
+        renderer)
+    frame, whole = axes.get_window_extent(renderer), figure.bbox
+    assert not title.overlaps(legend) and not legend.overlaps(frame)
+    assert whole.x0 <= legend.x0 and legend.x1 <= whole.x1 and legend.y1 <= whole.y1
+    assert whole.x0 <= title.x0 and title.x1 <= whole.x1 and title.y1 <= whole.y1
+    right = max(bar.get_window_extent(renderer).x1 for bar in axes.patches)
+    assert right < frame.x1
+
+
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
                                     ("interleaved-1f1b", 2)])
 @pytest.mark.parametrize("lowered", [False, True])

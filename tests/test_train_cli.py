@@ -57,6 +57,9 @@ BAD = [
     (["launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=2",
       "launcher.rdzv_endpoint=127.0.0.1:1"], "launcher.node_rank=2 must be in 0..1"),
     (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+    (["model=tinyy"], "Could not find 'model/tinyy'; choose one of: gpt-1t, gpt2-1.3b"),
+    (["seed=99999999999999999999"], "seed=99999999999999999999 must be an integer in "
+                                    "0..9,223,343,366,818"),
     (["launcher=slurm", "launcher.time_min=soon"],
      "Value 'soon' of type 'str' could not be converted to Integer"),
     (["launcher=slurm", "launcher.cpus_per_task=0"],

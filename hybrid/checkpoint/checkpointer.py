@@ -39,6 +39,7 @@ from hybrid.checkpoint.store import (
     model_shape, partial_name, prune, read_manifest, resolve_resume, write_manifest,
 )
 from hybrid.checkpoint.weights import read_model_weights
+from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.shards import load_global_weights
 from hybrid.planning.config import to_dict
@@ -79,6 +80,7 @@ class Checkpointer:
         """The checkpoint whose weights this run started from (``checkpoint.init_from``)."""
         self.stall_s = 0.0
         """Seconds the training loop spent inside ``save`` (the stall a save causes)."""
+        self._data: Optional[dict] = None
 
     # ----- what is saved ---------------------------------------------------------------------
     def _state(self, step: int) -> dict:
@@ -117,12 +119,19 @@ class Checkpointer:
             with _write_errors_named(partial):
                 dcp.save(self._state(step), storage_writer=writer)
             self._finish(step, partial)
+            self._announce(step, time.perf_counter() - started)
         else:
             future = dcp.async_save(self._state(step), storage_writer=writer,
                                     process_group=self.async_group,
                                     async_stager=HostCopyStager())
-            self.pending = (future, step, partial)
+            self.pending = (future, step, partial, time.perf_counter() - started)
         self.stall_s += time.perf_counter() - started
+
+    def _announce(self, step: int, stall_s: float) -> None:
+        """One console line per checkpoint that became visible (rank 0)."""
+        if self.rank == 0:
+            print(f"checkpoint saved: {self.directory / checkpoint_name(step)} (training "
+                  f"waited {stall_s:.2f} s for it)", flush=True)
 
     def close(self) -> None:
         """Wait for a background save and finish it (call once training is done)."""
@@ -139,11 +148,12 @@ class Checkpointer:
         return bool(done.item())
 
     def _finish_pending(self) -> None:
-        future, step, partial = self.pending
+        future, step, partial, stall_s = self.pending
         self.pending = None
         with _write_errors_named(partial):
             future.result()  # raises here if the background write failed
         self._finish(step, partial)
+        self._announce(step, stall_s)
 
     def _finish(self, step: int, partial: Path) -> None:
         """Every rank's files are written: record them, then make the checkpoint visible."""
@@ -173,8 +183,14 @@ class Checkpointer:
                            "vpp": layout.vpp, "zero": cfg.parallel.zero,
                            "schedule": cfg.parallel.schedule, "world": self.world},
                 "model": model_shape(cfg.model), "config": to_dict(cfg), "tensors": tensors,
-                "tokenizer": self.plan.tokenizer,
+                "tokenizer": self.plan.tokenizer, "data": self._data_record(),
                 "files": {name: info for per_rank in files for name, info in per_rank.items()}}
+
+    def _data_record(self) -> dict:
+        """What the run's data is (``hybrid.data.fingerprint``): read once, on rank 0."""
+        if self._data is None:
+            self._data = run_data_record(self.cfg, tuple(self.plan.data_prefixes))
+        return self._data
 
     # ----- loading ---------------------------------------------------------------------------
     def resume(self) -> int:

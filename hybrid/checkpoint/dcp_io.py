@@ -22,7 +22,7 @@ import io
 import pickle
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -144,11 +144,13 @@ def _host_copy(value: torch.Tensor) -> torch.Tensor:
 
 
 def file_checksums(directory: Path, rank: int) -> dict[str, dict]:
-    """Size and CRC-32 of the DCP data files this rank wrote (``__{rank}_*.distcp``)."""
-    out = {}
-    for file in sorted(Path(directory).glob(f"__{rank}_*.distcp")):
-        out[file.name] = {"bytes": file.stat().st_size, "crc32": crc32_of(file)}
-    return out
+    """Size and CRC-32 of the DCP data files this rank wrote (``__{rank}_*.distcp``), and on
+    rank 0 of DCP's ``.metadata`` (which it writes last): every file a load reads."""
+    files = sorted(Path(directory).glob(f"__{rank}_*.distcp"))
+    if rank == 0 and (Path(directory) / ".metadata").is_file():
+        files.append(Path(directory) / ".metadata")
+    return {file.name: {"bytes": file.stat().st_size, "crc32": crc32_of(file)}
+            for file in files}
 
 
 def crc32_of(file: Path) -> int:
@@ -159,17 +161,32 @@ def crc32_of(file: Path) -> int:
     return crc
 
 
+def first_corrupt_file(path: Path, manifest: dict, names: list[str]) -> Optional[str]:
+    """The first of ``names`` whose CRC-32 differs from the manifest's, or None."""
+    return next((name for name in names
+                 if crc32_of(Path(path) / name) != manifest["files"][name]["crc32"]), None)
+
+
+def corrupt_file_error(path: Path, name: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {Path(path) / name} does not match the checksum "
+                           f"written with it: it is corrupted; resume from an older checkpoint")
+
+
+def verify_files_here(path: Path, manifest: dict) -> None:
+    """Every file's CRC-32 against the manifest, in this one process (``hybrid-ckpt``)."""
+    bad = first_corrupt_file(path, manifest, sorted(manifest["files"]))
+    if bad is not None:
+        raise corrupt_file_error(path, bad)
+
+
 def verify_files(path: Path, manifest: dict, world) -> None:
     """Each rank of the ``world`` group checks every ``world.size()``-th data file's CRC-32
     against the manifest; if any differs, every rank raises ``CheckpointError`` naming the
     first bad file."""
     names = sorted(manifest["files"])
-    bad = [name for name in names[world.rank()::world.size()]
-           if crc32_of(Path(path) / name) != manifest["files"][name]["crc32"]]
-    flags = torch.tensor([names.index(bad[0]) if bad else len(names)], dtype=torch.int64)
+    bad = first_corrupt_file(path, manifest, names[world.rank()::world.size()])
+    flags = torch.tensor([names.index(bad) if bad else len(names)], dtype=torch.int64)
     world.all_reduce(flags, op=dist.ReduceOp.MIN)
     first = int(flags.item())
     if first < len(names):
-        raise CheckpointError(f"checkpoint file {Path(path) / names[first]} does not match "
-                              f"the checksum written with it: it is corrupted; resume from an "
-                              f"older checkpoint")
+        raise corrupt_file_error(path, names[first])

@@ -85,8 +85,12 @@ def write_manifest(path: Path, manifest: dict) -> None:
 
 def is_complete(path: Path) -> bool:
     path = Path(path)
-    return bool(_NAME.match(path.name)) and (path / MANIFEST).is_file() \
-        and (path / DCP_METADATA).is_file()
+    return bool(_NAME.match(path.name)) and holds_checkpoint(path)
+
+
+def holds_checkpoint(path: Path) -> bool:
+    """``path`` holds a complete checkpoint's files, whatever its name."""
+    return (Path(path) / MANIFEST).is_file() and (Path(path) / DCP_METADATA).is_file()
 
 
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -112,8 +116,9 @@ def resolve_resume(value: Optional[str], checkpoint_dir: Path, *,
     """The checkpoint ``checkpoint.resume_from=value`` names, or None to start fresh.
 
     ``value``: None; ``auto`` (the newest complete checkpoint in ``checkpoint_dir``, None when
-    there is none); a checkpoint directory; or a run directory / checkpoint directory, whose
-    newest complete checkpoint is taken.
+    there is none); a checkpoint directory (``step_*``, or any directory holding a complete
+    checkpoint's files); or a run directory / checkpoint directory, whose newest complete
+    checkpoint is taken.
     """
     if value is None:
         return None
@@ -128,6 +133,8 @@ def resolve_resume(value: Optional[str], checkpoint_dir: Path, *,
         if not is_complete(path):
             raise CheckpointError(f"{field} is not a complete checkpoint (an interrupted save "
                                   f"has no {MANIFEST}); resume from an older step_* directory")
+        return path
+    if holds_checkpoint(path):  # a checkpoint copied under another name is still one
         return path
     for candidate in (path / "checkpoints", path):
         newest = newest_complete(candidate)

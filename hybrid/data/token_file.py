@@ -87,6 +87,9 @@ def token_count(path: Optional[str], dtype: str) -> int:
                         f"with `hybrid-data INPUT.txt {path}`")
     size, itemsize = os.path.getsize(path), np.dtype(TOKEN_DTYPES[dtype]).itemsize
     if size % itemsize:
+        text = text_file_message(path)  # an odd length is more often text than a wrong dtype
+        if text:
+            raise DataError(text)
         raise DataError(f"data.path={path} has {size} bytes, not a multiple of {itemsize} "
                         f"(data.dtype={dtype}); set data.dtype to the type the file was "
                         f"written with (uint16 or uint32)")
@@ -112,6 +115,19 @@ def max_token(tokens: np.ndarray, chunk: int = VOCAB_SCAN_CHUNK) -> int:
 SNIFF_BYTES = 1 << 16
 
 
+def text_file_message(path: str, head: Optional[bytes] = None) -> Optional[str]:
+    """The message for a text file given as a token file (its first bytes nearly all
+    printable ASCII), or None."""
+    if head is None:
+        with open(path, "rb") as handle:
+            head = handle.read(SNIFF_BYTES)
+    printable = sum(32 <= b < 127 or b in (9, 10, 13) for b in head)
+    if head and printable >= 0.95 * len(head):
+        return (f"data.path={path} looks like a text file, not a token file; make one with "
+                f"`hybrid-data {path} tokens.bin` and pass data.path=tokens.bin")
+    return None
+
+
 def misread_file(path: str, dtype: str, vocab: int, *,
                  uint16_of_uint32: bool = False) -> Optional[str]:
     """The message for a token file read the wrong way, or None: a text file, a uint16 file
@@ -126,10 +142,9 @@ def misread_file(path: str, dtype: str, vocab: int, *,
             return (f"data.path={path} reads as uint16 with every other token 0: it was "
                     f"written as uint32; set data.dtype=uint32")
         return None
-    printable = sum(32 <= b < 127 or b in (9, 10, 13) for b in head)
-    if head and printable >= 0.95 * len(head):
-        return (f"data.path={path} looks like a text file, not a token file; make one with "
-                f"`hybrid-data {path} tokens.bin` and pass data.path=tokens.bin")
+    text = text_file_message(path, head)
+    if text:
+        return text
     if dtype == "uint32":
         as16 = np.frombuffer(head[:len(head) // 2 * 2], dtype=np.uint16)
         if len(as16) and int(as16.max()) < vocab:

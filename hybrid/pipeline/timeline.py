@@ -75,6 +75,12 @@ def write_chrome_trace(events: Iterable[EventLike], path: str | Path) -> None:
     write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
+TITLE_PAD = 18
+"""Points between the plot and the title: the legend's row."""
+RIGHT_MARGIN = 0.01
+"""The x-axis runs to the makespan plus this share of it."""
+
+
 def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "pipeline",
                   pp: int | None = None, unit: str = "") -> None:
     """A PNG with one row per rank (rank 0 on top), bars coloured by kind, gaps = idle.
@@ -84,6 +90,14 @@ def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "p
     ``pp``, later virtual chunks (stage // pp) are drawn in lighter shades of their kind.
     ``unit`` names the time unit on the axis ("s" for a real run; none for simulated costs).
     """
+    figure = timeline_figure(events, title, pp, unit)
+    with atomic_write(path) as tmp:
+        figure.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
+
+
+def timeline_figure(events: Iterable[EventLike], title: str = "pipeline",
+                    pp: int | None = None, unit: str = ""):
+    """The figure ``draw_timeline`` saves (a matplotlib ``Figure``, laid out)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -99,15 +113,15 @@ def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "p
     axes.set_yticks(range(n_ranks),
                     [f"rank {rank} ({bubble:.0%} idle)" for rank, bubble in enumerate(bubbles)])
     axes.set_ylim(max(n_ranks, 1) - 0.5, -0.5)  # rank 0 on top
-    axes.set_xlim(0, makespan or 1)
+    # A little room right of the makespan: the last bar's edge is not cut by the frame.
+    axes.set_xlim(0, (makespan or 1) * (1 + RIGHT_MARGIN))
     axes.set_xlabel(f"time ({unit})" if unit else "time")
     mean = sum(bubbles) / n_ranks if n_ranks else 0.0
     axes.set_title(f"{title}: bubble {mean:.1%}, makespan {makespan:.3g}{unit and ' ' + unit}",
-                   loc="left", fontsize=10)
+                   loc="left", fontsize=10, pad=TITLE_PAD)
     _draw_legend(axes, kinds_drawn)
     figure.tight_layout()
-    with atomic_write(path) as tmp:
-        figure.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
+    return figure
 
 
 def _draw_bars(axes, parsed: Sequence[Event], begin: float, makespan: float,
@@ -147,6 +161,7 @@ def _draw_legend(axes, kinds_drawn: list[str]) -> None:
     handles = [Patch(color=KIND_COLOURS.get(kind, WAIT_COLOUR),
                      label=KIND_LABELS.get(kind, "wait for RECV"))
                for kind in order if kind in kinds_drawn]
-    # Above the plot on the right, clear of the x-axis label and of the left-aligned title.
-    axes.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0),
-                ncol=len(handles) or 1, fontsize=8, frameon=False)
+    # A row of its own between the plot and the title (the title is raised to make room):
+    # beside the title, on the same line, it covered the makespan on narrow figures.
+    axes.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0),
+                borderaxespad=0.1, ncol=len(handles) or 1, fontsize=8, frameon=False)

@@ -145,8 +145,18 @@ def _check_data(cfg: Config) -> None:
         raise LayoutError(problem)
 
 
+MAX_SEED = (2**63 - 1) // 1_000_003 - 1_000_003
+"""The largest seed whose per-block streams (``seed * 1_000_003 + block``,
+``hybrid.model.gpt.block_seed``) fit torch's 64-bit generator seed."""
+
+
 def _check_numbers(cfg: Config) -> None:
     """Every number finite and in range (a NaN passes ``< 0`` checks, so test finiteness)."""
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or \
+            not 0 <= cfg.seed <= MAX_SEED:
+        raise LayoutError(f"seed={cfg.seed} must be an integer in 0..{MAX_SEED:,} (each block's "
+                          f"weights draw from a 64-bit stream derived from it); choose one in "
+                          f"that range")
     optim = cfg.optim
     for field in ("lr", "min_lr", "weight_decay"):
         _non_negative(f"optim.{field}", getattr(optim, field))
@@ -195,6 +205,10 @@ def config_warnings(cfg: Config) -> list[str]:
         warnings.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than "
                         f"train.steps={cfg.train.steps}: the learning rate never reaches "
                         f"optim.lr={cfg.optim.lr}")
+    if cfg.launcher.max_restarts and not cfg.checkpoint.every:
+        warnings.append(f"launcher.max_restarts={cfg.launcher.max_restarts} without "
+                        f"checkpoint.every: a restarted group starts again from step 1; set "
+                        f"checkpoint.every=N to resume from the newest checkpoint")
     return warnings
 
 

@@ -118,12 +118,14 @@ def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
 def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first."""
     rejected: Counter = Counter()
+    examples: dict[str, str] = {}
     priced = []
     for candidate in candidates(cfg, world):
         try:
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
             rejected[_reason(str(err))] += 1
+            examples.setdefault(_reason(str(err)), str(err))
             continue
         if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
             rejected[OUT_OF_MEMORY] += 1
@@ -135,7 +137,17 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
             "candidates": [c.to_dict() for c in best], "rejected": dict(rejected),
-            "why_cp": _why_cp(best, priced)}
+            "examples": examples, "why_cp": _why_cp(best, priced)}
+
+
+def no_layout_line(result: dict) -> str:
+    """Why a search found nothing to run, as one line: the commonest reason and an instance."""
+    reasons = sorted(result["rejected"].items(), key=lambda item: -item[1])
+    if not reasons:
+        return f"search.world={result['world']}: no layout to try"
+    why, count = reasons[0]
+    return (f"no layout of {result['world']} devices runs this config: {count} of "
+            f"{result['considered']} have {why}, e.g. {result['examples'][why]}")
 
 
 def _why_cp(best: list[Candidate], priced: list) -> str | None:
