@@ -22,15 +22,16 @@ from hybrid.files import JsonLines
 from hybrid.planning.layout import COORD_ORDER
 
 WAIT_AXES = (*COORD_ORDER, "other")
-DEFAULT_PATIENCE = 3
-"""Consecutive slow steps before a warning: one slow step is noise (a page fault, a GC)."""
-DEFAULT_WINDOW = 5
-"""Steps whose median is a rank's compute time."""
+DEFAULT_WINDOW = 6
+"""Steps a rank is judged over."""
+MIN_SLOW_STEPS = 5
+"""... of which it must be slow in this many. Scheduling noise (8 ranks on 2 cores stretch a
+rank's compute by 25% for a few steps) slows a rank now and then, not in nearly every step: a
+sign test over the window, not a floor in seconds, tells the two apart, however short the
+step."""
 MIN_SHARE_OF_STEP = 0.05
-"""A straggler's excess compute must cost at least this share of the step to be named."""
-MIN_EXCESS_S = 0.1
-"""... and at least this many seconds: on a busy CPU (8 ranks on 2 cores) a rank's 30 ms
-compute is stretched by scheduling alone, 25% for several steps in a row (measured)."""
+"""In a slow step the rank's excess over its peers' median must be at least this share of the
+step: what its peers spend waiting for it."""
 
 
 @dataclass(frozen=True)
@@ -68,49 +69,46 @@ def ratios(compute_s: Sequence[float], peers: list[list[int]]) -> list[float]:
 
 @dataclass
 class StragglerWatch:
-    """Flags a rank whose compute stays ``threshold`` times its peers' for ``patience`` steps
-    in a row; it is flagged once until it falls back under the threshold.
+    """Flags a rank that was slow in ``min_slow`` of the last ``window`` steps; it is flagged
+    once until it has recovered (slow in at most a third of them: a throttled rank that is
+    normal now and then is not named again and again).
 
-    Each rank's compute is the median of its last ``window`` steps, so that a few slow steps
-    (a page fault, another process taking the core) are not a straggler; and the excess must
-    cost at least ``min_share`` of the step time, so that a 1 ms difference on a 5 ms compute
-    in a 1 s step is not one either, nor anything under ``min_excess_s``.
+    A step is slow for a rank when its compute is at least ``threshold`` times its peers'
+    median and the excess is at least ``min_share`` of the step time: a rank that costs its
+    peers a noticeable share of every step, whatever the step's length. A few slow steps (a
+    page fault, another process taking the core) are not a straggler.
     """
 
     pp_of_rank: Sequence[int]
     threshold: float
-    patience: int = DEFAULT_PATIENCE
     window: int = DEFAULT_WINDOW
+    min_slow: int = MIN_SLOW_STEPS
     min_share: float = MIN_SHARE_OF_STEP
-    min_excess_s: float = MIN_EXCESS_S
     _peers: list[list[int]] = field(init=False)
-    _streak: list[int] = field(init=False)
     _history: list[deque] = field(init=False)
     _flagged: set[int] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self._peers = peer_sets(self.pp_of_rank)
-        self._streak = [0] * len(self.pp_of_rank)
         self._history = [deque(maxlen=self.window) for _ in self.pp_of_rank]
 
     def update(self, compute_s: Sequence[float], step_time_s: float) -> list[Straggler]:
         """Feed one step's compute per rank and its wall time; returns the ranks newly
         flagged."""
-        for history, value in zip(self._history, compute_s):
-            history.append(value)
-        typical = [statistics.median(history) for history in self._history]
+        for rank, peers in enumerate(peer_medians(compute_s, self._peers)):
+            slow = peers > 0 and compute_s[rank] >= self.threshold * peers \
+                and compute_s[rank] - peers >= self.min_share * step_time_s
+            self._history[rank].append((slow, compute_s[rank], peers))
         found = []
-        floor = max(self.min_share * step_time_s, self.min_excess_s)
-        for rank, peers in enumerate(peer_medians(typical, self._peers)):
-            if peers <= 0 or typical[rank] < self.threshold * peers \
-                    or typical[rank] - peers < floor:
-                self._streak[rank] = 0
-                self._flagged.discard(rank)
-                continue
-            self._streak[rank] += 1
-            if self._streak[rank] >= self.patience and rank not in self._flagged:
+        for rank, history in enumerate(self._history):
+            slow_steps = sum(slow for slow, _, _ in history)
+            if slow_steps <= min(self.window // 3, self.min_slow - 1):  # recovered: normal in
+                self._flagged.discard(rank)                             # most steps again
+            elif slow_steps >= self.min_slow and rank not in self._flagged:
                 self._flagged.add(rank)
-                found.append(Straggler(rank, typical[rank], peers, self._streak[rank]))
+                found.append(Straggler(rank, statistics.median(c for _, c, _ in history),
+                                       statistics.median(p for _, _, p in history),
+                                       slow_steps))
         return found
 
 
@@ -129,8 +127,8 @@ def step_summary(compute_s: Sequence[float], waits: dict[str, Sequence[float]],
 def warning_line(straggler: Straggler, who: str) -> str:
     return (f"warning: straggler: {who} computes {straggler.ratio:.2f}x its peers' median "
             f"({straggler.compute_s:.3f}s vs {straggler.peers_median_s:.3f}s per step, median "
-            f"of its last {DEFAULT_WINDOW}) for {straggler.steps} steps; the others wait for it (per-rank times: "
-            f"rank_times.jsonl)")
+            f"of its last {DEFAULT_WINDOW}), slow in {straggler.steps} of them; the others "
+            f"wait for it (per-rank times: rank_times.jsonl)")
 
 
 class RankTimesLog:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from launch.failures import (LaunchInterrupted, RestartNotices, WorkerInterrupted,
                              worker_failure_from)
-from launch.rendezvous import Rendezvous, rendezvous_failure
+from launch.rendezvous import Rendezvous, rendezvous_failure, wait_for_node0
 
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
@@ -107,6 +107,7 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
         # workers' start-up chatter does not bury the progress lines.
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(os.fspath(run_dir), "workers"),
                                     redirects=_quiet_ranks(rendezvous, nproc)))
+    wait_for_node0(rendezvous)
     threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
     if start_method == "forkserver":
         start_fork_server(preload, threads)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import socket
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -55,3 +57,28 @@ def rendezvous_failure(rendezvous: Rendezvous, err: Exception) -> RendezvousFail
         f"{waited}; start node 0 (launcher.node_rank=0) with the same launcher.rdzv_endpoint, "
         f"check that this node can reach it, or raise launcher.rdzv_timeout_s "
         f"({str(err).strip().splitlines()[0][:160]})")
+
+
+CONNECT_ATTEMPT_S = 2.0
+"""The longest single connection attempt while waiting for node 0 (it may not be up yet)."""
+
+
+def wait_for_node0(rendezvous: Rendezvous) -> None:
+    """On a node other than 0: wait until node 0's endpoint accepts a connection, for at most
+    ``timeout_s`` in all, else raise ``RendezvousFailure``. torch's store client would try
+    again after its own timeout (twice the wait) and print C++ stack frames each time; this
+    fails once, on time, in one line, before torch's store is made."""
+    if rendezvous.endpoint is None or rendezvous.node_rank == 0:
+        return
+    host, _, port = rendezvous.endpoint.rpartition(":")
+    deadline = time.monotonic() + rendezvous.timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)),
+                                          timeout=max(0.05, min(left, CONNECT_ATTEMPT_S))):
+                return
+        except OSError as err:
+            if deadline - time.monotonic() <= 0:
+                raise rendezvous_failure(rendezvous, err) from None
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))  # node 0 starting

@@ -25,14 +25,15 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from hybrid.planning.layout import COORD_ORDER
 from launch.compare import load_run
 from launch.loss_compare import CompareError, deviations_from_reference
 
 CELL_FILE = "cell.json"
 COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",
-           "peak_mem_bytes", "bubble_measured", "comm_bytes_dp", "comm_bytes_tp",
-           "comm_bytes_pp", "predicted_step_time_s", "predicted_mem_bytes_per_rank",
-           "max_loss_dev", "loss_reference")
+           "peak_mem_bytes", "bubble_measured", *(f"comm_bytes_{axis}" for axis in COORD_ORDER),
+           "predicted_step_time_s", "predicted_mem_bytes_per_rank", "max_loss_dev",
+           "loss_reference")
 
 
 def record_cell(run_dir: Path, status: str, reason: str = "", settings: Optional[list] = None,
@@ -175,15 +176,16 @@ def _fmt(value, scale: float = 1, digits: str = ".3g") -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["# Sweep", "", "| cell | settings | status | tokens/s | step s | predicted step s "
-             "| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB dp/tp/pp | loss dev "
+             f"| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB {'/'.join(COORD_ORDER)} "
+             "| loss dev "
              "| reason |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        comm = "/".join(_fmt(r[f"comm_bytes_{a}"], 2**20) for a in ("dp", "tp", "pp"))
+        comm = "/".join(_fmt(r[f"comm_bytes_{a}"], 2**20) for a in COORD_ORDER)
         cells = [r["cell"], r["settings"], r["status"], _fmt(r["tokens_per_s"], 1, ",.0f"),
                  _fmt(r["step_time_s"]), _fmt(r["predicted_step_time_s"]),
                  _fmt(r["peak_mem_bytes"], 2**30), _fmt(r["predicted_mem_bytes_per_rank"], 2**30),
-                 _fmt(r["bubble_measured"], 1, ".1%"), comm if comm != "//" else "",
+                 _fmt(r["bubble_measured"], 1, ".1%"), comm if comm.strip("/") else "",
                  _fmt(r["max_loss_dev"], 1, ".2g"), r["reason"]]
         lines.append("| " + " | ".join(cells) + " |")
     done = [r for r in rows if r["status"] == "completed" and r["predicted_step_time_s"] != ""]

@@ -102,9 +102,26 @@ def test_a_missing_node_ends_at_the_rendezvous_timeout_with_one_line(tmp_path):
         stop_all(*procs.values())
     for rank, proc in procs.items():
         assert proc.returncode == 1, stderrs[rank][-3000:]
-        last = stderrs[rank].strip().splitlines()[-1]
-        assert re.match(rf"error: {expected[rank]}", last), stderrs[rank][-3000:]
+        lines = stderrs[rank].strip().splitlines()  # one line: no C++ frames before it
+        assert len(lines) == 1 and re.match(rf"error: {expected[rank]}", lines[0]), \
+            stderrs[rank][-3000:]
     assert time.monotonic() - started < 30
+
+
+def test_an_unreachable_node_0_ends_once_at_the_timeout_not_twice(tmp_path):
+    """torch's store client tries again after its own timeout (and prints C++ frames each
+    time): node 1 checks node 0's endpoint itself first and ends once, at the timeout."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    proc = node(tmp_path / "alone", 1, endpoint, "launcher.rdzv_timeout_s=20")
+    try:
+        stderr = proc.communicate(timeout=90)[1]
+    finally:
+        stop_all(proc)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1 and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+    assert f"could not reach node 0's rendezvous at {endpoint} within 20s" in stderr
+    assert 20 <= elapsed < 38, elapsed  # the start-up, then 20 s: not the old 40-50 s
 
 
 def test_killing_one_node_ends_the_other_with_a_diagnosis_and_no_leftovers(tmp_path):

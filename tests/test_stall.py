@@ -57,7 +57,8 @@ def check_diagnosis(stderr: str, run_dir: Path, *, stalled: int, layout: Layout)
                      last)
     assert match, stderr[-3000:]
     waiter = int(match[1])
-    assert match.group(2, 3, 4) == tuple(str(c) for c in layout.coords(waiter).values())
+    w = layout.coords(waiter)
+    assert match.group(2, 3, 4) == (str(w["dp"]), str(w["tp"]), str(w["pp"]))
     c = layout.coords(stalled)
     assert re.search(rf"rank {stalled} \(dp {c['dp']}, tp {c['tp']}, pp {c['pp']}, node 0\)"
                      rf"(,| never arrived,) no report: stopped", last), last
@@ -106,3 +107,43 @@ def test_sigstop_of_one_of_8_workers_ends_the_job_within_60s(tmp_path):
     assert proc.returncode == 1, stderr[-3000:]
     check_diagnosis(stderr, tmp_path, stalled=rank, layout=Layout(dp=2, tp=2, pp=2))
     _wait_for(lambda: not any(_alive(pid) for pid in family), 15, "every process to be gone")
+
+
+def test_a_worker_throttled_from_outside_is_named_as_the_straggler(tmp_path):
+    """#31's case: one of 8 workers stopped and continued from outside, again and again
+    (SIGSTOP/SIGCONT: half its time gone), on the main job's layout with its tiny steps: the
+    warning names its global rank with its coordinates, and no other rank."""
+    import threading
+
+    proc = start(tmp_path, "train.steps=40", "train.collective_timeout_s=60")
+    _wait_for(lambda: first_step_done(tmp_path), 90, "the first step")
+    workers = sorted(pid for pid in _descendants(proc.pid) if _parent_of(pid) != proc.pid)
+    rank = 6
+    victim = next(pid for pid in workers
+                  if f"attempt_0/{rank}/" in os.readlink(f"/proc/{pid}/fd/1"))
+    done = threading.Event()
+
+    def throttle() -> None:  # the disturbance itself, not a synchronisation
+        while not done.is_set():
+            try:
+                os.kill(victim, signal.SIGSTOP)
+                done.wait(0.03)
+                os.kill(victim, signal.SIGCONT)
+                done.wait(0.03)
+            except ProcessLookupError:
+                return
+
+    thread = threading.Thread(target=throttle, daemon=True)
+    thread.start()
+    try:
+        stderr = finish(proc, 120)
+    finally:
+        done.set()
+        thread.join()
+        if _alive(victim):
+            os.kill(victim, signal.SIGCONT)
+    assert proc.returncode == 0, stderr[-3000:]
+    named = re.findall(rf"warning: straggler: {WHO} computes", stderr)
+    c = Layout(dp=2, tp=2, pp=2).coords(rank)
+    assert named and set(named) == {(str(rank), str(c["dp"]), str(c["tp"]), str(c["pp"]))}, \
+        stderr[-3000:]

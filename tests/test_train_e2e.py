@@ -127,9 +127,10 @@ def test_2x2x2_losses_run_directory_and_straggler_report(reference, tmp_path):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
         assert set(REQUIRED_KEYS) <= set(record)
-        assert set(record["comm_bytes"]) == {"dp", "tp", "pp"}
-        assert min(record["comm_bytes"].values()) > 0  # all three axes talk on 2x2x2
-        assert set(record["max_wait_s"]) == {"dp", "tp", "pp", "other"}
+        assert set(record["comm_bytes"]) == {"dp", "cp", "tp", "pp"}
+        assert min(record["comm_bytes"][a] for a in ("dp", "tp", "pp")) > 0  # all talk here
+        assert record["comm_bytes"]["cp"] == 0  # no context parallelism
+        assert set(record["max_wait_s"]) == {"dp", "cp", "tp", "pp", "other"}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     trace = json.loads((tmp_path / "timeline.json").read_text())
     assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) > 0

@@ -186,14 +186,15 @@ def test_a_checkpoint_copied_under_another_name_resumes(trained, tmp_path):
     assert f"resumed from {copy} (step 4)" in done.stdout
 
 
-@pytest.mark.slow
 def test_restarts_without_checkpoints_are_warned_of(tmp_path):
+    """Warned before launch (here the run then stops at a later check, also before launch)."""
     done = subprocess.run([TRAIN, *TINY, "train.steps=1", "launcher.max_restarts=1",
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                          timeout=110)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "launcher.max_restarts=1 without checkpoint.every: a restarted group starts again " \
-           "from step 1" in done.stderr
+                           "checkpoint.resume_from=/nowhere", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[0] == (
+        "warning: launcher.max_restarts=1 without checkpoint.every: a restarted group starts "
+        "again from step 1; set checkpoint.every=N to resume from the newest checkpoint")
 
 
 @pytest.mark.slow

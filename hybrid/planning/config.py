@@ -137,8 +137,9 @@ class TrainConfig:
     """Seconds any collective, process-group set-up or pipeline receive may wait before the
     rank fails instead of hanging."""
     straggler_ratio: float = 1.2
-    """Warn when a rank's compute per step stays this many times its peers' median (the ranks
-    holding the same pipeline stages) for 3 steps in a row; 0 turns the warning off."""
+    """Warn when a rank's compute is this many times its peers' median (the ranks holding the
+    same pipeline stages), costing at least 5% of the step, in 5 of 6 steps; 0 turns the
+    warning off."""
     skip_memory_check: bool = False
     """Launch even when the memory estimate per rank exceeds what the ranks can use."""
     overwrite: bool = False
