@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launch.failures import LaunchFailed
+from launch.slurm_partition import NEVER_CLEARS, partition_nodes, partition_problem
 from launch.launcher import register_launcher
 from launch.slurm_node import RDZV_PORT_ENV
 
@@ -122,6 +123,10 @@ class SlurmLauncher:
             raise LayoutError("launcher=slurm needs Slurm's sbatch, not found on PATH: run "
                               "hybrid-train on the cluster's login node, or see the job with "
                               "launcher.dry_run=true")
+        problem = partition_problem(sbatch_parameters(plan), partition_nodes(
+            plan.cfg.launcher.partition))
+        if problem:
+            raise LayoutError(problem)
 
     def launch(self, entrypoint, args, plan, run_dir: Path,
                **options: Any) -> Optional[list]:
@@ -188,12 +193,17 @@ def record_sweep_cell(sweep_dir: Path, job, run_dir: Path) -> None:
 
 def job_state(job_id: str) -> str:
     """Slurm's state of the job (``squeue``, which needs no accounting database)."""
-    done = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%T",
+    return job_state_and_reason(job_id)[0]
+
+
+def job_state_and_reason(job_id: str) -> tuple[str, str]:
+    """Slurm's state of the job and its reason (why it pends: ``Resources``, ...)."""
+    done = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%T %r",
                            f"--jobs={job_id}"], capture_output=True, text=True, timeout=60)
-    state = done.stdout.strip().split()
-    if done.returncode != 0 or not state:
-        return "GONE"
-    return state[0]
+    fields = done.stdout.strip().split(maxsplit=1)
+    if done.returncode != 0 or not fields:
+        return "GONE", ""
+    return fields[0], fields[1] if len(fields) > 1 else ""
 
 
 def wait_for(job, follow: bool = False) -> list:
@@ -206,9 +216,15 @@ def wait_for(job, follow: bool = False) -> list:
         if follower:
             follower.echo()
         if time.monotonic() - checked > 2:
-            checked, state = time.monotonic(), job_state(str(job.job_id))
+            checked = time.monotonic()
+            state, reason = job_state_and_reason(str(job.job_id))
             if state in ENDED:
                 break
+            if state == "PENDING" and reason in NEVER_CLEARS:
+                job.cancel(check=False)
+                raise LaunchFailed(f"slurm job {job.job_id} cannot start: Slurm keeps it "
+                                   f"pending for {reason} ({NEVER_CLEARS[reason]}); cancelled "
+                                   f"it: change the launcher options and submit again")
         time.sleep(POLL_S)
     if follower:
         follower.echo()
@@ -274,3 +290,4 @@ class LogFollower:
         for line in complete.decode(errors="replace").splitlines():
             if not line.startswith("submitit "):
                 print(line, flush=True)
+

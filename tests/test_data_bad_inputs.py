@@ -156,6 +156,7 @@ DATA_CASES = [
      "--tokenizer gpt5: not bytes, gpt2, a tokenizer.json"),
     ("glob of nothing", ["{dir}/*.parquet", "{dir}/out"], "matches no file"),
     ("missing input", ["{dir}/absent.txt", "{dir}/out"], "absent.txt does not exist"),
+    ("a folder", ["{dir}", "{dir}/out"], "is a folder; pass its files, e.g. "),
 ]
 
 

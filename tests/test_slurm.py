@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,24 @@ def test_a_cancelled_job_ends_hybrid_train_with_its_state(cluster, tmp_path):
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: slurm job {job} ended CANCELLED"), \
         stderr
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["launcher.cpus_per_task=64"],
+     "the job asks for 64 CPUs per node (launcher.cpus_per_task, by default one per rank) but "
+     "the partition's nodes have at most 4"),
+    (["launcher.nnodes=3", "parallel.dp=3", "train.global_batch=3"],
+     "launcher.nnodes=3 but the partition has 2 node(s) with 1 CPUs or more"),
+])
+def test_a_job_that_could_never_start_is_refused_before_it_is_submitted(cluster, tmp_path,
+                                                                         overrides, needle):
+    """#31: asked for more than the partition's nodes offer, a job would pend forever
+    (reason PartitionConfig) with hybrid-train waiting on it. sinfo says so first."""
+    started = time.monotonic()
+    done = subprocess.run([TRAIN, *SMALL, *overrides, f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60, env=cluster.env)
+    assert time.monotonic() - started < 60
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert cluster.run("squeue", "--noheader").stdout.strip() == ""  # nothing was queued
