@@ -71,11 +71,25 @@ def _layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, 
 
     once()  # warm-up
     times, started = [], time.perf_counter()
-    while time.perf_counter() - started < min_seconds or len(times) < 3:
+    while _all_go_on(time.perf_counter() - started < min_seconds or len(times) < 3, group):
         begun = time.perf_counter()
         once()
         times.append(time.perf_counter() - begun)
     return statistics.median(times)  # a shared machine's bursts fall outside the median
+
+
+def _all_go_on(mine: bool, group) -> bool:
+    """Whether any rank of ``group`` wants another run: ranks that time a collective layer
+    must run it the same number of times, or one waits forever in a collective the others
+    never join (each rank's clock passes ``min_seconds`` at its own run)."""
+    if group.size() == 1:
+        return mine
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(mine)])
+    group.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def layer_flops(hidden: int, rows: int) -> float:

@@ -55,3 +55,29 @@ def test_calibrate_refuses_bad_flags_in_one_line():
     done = subprocess.run([PLAN, "calibrate", "--max-ranks", "1"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--max-ranks must be >= 2" in done.stderr
+
+
+def _timed_tp_layer(rank, world, late_s):
+    """``calibrate``'s TP timing with rank 1 starting ``late_s`` after rank 0: each rank's
+    clock passes the time bound at a different run."""
+    import time
+
+    import torch.distributed as dist
+
+    from hybrid.comm import Group
+    from launch.calibrate import TP_SHAPE, _layer_seconds
+
+    every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
+    if rank == 1:
+        time.sleep(late_s)  # the disturbance itself: a rank made slow on purpose
+    return _layer_seconds(*TP_SHAPE, "fp32", 0.3, every)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_timing_a_collective_layer_agree_on_how_often_so_none_hangs():
+    """#30's hang: with each rank bounding its own timing loop by its own clock, the late
+    rank ran the TP layer once more than its peer and waited forever in its all-reduce."""
+    from hybrid.testing import spawn
+
+    seconds = spawn(_timed_tp_layer, 2, 0.5, timeout=90)
+    assert all(s > 0 for s in seconds)

@@ -5,12 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from launch.launchers import LAUNCHERS  # first: registers them in launcher.name's order
 import launch.slurm as slurm
 from launch.failures import LaunchFailed
 from launch.slurm_partition import partition_problem
 
 
 def test_a_partition_that_can_hold_the_job_or_cannot_say_has_no_problem():
+    assert list(LAUNCHERS) == ["local", "torchrun", "slurm"]
     assert partition_problem({"cpus_per_task": 4, "nodes": 2}, [(4, 2)]) is None
     assert partition_problem({"cpus_per_task": 4, "nodes": 2}, [(2, 8), (8, 2)]) is None
     assert partition_problem({"cpus_per_task": 64, "nodes": 2}, []) is None  # sinfo silent

@@ -18,7 +18,7 @@ from hybrid.metrics import REQUIRED_KEYS, read_metrics
 from hybrid.testing import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
-STEPS = 10
+STEPS = 14
 # 8 tiny layers so that pp=4 x vpp=2 fits; global batch 8 in micro-batches of 2.
 COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS}", "train.global_batch=8",
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=2", "seed=7"]
