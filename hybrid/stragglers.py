@@ -24,7 +24,7 @@ from hybrid.planning.layout import COORD_ORDER
 WAIT_AXES = (*COORD_ORDER, "other")
 DEFAULT_WINDOW = 12
 """Steps a rank is judged over."""
-MIN_SLOW_STEPS = 10
+MIN_SLOW_STEPS = 9
 """... of which it must be slow in this many. Scheduling noise (8 ranks on 2 cores stretch a
 rank's compute by 25% for a few steps) slows a rank now and then, not in nearly every step: a
 sign test over the window, not a floor in seconds, tells the two apart, however short the
@@ -33,7 +33,8 @@ MIN_SHARE_OF_STEP = 0.1
 """In a slow step the rank's excess over its peers' median must be at least this share of the
 step: what its peers spend waiting for it. (Undisturbed 2- and 8-rank runs on 2 cores, 6-12 ms
 of compute, 80-560 steps: with 1.5x and 10%, no rank slow in more than 7 of any 12 steps,
-though one was in 5 of 6; with 1.2x and 5%, in 10 of 12.)"""
+though one was in 5 of 6; with 1.2x and 5%, in 10 of 12. A worker throttled to about twice
+its peers' compute was slow in 9 of 12 at most.)"""
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class TrainConfig:
     rank fails instead of hanging."""
     straggler_ratio: float = 1.5
     """Warn when a rank's compute is this many times its peers' median (the ranks holding the
-    same pipeline stages), costing at least 10% of the step, in 10 of 12 steps; 0 turns the
+    same pipeline stages), costing at least 10% of the step, in 9 of 12 steps; 0 turns the
     warning off."""
     skip_memory_check: bool = False
     """Launch even when the memory estimate per rank exceeds what the ranks can use."""
