@@ -132,6 +132,20 @@ def c10d_ops_mode():
     return C10dOps()
 
 
+def train_checked(overrides: list[str], run_dir, timeout: float = 280) -> list[dict]:
+    """Run ``hybrid-train`` with ``overrides`` in ``run_dir``; it must succeed; its
+    ``metrics.jsonl`` records after ``checked_records``' accounting checks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    train = str(Path(sys.executable).parent / "hybrid-train")
+    done = subprocess.run([train, *overrides, f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return checked_records(run_dir)
+
+
 def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts

@@ -111,8 +111,8 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     threads = omp_threads if omp_threads is not None else default_omp_threads(nproc)
     if start_method == "forkserver":
         start_fork_server(preload, threads)
-    with _hangup_ignored():
-        pass  # the resource tracker, for spawned workers too
+    with _hangup_ignored():  # starts the resource tracker (spawned workers use it too)
+        pass
     # Workers inherit the launcher's environment when they start, before they import torch.
     with _restored_environ(AGENT_ENV_KEYS), _restored_signal_handlers(), \
             _agent_log_to(os.path.join(os.fspath(run_dir), AGENT_LOG),

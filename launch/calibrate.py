@@ -22,6 +22,7 @@ threads ``hybrid-train`` gives it):
 - **Cores** the ranks share, and host memory (one rank's share of what is available).
 
 Between nodes nothing can be measured from one machine: the ``cpu`` preset's link is kept.
+The ranks' timing code is ``launch.calibrate_ranks``; this module runs it and fits the device.
 Later calls use the file with ``cost.device=calibrated`` (this host's default path) or
 ``cost.device=PATH``.
 """
@@ -29,157 +30,20 @@ Later calls use the file with ``cost.device=calibrated`` (this host's default pa
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from hybrid.planning.cost.devices import PRESETS, Device, Link, calibrated_path
 from hybrid.planning.cost.collectives import ring_gather
 from launch.agent import MEGATRON_IMPORT_WARNING
+from launch.calibrate_ranks import (BF16_SHAPE, LARGE_BYTES, SHAPES, SMALL_BYTES, TP_SHAPE,
+                                    collective_times, compute_rates, tp_layer_seconds)
 
-SHAPES = tuple(itertools.product((128, 256, 512), (256, 1024)))  # (hidden, rows)
 REFERENCE = (256, 1024)
-BF16_SHAPE = (128, 256)  # bf16 runs ~50x slower than fp32 on CPUs without bf16 units
-TP_SHAPE = (256, 256)  # few tokens: the per-call cost stands out from the ring time
-SEQ = 128
-OPTIMIZER_PARAMS = 2**21
-SMALL_BYTES, LARGE_BYTES = 8, 4 * 2**20
-
-
-def _layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, group) -> float:
-    """Seconds of one forward + backward of hybrid's transformer layer."""
-    import torch
-
-    from hybrid.planning.config import ModelConfig
-    from hybrid.model.blocks import TransformerLayer
-
-    m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
-    layer = TransformerLayer(m, group, generator=torch.Generator().manual_seed(0),
-                             sequence_parallel=False)
-    x = torch.randn(SEQ, rows // SEQ, hidden, requires_grad=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16")
-
-    def once() -> None:
-        with autocast:
-            out = layer(x)
-        out.backward(torch.ones_like(out))
-
-    once()  # warm-up
-    times, started = [], time.perf_counter()
-    while _all_go_on(time.perf_counter() - started < min_seconds or len(times) < 3, group):
-        begun = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - begun)
-    return statistics.median(times)  # a shared machine's bursts fall outside the median
-
-
-def _all_go_on(mine: bool, group) -> bool:
-    """Whether any rank of ``group`` wants another run: ranks that time a collective layer
-    must run it the same number of times, or one waits forever in a collective the others
-    never join (each rank's clock passes ``min_seconds`` at its own run)."""
-    if group.size() == 1:
-        return mine
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(mine)])
-    group.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def layer_flops(hidden: int, rows: int) -> float:
-    """Forward + backward FLOPs of one layer (``hybrid.planning.cost.steptime``'s count)."""
-    from hybrid.planning.config import ModelConfig
-    from hybrid.planning.cost.flops import layer_forward_flops
-
-    m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
-    return 3 * layer_forward_flops(m, rows // SEQ)
-
-
-def _own_group(rank: int, world: int):
-    """This rank's own 1-rank TP group, as hybrid's layers take it (a collective: every rank
-    makes every rank's)."""
-    import torch.distributed as dist
-
-    from hybrid.comm import Group
-
-    return Group([dist.new_group([r]) for r in range(world)][rank], [rank], "tp", "gloo")
-
-
-def _compute_rates(rank: int, world: int, min_seconds: float, threads: int,
-                   shapes=SHAPES) -> dict:
-    """FLOP/s of the layer by shape (fp32), bf16 at one shape, and the seconds per parameter
-    of the work after the backward, on ``threads`` threads while every rank runs the same."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    own = _own_group(rank, world)
-    dist.barrier()  # every core starts together
-    rates = {f"{h}x{rows}": layer_flops(h, rows) / _layer_seconds(h, rows, "fp32", min_seconds,
-                                                                    own)
-             for h, rows in shapes}
-    h, rows = BF16_SHAPE
-    rates["bf16"] = layer_flops(h, rows) / _layer_seconds(h, rows, "bf16", min_seconds, own)
-    rates["optimizer_s_per_param"] = _optimizer_seconds() / OPTIMIZER_PARAMS
-    return rates
-
-
-def _optimizer_seconds() -> float:
-    """A step's work per parameter after the backward: the gradient norm, clipping, AdamW and
-    zeroing the gradients (what ``GradSync.finish_step`` does besides communicating)."""
-    import torch
-
-    from hybrid.planning.config import OptimConfig
-    from hybrid.optim import build_adamw
-
-    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4)) for _ in range(4)]
-    grads = [torch.randn_like(p) for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    optimizer = build_adamw([(p, True) for p in params], OptimConfig())
-
-    def step() -> None:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        torch._foreach_mul_(grads, float(1.0 / max(1.0, norm.item())))
-        optimizer.step()
-        torch._foreach_zero_(grads)
-        torch._foreach_add_(grads, 1e-3)  # gradients again for the next step
-
-    step()  # creates the moments
-    started = time.perf_counter()
-    for _ in range(5):
-        step()
-    return (time.perf_counter() - started) / 5
-
-
-def _tp_layer_seconds(rank: int, world: int, min_seconds: float) -> tuple[float, ...]:
-    """Seconds of the layer's forward + backward alone on each rank, then (wall, CPU) split
-    over the ``world`` ranks as tensor parallelism (one thread each), at ``TP_SHAPE``:
-    alternately, so that the comparison sees the same machine."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    from hybrid.comm import Group
-
-    own = _own_group(rank, world)
-    every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
-    alone, split, cpu = [], [], []
-    for _ in range(3):  # alternate, so that both see the machine's same moods
-        dist.barrier()
-        alone.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, own))
-        dist.barrier()
-        cpu_started, started = time.process_time(), time.perf_counter()
-        split.append(_layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, every))
-        runs = round((time.perf_counter() - started) / split[-1])
-        cpu.append((time.process_time() - cpu_started) / max(runs, 1))
-    return statistics.median(alone), statistics.median(split), statistics.median(cpu)
 
 
 def tp_overhead(alone: float, split: float, cpu: float, device: Device) -> tuple[float, float]:
@@ -210,29 +74,6 @@ def fit_rate(rates: dict[tuple[int, int], float]) -> tuple[float, float, float]:
     return best[1], best[2], best[3]
 
 
-def _collective_times(rank: int, world: int, repeats: int) -> tuple[float, ...]:
-    """Median seconds of an all-reduce of SMALL_BYTES and of LARGE_BYTES, and of an
-    all-gather and a reduce-scatter of LARGE_BYTES in all."""
-    import torch
-    import torch.distributed as dist
-
-    def timed(collective) -> float:
-        collective()  # warm-up: connections, buffers
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            started = time.perf_counter()
-            collective()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
-
-    small, whole = torch.ones(SMALL_BYTES // 4), torch.ones(LARGE_BYTES // 4)
-    shard = torch.ones(LARGE_BYTES // 4 // world)
-    return (timed(lambda: dist.all_reduce(small)), timed(lambda: dist.all_reduce(whole)),
-            timed(lambda: dist.all_gather_single(whole, shard)),
-            timed(lambda: dist.reduce_scatter_single(shard, whole)))
-
-
 def fit_speedup(speedups: dict[int, float]) -> tuple[float, float]:
     """(speedup, half_rows) of ``1 + (speedup - 1) * rows / (rows + half_rows)`` through the
     measured speedups by rows (the fewest and the most)."""
@@ -260,7 +101,7 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
     from hybrid.testing import spawn
 
     cores = len(os.sched_getaffinity(0))
-    loaded = spawn(_compute_rates, cores, min_seconds, 1, timeout=600)
+    loaded = spawn(compute_rates, cores, min_seconds, 1, timeout=600)
     by_shape = {shape: statistics.mean(r[f"{shape[0]}x{shape[1]}"] for r in loaded)
                 for shape in SHAPES}
     flops, half_width, half_rows = fit_rate(by_shape)
@@ -268,13 +109,13 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
     bf16_factor = h / (h + half_width) * rows / (rows + half_rows)
     h, rows = REFERENCE
     thread_shapes = ((REFERENCE[0], 256), REFERENCE)
-    threaded = spawn(_compute_rates, 1, min_seconds, cores, thread_shapes, timeout=600)[0]
+    threaded = spawn(compute_rates, 1, min_seconds, cores, thread_shapes, timeout=600)[0]
     speedups = {rows: threaded[f"{h}x{rows}"] / by_shape[(h, rows)] for h, rows in thread_shapes}
     thread_speedup, thread_half_rows = fit_speedup(speedups)
     links, raw_links, gather_factors = {}, {}, []
     n = 2
     while n <= max_ranks:
-        times = spawn(_collective_times, n, repeats, timeout=300)
+        times = spawn(collective_times, n, repeats, timeout=300)
         small, large, gather, scatter = (max(t[i] for t in times) for i in range(4))
         links[str(n)] = link = ring_link(n, small, large)
         ring = ring_gather(LARGE_BYTES, n, link)
@@ -282,7 +123,7 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
         raw_links[n] = {"small_s": small, "large_s": large, "all_gather_s": gather,
                         "reduce_scatter_s": scatter}
         n *= 2
-    tp_times = spawn(_tp_layer_seconds, 2, 2 * min_seconds, timeout=300)
+    tp_times = spawn(tp_layer_seconds, 2, 2 * min_seconds, timeout=300)
     tp_alone = statistics.mean(t[0] for t in tp_times)
     tp_wall, tp_cpu = max(t[1] for t in tp_times), statistics.mean(t[2] for t in tp_times)
     preset = PRESETS["cpu"]

@@ -2,7 +2,8 @@
 
     python -m launch.config_reference > docs/config.md
 
-A test regenerates it and compares, so the page cannot drift from ``hybrid/planning/config.py``.
+A test regenerates it and compares, so the page cannot drift from the schema
+(``hybrid/planning/config.py`` and ``run_config.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _show(value: object) -> str:
 
 def render() -> str:
     lines = ["# Config reference", "",
-             "Generated from `hybrid/planning/config.py` by `python -m launch.config_reference`; every key "
+             "Generated from `hybrid/planning/config.py` (and `run_config.py`) by "
+             "`python -m launch.config_reference`; every key "
              "is typed, so a misspelt key or a wrong type fails when Hydra composes the config.",
              "Override any key on the command line: `hybrid-train parallel.tp=2 train.steps=50`.",
              "Defaults are those of the main job (`conf/config.yaml` composed with no overrides).",

@@ -65,12 +65,12 @@ def _timed_tp_layer(rank, world, late_s):
     import torch.distributed as dist
 
     from hybrid.comm import Group
-    from launch.calibrate import TP_SHAPE, _layer_seconds
+    from launch.calibrate_ranks import TP_SHAPE, layer_seconds
 
     every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
     if rank == 1:
         time.sleep(late_s)  # the disturbance itself: a rank made slow on purpose
-    return _layer_seconds(*TP_SHAPE, "fp32", 0.3, every)
+    return layer_seconds(*TP_SHAPE, "fp32", 0.3, every)
 
 
 @pytest.mark.timeout(120)

@@ -3,16 +3,12 @@ run's model (losses and gradient norms, rtol 1e-4), with its validation loss, an
 context group exactly the bytes the cost model predicts (``checked_records``); a checkpoint
 saved on cp2 x tp2 resumes on 1 process and on cp4 and continues the uninterrupted run."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from hybrid.metrics import read_metrics
-from hybrid.testing import checked_records
+from hybrid.testing import train_checked
 
-TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 STEPS = 6
 COMMON = ["model=tiny", "data=synthetic", f"train.steps={STEPS}", "train.global_batch=8",
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=0", "seed=5",
@@ -33,11 +29,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def run_train(run_dir: Path, *overrides: str) -> list[dict]:
-    done = subprocess.run([TRAIN, *COMMON, f"hydra.run.dir={run_dir}", *overrides],
-                          capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    checked_records(run_dir)  # every rank's state bytes and DP bytes as planned
-    return read_metrics(run_dir / "metrics.jsonl")
+    return train_checked([*COMMON, *overrides], run_dir)  # state and DP/CP bytes as planned
 
 
 def by_step(records: list[dict], key: str) -> dict[int, float]:

@@ -1,16 +1,12 @@
 """Validation loss through ``hybrid-train`` on every kind of layout: each equals the 1-process
 run's (rtol 1e-5), and evaluating changes no training number (bitwise)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from hybrid.metrics import read_metrics
-from hybrid.testing import checked_records
+from hybrid.testing import train_checked
 
-TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 STEPS = 5
 COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS}",
           "train.global_batch=8", "train.micro_batch=2", "train.log_every=100",
@@ -29,11 +25,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def run_train(run_dir: Path, *overrides: str) -> list[dict]:
-    done = subprocess.run([TRAIN, *COMMON, f"hydra.run.dir={run_dir}", *overrides],
-                          capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    checked_records(run_dir)  # every rank's state and DP bytes as planned
-    return read_metrics(run_dir / "metrics.jsonl")
+    return train_checked([*COMMON, *overrides], run_dir)  # state and DP/CP bytes as planned
 
 
 def evals(records: list[dict]) -> dict[int, float]:
