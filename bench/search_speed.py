@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import time
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
 from hybrid.planning.cost.devices import load_device
 from hybrid.planning.cost.search import search
-from launch.app import CONF_DIR, register_schemas
+from launch.app import compose_plan_config
 
 BOUND_S = 10.0
 
 
 def main() -> None:
-    register_schemas()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="plan", overrides=[
-            "model=gpt-1t", "train.global_batch=3072", "train.precision=bf16"]))
+    cfg = compose_plan_config(["model=gpt-1t", "train.global_batch=3072",
+                               "train.precision=bf16"]).job()
     device = load_device("a100-80gb")
     started = time.perf_counter()
     result = search(cfg, 3072, device, top=10)

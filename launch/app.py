@@ -39,6 +39,16 @@ def to_dataclass(cfg: DictConfig, cls: type[T]) -> T:
     return obj
 
 
+def compose_plan_config(overrides: list[str]) -> PlanConfig:
+    """``conf/plan.yaml`` with ``overrides``, as ``hybrid-plan`` composes it, in-process (for
+    benchmarks and tests that plan many configs)."""
+    from hydra import compose, initialize_config_dir
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_dataclass(compose(config_name="plan", overrides=overrides), PlanConfig)
+
+
 def run_hydra_app(app: Callable[[], None]) -> None:
     """Run a ``@hydra.main`` app so that composition errors (a misspelt key, a wrong type, an
     unknown preset) follow the user-error contract too: one line, exit status 2. Errors raised

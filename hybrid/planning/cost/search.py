@@ -25,12 +25,12 @@ from hybrid.planning.job import plan_job
 from hybrid.planning.schedules import SCHEDULES
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
-from hybrid.planning.cost.steptime import StepPrediction, predict_step
+from hybrid.planning.cost.steptime import (
+    SIMULATE_UP_TO, StepPrediction, predict_step, simulates, step_lower_bound,
+)
 from hybrid.planning.validate import RECOMPUTE, microbatches, valid_tp_sizes
 
 MICRO_BATCHES = (1, 2, 4, 8)
-SIMULATE_UP_TO = 4096
-"""Stage x micro-batch pairs up to which a finalist's schedule is simulated (about 0.1 s)."""
 OUT_OF_MEMORY = "does not fit in device memory"
 MIN_CP_TOKENS = 2048
 """The fewest tokens per rank the search splits a sequence down to with context parallelism
@@ -116,11 +116,16 @@ def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
 
 
 def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
-    """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first."""
+    """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first.
+
+    Exact whatever ``top`` is: every layout that fits is priced in closed form and bounded
+    from below (``step_lower_bound``); layouts are then finished (their schedule simulated)
+    in the order of their bound until the next bound is above the ``top``-th best finished
+    time, so no layout left unsimulated could have entered the list."""
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
     priced = []
-    for candidate in candidates(cfg, world):
+    for order, candidate in enumerate(candidates(cfg, world)):
         try:
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
@@ -130,14 +135,30 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
         if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
             rejected[OUT_OF_MEMORY] += 1
             continue
-        priced.append((predict_step(plan, device, simulated=False), candidate))
-    priced.sort(key=lambda pair: pair[0].step_time_s)
-    best = [_final(candidate, device, first) for first, candidate in priced[:top]]
-    best.sort(key=lambda c: c.predicted.step_time_s)
+        closed = predict_step(plan, device, simulated=False)
+        bound = step_lower_bound(plan, device) if simulates(plan) else closed.step_time_s
+        priced.append((bound, order, closed, candidate))
+    best = _finish(priced, device, max(1, top))
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
-            "candidates": [c.to_dict() for c in best], "rejected": dict(rejected),
-            "examples": examples, "why_cp": _why_cp(best, priced)}
+            "simulated": sum(1 for c in best if c.simulated),
+            "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
+            "examples": examples,
+            "why_cp": _why_cp(best, priced, device)}
+
+
+def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
+    """The ``top`` best of ``priced`` ((bound, order, closed form, config) each) by their
+    final prediction, simulating only those whose bound could still enter the list."""
+    priced.sort(key=lambda entry: (entry[0], entry[1]))
+    finished: list[tuple[float, int, Candidate]] = []
+    for bound, order, closed, candidate in priced:
+        if len(finished) >= top and bound > finished[top - 1][0]:
+            break
+        final = _final(candidate, device, closed)
+        finished.append((final.predicted.step_time_s, order, final))
+        finished.sort(key=lambda entry: entry[:2])
+    return [final for _, _, final in finished[:top]]
 
 
 def no_layout_line(result: dict) -> str:
@@ -150,25 +171,31 @@ def no_layout_line(result: dict) -> str:
             f"{result['considered']} have {why}, e.g. {result['examples'][why]}")
 
 
-def _why_cp(best: list[Candidate], priced: list) -> str | None:
+def _why_cp(best: list[Candidate], priced: list, device: Device) -> str | None:
     """Why the best layout splits sequences (None when it does not): no layout without
-    context parallelism fits, or the best one without it is slower."""
+    context parallelism fits, or the best one without it (found as exactly) is slower."""
     if not best or best[0].settings["cp"] == 1:
         return None
     cp = best[0].settings["cp"]
-    without = [first for first, candidate in priced if candidate.parallel.cp == 1]
+    without = _finish([entry for entry in priced if entry[3].parallel.cp == 1], device, 1)
     if not without:
         return (f"cp={cp}: no layout with cp=1 fits in device memory; context parallelism "
                 f"keeps 1/cp of each sequence's activations per rank")
     return (f"cp={cp}: predicted {best[0].predicted.step_time_s:.3g} s against "
-            f"{without[0].step_time_s:.3g} s for the best layout with cp=1")
+            f"{without[0].predicted.step_time_s:.3g} s for the best layout with cp=1")
 
 
 def _final(cfg: Config, device: Device, closed_form: StepPrediction) -> Candidate:
-    par = cfg.parallel
-    if par.pp * par.vpp * microbatches(cfg) > SIMULATE_UP_TO:
+    """The prediction ``hybrid-plan`` makes for ``cfg``: its schedule simulated where
+    ``predict_step`` simulates it, else the closed form already priced."""
+    if not _simulates(cfg):
         return Candidate(settings_of(cfg), closed_form, simulated=False)
     return Candidate(settings_of(cfg), predict_step(plan_job(cfg), device), simulated=True)
+
+
+def _simulates(cfg: Config) -> bool:
+    par = cfg.parallel
+    return par.pp * par.vpp * microbatches(cfg) <= SIMULATE_UP_TO
 
 
 def _reason(message: str) -> str:

@@ -29,6 +29,8 @@ from hybrid.planning.cost.flops import (
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules import build_schedule, schedule_spec
+from hybrid.planning.schedules.actions import stage_rank
+from hybrid.planning.schedules.registry import schedule_splits_backward
 from hybrid.planning.schedules.simulate import StageCosts, simulate
 
 
@@ -54,6 +56,8 @@ class StepPrediction:
     """Context parallelism's ring time per step on the busiest rank, and below what of it
     is not hidden behind attention (inside ``compute_s``)."""
     cp_exposed_s: float = 0.0
+    schedule_simulated: bool = True
+    """The makespan comes from simulating the schedule (else from its closed form)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,39 +134,95 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
                        cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
 
 
-def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepPrediction:
-    """The step time of ``plan`` on ``device``: the simulated pipeline (or, with
-    ``simulated=False``, its closed-form bubble, for ranking many layouts fast) plus the DP
-    reduction that the backward does not hide and the optimizer step; on shared CPU cores, at
-    least the node's work over its cores."""
-    cfg, layout = plan.cfg, plan.layout
+SIMULATE_UP_TO = 4096
+"""Virtual stages x micro-batches up to which ``predict_step`` simulates the schedule (about
+0.1 s); above, it prices the closed-form bubble, in ``hybrid-plan`` and the search alike."""
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What every pricing of a plan shares: per-stage times and per-pipeline-rank sums."""
+
+    times: list[_StageTimes]
+    p2p: float
+    busy: list[float]
+    cpu_busy: list[float]
+    wire: list[float]
+    optimizer: list[float]
+
+
+def _parts(plan: JobPlan, device: Device) -> _Parts:
     times = [_stage_times(plan, device, stage.blocks) for stage in plan.stages]
     m = plan.schedule.microbatches
-    p2p = _p2p_time(plan, device)
-    per_rank = [[times[st.index] for st in plan.stages_of(r)] for r in range(layout.pp)]
-    busy = [m * sum(t.forward + t.backward for t in ts) for ts in per_rank]
-    cpu_busy = [m * sum(t.forward + t.backward - t.tp_wire for t in ts) for ts in per_rank]
-    wire = [m * sum(t.tp_wire for t in ts) for ts in per_rank]
-    if simulated:
-        makespan = _simulated_makespan(plan, times, p2p)
+    per_rank = [[times[st.index] for st in plan.stages_of(r)] for r in range(plan.layout.pp)]
+    return _Parts(
+        times=times, p2p=_p2p_time(plan, device),
+        busy=[m * sum(t.forward + t.backward for t in ts) for ts in per_rank],
+        cpu_busy=[m * sum(t.forward + t.backward - t.tp_wire for t in ts) for ts in per_rank],
+        wire=[m * sum(t.tp_wire for t in ts) for ts in per_rank],
+        optimizer=[est.optimizer_bytes / 8 * device.optimizer_s_per_param
+                   for est in plan.memory])
+
+
+def simulates(plan: JobPlan) -> bool:
+    """Whether ``predict_step`` simulates this plan's schedule (else: its closed form)."""
+    return plan.layout.pp * plan.layout.vpp * plan.schedule.microbatches <= SIMULATE_UP_TO
+
+
+def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepPrediction:
+    """The step time of ``plan`` on ``device``: the simulated pipeline (above
+    ``SIMULATE_UP_TO``, or with ``simulated=False`` for ranking many layouts fast, its
+    closed-form bubble) plus the DP reduction that the backward does not hide and the
+    optimizer step; on shared CPU cores, at least the node's work over its cores."""
+    parts = _parts(plan, device)
+    if simulated and simulates(plan):
+        makespan = _simulated_makespan(plan, parts.times, parts.p2p)
     else:
-        makespan = max(busy) + _closed_form_bubble(plan, times, p2p)
-    busiest = max(range(layout.pp), key=busy.__getitem__)
-    dp_s, dp_exposed = dp_times(plan, device, _link(plan, device, "dp"),
-                                [sum(t.backward for t in ts) for ts in per_rank], makespan)
-    optimizer = [est.optimizer_bytes / 8 * device.optimizer_s_per_param for est in plan.memory]
+        makespan = max(parts.busy) + _closed_form_bubble(plan, parts.times, parts.p2p)
+    return _prediction(plan, device, parts, makespan,
+                       simulated=simulated and simulates(plan))
+
+
+def step_lower_bound(plan: JobPlan, device: Device) -> float:
+    """A step time no schedule of this plan can beat, for any order of its actions, and so
+    never above ``predict_step``'s simulated time: the search simulates layouts in the order
+    of this bound and stops when it passes the best found (an exact search, without
+    simulating them all). ``tests/test_search.py`` checks the bound against the simulation."""
+    parts = _parts(plan, device)
+    makespan = _makespan_lower_bound(plan, parts)
+    return _prediction(plan, device, parts, makespan, simulated=False,
+                       exposed_at_least=True).step_time_s
+
+
+def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
+                simulated: bool, exposed_at_least: bool = False) -> StepPrediction:
+    cfg, layout = plan.cfg, plan.layout
+    m = plan.schedule.microbatches
+    per_rank = [[parts.times[st.index] for st in plan.stages_of(r)] for r in range(layout.pp)]
+    busiest = max(range(layout.pp), key=parts.busy.__getitem__)
+    dp_link = _link(plan, device, "dp")
+    last_backward = [sum(t.backward for t in ts) for ts in per_rank]
+    dp_s, dp_exposed = dp_times(plan, device, dp_link, last_backward, makespan)
+    # A reduction that hides in the makespan shows less of itself the longer the pipeline
+    # runs: beside the cores' bound it is counted at the least it can show.
+    floor_exposed = (dp_times(plan, device, dp_link, last_backward, float("inf"))[1]
+                     if exposed_at_least else dp_exposed)
+    optimizer = parts.optimizer
     step = max(makespan + dp_exposed + max(optimizer),
-               _shared_cores_time(plan, device, [b + o for b, o in zip(cpu_busy, optimizer)],
-                                  max(wire)) + dp_exposed)
-    world = layout.world_size
+               _shared_cores_time(plan, device,
+                                  [b + o for b, o in zip(parts.cpu_busy, optimizer)],
+                                  max(parts.wire)) + floor_exposed)
     return StepPrediction(
-        step_time_s=step, compute_s=busy[busiest], bubble_s=makespan - busy[busiest],
-        tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=p2p, dp_s=dp_s,
+        step_time_s=step, compute_s=parts.busy[busiest],
+        bubble_s=makespan - parts.busy[busiest],
+        tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=parts.p2p, dp_s=dp_s,
         dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
-        tflops_per_device=paper_flops_per_step(cfg) / step / world / 1e12 if step else 0.0,
+        tflops_per_device=(paper_flops_per_step(cfg) / step / layout.world_size / 1e12
+                           if step else 0.0),
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory),
         cp_s=m * sum(t.cp_ring for t in per_rank[busiest]),
-        cp_exposed_s=m * sum(t.cp_exposed for t in per_rank[busiest]))
+        cp_exposed_s=m * sum(t.cp_exposed for t in per_rank[busiest]),
+        schedule_simulated=simulated)
 
 
 def threads_per_rank(plan: JobPlan, device: Device) -> int:
@@ -208,6 +268,25 @@ def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> 
     lists = build_schedule(plan.schedule.name, layout.pp, m, vpp=layout.vpp)
     return simulate(lists, layout.pp, m, vpp=layout.vpp, costs=costs,
                     placement=layout.stage_placement).makespan
+
+
+def _makespan_lower_bound(plan: JobPlan, parts: _Parts) -> float:
+    """The longest of: a rank's own work, after the first micro-batch's forward reached its
+    first stage (nothing else it holds can run before), and, where a backward is not split,
+    before the last backward it runs travels down to stage 0 (its last action is a backward of
+    its first stage, and the stages below must still run theirs)."""
+    layout, times = plan.layout, parts.times
+    rank_of = [stage_rank(k, layout.pp, layout.stage_placement) for k in range(len(times))]
+    splits = schedule_splits_backward(plan.schedule.name)
+    bound = 0.0
+    for r in range(layout.pp):
+        first = rank_of.index(r)
+        crossings = sum(1 for k in range(1, first + 1) if rank_of[k] != rank_of[k - 1])
+        head = sum(t.forward for t in times[:first]) + crossings * parts.p2p
+        tail = 0.0 if splits else (sum(t.backward for t in times[:first])
+                                   + crossings * parts.p2p)
+        bound = max(bound, head + parts.busy[r] + tail)
+    return bound
 
 
 def _closed_form_bubble(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:

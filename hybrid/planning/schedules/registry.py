@@ -15,10 +15,13 @@ test file and trains with it. ``parallel.schedule`` accepts every registered nam
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from hybrid.planning.schedules.actions import LOOP, PLACEMENTS, Action, ScheduleError
+from hybrid.planning.schedules.actions import (
+    BACKWARD_INPUT, LOOP, PLACEMENTS, Action, ScheduleError,
+)
 
 ONE, TWO_OR_MORE, TWO = "one", "two or more", "two"
 """How many virtual chunks per pipeline rank a schedule runs (``ScheduleSpec.chunks``)."""
@@ -92,6 +95,20 @@ def schedule_spec(name: str) -> ScheduleSpec:
 def schedule_placement(name: str) -> str:
     """Where schedule ``name`` puts its stages (``actions.LOOP`` or ``actions.V_SHAPE``)."""
     return schedule_spec(name).placement
+
+
+def schedule_splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` splits backwards into input (I) and weight (W) gradients,
+    as its lists at the smallest shape it runs show (the cost model's bound needs to know)."""
+    return _splits_backward(schedule_spec(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _splits_backward(spec: ScheduleSpec) -> bool:
+    vpp = 1 if spec.chunks == ONE else 2
+    pp = max(2, spec.min_pp)
+    return any(action.kind == BACKWARD_INPUT for actions in spec.build(pp, pp, vpp)
+               for action in actions)
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
