@@ -32,6 +32,7 @@ from hybrid.planning.cost.block_costs import known_block_costs
 from hybrid.planning.view import format_plan, plan_dict
 from hybrid.planning.cost.search import format_search, no_layout_line, overrides_of, search
 from hybrid.planning.cost.steptime import predict_step
+from hybrid.planning.cost.trust import assumption_line
 from hybrid.planning.validate import config_problems
 from launch.launchers import unknown_launcher
 from launch.run import save_run_files
@@ -62,10 +63,11 @@ def _plan(dict_cfg: DictConfig) -> None:
     except UserError as err:
         exit_user_error(err)
     plan = plan_dict(job)  # one plan, printed and priced
-    plan["predicted"] = predict_step(job, device).to_dict() | {"device": device.name}
+    plan["predicted"] = predict_step(job, device).to_dict() | {
+        "device": device.name, "assumes": assumption_line(device, cfg)}
     if job.layout.dp > 1:
         plan["dp_options"] = compare_dp_options(cfg, device)
-    limit, memory_kind = available_memory(cfg)
+    limit, memory_kind = memory_limit(cfg, device)
     if limit is not None:
         plan["memory_check"] = memory_verdict(cfg, limit, memory_kind)
     if cfg.format == "json":
@@ -113,7 +115,17 @@ def format_dp_options(rows: list[dict]) -> str:
 def prediction_line(p: dict) -> str:
     return (f"predicted on {p['device']} (cost.device): step {p['step_time_s']:.4g} s "
             f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
-            f"{p['dp_exposed_s']:.3g} s), {p['tflops_per_device']:.4g} TFLOP/s per device")
+            f"{p['dp_exposed_s']:.3g} s), {p['tflops_per_device']:.4g} TFLOP/s per device\n"
+            f"{p['assumes']}")
+
+
+def memory_limit(cfg: PlanConfig, device) -> tuple:
+    """What the plan's memory is checked against: a device of its own per rank when
+    ``cost.device`` is one (planning a GPU job here checks the GPU's memory, not this host's),
+    else what this machine's ranks can use."""
+    if not device.host:
+        return device.memory_bytes, device.name
+    return available_memory(cfg)
 
 
 def _search(cfg: PlanConfig, device) -> None:
@@ -123,6 +135,7 @@ def _search(cfg: PlanConfig, device) -> None:
     result = search(cfg, cfg.search.world, device, top=cfg.search.top)
     if not result["candidates"]:
         raise LayoutError(no_layout_line(result))
+    result["assumes"] = assumption_line(device, cfg)
     print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result),
           flush=True)
     if cfg.search.run:

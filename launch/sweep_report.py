@@ -33,7 +33,7 @@ CELL_FILE = "cell.json"
 COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",
            "peak_mem_bytes", "bubble_measured", *(f"comm_bytes_{axis}" for axis in COORD_ORDER),
            "predicted_step_time_s", "predicted_mem_bytes_per_rank", "max_loss_dev",
-           "loss_reference")
+           "loss_reference", "predicted_on", "assumes")
 
 
 def record_cell(run_dir: Path, status: str, reason: str = "", settings: Optional[list] = None,
@@ -106,21 +106,34 @@ def _measured(cell: Path) -> dict:
 
 def _predicted(cell: Path) -> dict:
     from hybrid.planning.config import from_dict
-    from hybrid.planning.cost.devices import load_device
-    from hybrid.planning.job import plan_job
     from hybrid.errors import UserError
     from hybrid.planning.cost.steptime import predict_step
+    from hybrid.planning.cost.trust import assumption_line
+    from hybrid.planning.job import plan_job
 
     path = cell / "config.json"
     if not path.exists():
         return {}
     cfg = from_dict(json.loads(path.read_text()))
     try:
-        p = predict_step(plan_job(cfg), load_device(cfg.cost.device))
+        device = prediction_device(cfg.cost.device)
+        p = predict_step(plan_job(cfg), device)
     except UserError:
         return {}
     return {"predicted_step_time_s": p.step_time_s,
-            "predicted_mem_bytes_per_rank": p.mem_bytes_per_rank}
+            "predicted_mem_bytes_per_rank": p.mem_bytes_per_rank,
+            "predicted_on": device.name, "assumes": assumption_line(device, cfg)}
+
+
+def prediction_device(name: str):
+    """``cost.device``, except that the default uncalibrated ``cpu`` preset gives way to this
+    host's calibration when ``hybrid-plan calibrate`` has written one: a sweep measures this
+    machine, and its predictions should be for it."""
+    from hybrid.planning.cost.devices import calibrated_path, load_device
+
+    if name == "cpu" and calibrated_path().is_file():
+        return load_device("calibrated")
+    return load_device(name)
 
 
 def best_first(rows: list[dict]) -> list[dict]:
@@ -192,8 +205,22 @@ def markdown(rows: list[dict]) -> str:
     rho = spearman([r["predicted_step_time_s"] for r in done], [r["step_time_s"] for r in done])
     lines += ["", _loss_note(rows), "", "Predicted vs measured order of step times: " +
               (f"Spearman {rho:.2f} over {len(done)} cells" if rho is not None
-               else "fewer than 3 completed cells")]
+               else "fewer than 3 completed cells"), "", _error_note(rows, done)]
     return "\n".join(lines) + "\n"
+
+
+def _error_note(rows: list[dict], done: list[dict]) -> str:
+    """What the predictions assumed, and their error over this sweep's completed cells."""
+    assumed = sorted({r["assumes"] for r in rows if r["assumes"] != ""})
+    head = (" / ".join(assumed)[0].upper() + " / ".join(assumed)[1:] + "." if assumed
+            else "Predictions: none (no cell's config could be priced).")
+    if not done:
+        return head
+    errors = [r["predicted_step_time_s"] / r["step_time_s"] - 1 for r in done]
+    worst = max(errors, key=abs)
+    return (f"{head} Here, predicted step time against measured: mean |error| "
+            f"{statistics.mean(abs(e) for e in errors):.0%}, worst {worst:+.0%}, over "
+            f"{len(done)} completed cells.")
 
 
 def _loss_note(rows: list[dict]) -> str:

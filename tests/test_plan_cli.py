@@ -97,7 +97,8 @@ def test_the_fix_a_refused_model_is_told_makes_the_memory_check_pass():
            "train.global_batch=16"]
     refused = plan(*big)
     assert "memory check: the job needs about" in refused.stdout
-    fix = refused.stdout.split("; ")[-1].split(" would need")[0].split()
+    line = next(line for line in refused.stdout.splitlines() if line.startswith("memory check"))
+    fix = line.split("; ")[-1].split(" would need")[0].split()
     assert fix == ["model.recompute=full", "parallel.zero=1"]
     assert "memory check: fits: needs about" in plan(*big, *fix).stdout
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid.planning.cost.devices import calibrated_path, load_device
+
 from launch.sweep_report import spearman
 
 BIN = Path(sys.executable).parent
@@ -57,8 +59,13 @@ def test_a_sweep_runs_every_valid_cell_skips_the_others_and_reports(tmp_path):
     table = (tmp_path / "sweep.md").read_text().splitlines()
     speeds = [float(line.split(" | ")[3].replace(",", "")) for line in table[4:8]]
     assert speeds == sorted(speeds, reverse=True)  # best first
-    assert "Spearman" in table[-1] and (tmp_path / "sweep.png").stat().st_size > 5000
-    assert table[-3].startswith("Loss dev: each cell's largest relative difference")
+    assert "Spearman" in table[-3] and (tmp_path / "sweep.png").stat().st_size > 5000
+    assert table[-5].startswith("Loss dev: each cell's largest relative difference")
+    # What the predictions assumed and how far off they were here (#30 item 5).
+    assert table[-1].startswith("Predictions assume cost.device=")
+    assert "predicted step time against measured: mean |error|" in table[-1]
+    assert {r["predicted_on"] for r in rows.values() if r["status"] == "completed"} == {
+        "cpu" if not calibrated_path().is_file() else load_device("calibrated").name}
 
 
 @pytest.mark.slow

@@ -173,8 +173,8 @@ def plan_job(cfg: Config, simulated: bool = True,
     schedule = _schedule_plan(cfg.parallel.schedule, pp, microbatches(cfg), layout.vpp,
                               simulated)
     by_rank = _stages_by_rank(stages, pp)
-    memory = tuple(_rank_memory(cfg, layout, [list(stages[s].blocks) for s in by_rank[r]],
-                                schedule.peak_inflight[r], exact=simulated) for r in range(pp))
+    memory = _ranks_memory(cfg, layout, [[list(stages[s].blocks) for s in by_rank[r]]
+                                         for r in range(pp)], schedule.peak_inflight, simulated)
     placed = ranks_per_node(cfg, layout)
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
                    schedule=schedule, memory=memory, by_rank=by_rank,
@@ -211,6 +211,26 @@ def _schedule_plan(name: str, pp: int, m: int, vpp: int, simulated: bool) -> Sch
                         bubble_fraction=sim.bubble_fraction,
                         bubble_per_rank=tuple(sim.bubble_per_rank),
                         peak_inflight=tuple(sim.peak_inflight))
+
+
+def _ranks_memory(cfg: Config, layout: Layout, chunks: list[list[list[int]]],
+                  inflight: tuple[int, ...], exact: bool) -> tuple[MemoryEstimate, ...]:
+    """Each pipeline rank's estimate. In closed form, ranks whose chunks hold the same
+    numbers of layers (and the embedding or head alike) with as many micro-batches in flight
+    get the same estimate: it is computed once (a search plans layouts of 128 stages)."""
+    if exact:
+        return tuple(_rank_memory(cfg, layout, chunks[r], inflight[r], exact=True)
+                     for r in range(layout.pp))
+    edges = (0, cfg.model.layers + 1)
+    seen: dict = {}
+    out = []
+    for r in range(layout.pp):
+        key = (inflight[r], tuple((len(chunk), *(edge in chunk for edge in edges))
+                                  for chunk in chunks[r]))
+        if key not in seen:
+            seen[key] = _rank_memory(cfg, layout, chunks[r], inflight[r], exact=False)
+        out.append(seen[key])
+    return tuple(out)
 
 
 def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight: int,

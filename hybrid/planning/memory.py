@@ -18,6 +18,7 @@ from hybrid.planning.config import Config
 from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.job import JobPlan, plan_job
+from hybrid.planning.strategies import SHARDINGS
 
 RUNTIME_BYTES_PER_PROCESS = 256 * 2**20
 """A worker's own footprint before any model: torch, megatron-core and gloo resident (this
@@ -45,7 +46,7 @@ def plan_need(plan: JobPlan, device: str) -> MemoryNeed:
     """The need of a job already planned."""
     per_rank = [plan.memory_of(rank).total_bytes for rank in range(plan.world_size)]
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
-    if device == "cuda":
+    if device != "cpu":  # each rank has a device of its own
         return MemoryNeed(worst, per_rank[worst], per_rank[worst])
     per_node = plan.ranks_per_node
     node_totals = [sum(per_rank[i:i + per_node]) + per_node * RUNTIME_BYTES_PER_PROCESS
@@ -62,8 +63,10 @@ def _candidates(cfg: Config) -> list[tuple[str, Config]]:
         setattr(getattr(changed, section), key, value)
         out.append((label, changed))
 
-    if cfg.parallel.zero == 0 and cfg.parallel.dp > 1:
-        variant("parallel.zero=1", "parallel", "zero", 1)
+    if cfg.parallel.dp * cfg.parallel.cp > 1:  # each further ZeRO stage the registry has
+        for stage in sorted(s for s, spec in SHARDINGS.items()
+                            if s > cfg.parallel.zero and spec.searched):
+            variant(f"parallel.zero={stage}", "parallel", "zero", stage)
     if cfg.model.recompute != "full":
         variant("model.recompute=full", "model", "recompute", "full")
     if cfg.train.precision == "fp32":
@@ -78,7 +81,8 @@ def suggestion(cfg: Config, limit: int, device: str) -> Optional[str]:
     """The first change (one override, else two) after which the job fits, with its need."""
     singles = _candidates(cfg)
     pairs = [(f"{label} {label2}", changed2) for label, changed in singles
-             for label2, changed2 in _candidates(changed) if label2 > label]
+             for label2, changed2 in _candidates(changed)
+             if label2 > label and label2.split("=")[0] != label.split("=")[0]]
     for label, changed in singles + pairs:
         try:
             need = memory_need(changed, device)
@@ -108,8 +112,8 @@ def check_memory(plan: JobPlan, limit: int, device: str) -> None:
 
 
 def _too_big(cfg: Config, need: MemoryNeed, limit: int, device: str) -> str:
-    where = (f"{device} memory of one device" if device == "cuda"
-             else "host memory available to the ranks of one node")
+    where = ("host memory available to the ranks of one node" if device == "cpu"
+             else f"memory of one {device} device")
     fix = suggestion(cfg, limit, device) or "no change of zero, recompute, precision, tp or " \
                                             "pp (one or two) fits: use a smaller model"
     return (

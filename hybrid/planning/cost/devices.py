@@ -82,6 +82,15 @@ class Device:
     peak: dict = field(default_factory=dict)
     """Datasheet dense FLOP/s by precision, what MFU divides by; absent (a CPU, a calibrated
     machine): the achieved ``flops``, the best rate known."""
+    host: bool = False
+    """A CPU machine whose ranks share the host's memory (``memory_bytes`` is one rank's
+    share); else each rank has a device of its own with ``memory_bytes``."""
+    error: str = ""
+    """What is known of the cost model's error on this device, said beside every prediction
+    (empty: not measured)."""
+    error_fraction: float = 0.0
+    """The model's mean |error| of step time measured on this device (0: not measured):
+    layouts predicted closer than this to the best cannot be told apart."""
 
     def peak_flops(self, precision: str) -> float:
         return self.peak.get(precision) or self.flops[precision]
@@ -111,8 +120,18 @@ ADAMW_BYTES_PER_PARAM = 28
 """Read weight, gradient and two moments, write weight and moments: 7 fp32 values."""
 
 
+UNCALIBRATED_CPU = ("uncalibrated round figures, not this machine: a sweep here ran 17x slower "
+                    "than they predict; run hybrid-plan calibrate, then cost.device=calibrated")
+A100_ERROR_FRACTION = 0.11
+A100_ERROR = ("fitted to Korthikanti 2022 (8 runs, within 7%); on Narayanan 2021's 10 held-out "
+              "runs mean |error| 11%, worst +32% on the smallest (docs/sweeps.md)")
+UNCHECKED_GPU = ("not checked against measured runs: the A100 preset's achieved fractions on "
+                 "this device's datasheet")
+
+
 def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
-         nvlink_gbs: float, nic_gbit: float, hbm_tbs: float) -> Device:
+         nvlink_gbs: float, nic_gbit: float, hbm_tbs: float, error: str = UNCHECKED_GPU,
+         error_fraction: float = 0.0) -> Device:
     return Device(
         name=name,
         flops={"bf16": bf16_peak * ACHIEVED_COMPUTE, "fp32": fp32_peak * ACHIEVED_COMPUTE},
@@ -121,12 +140,14 @@ def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
         intra=Link(bandwidth=nvlink_gbs * 1e9 * ACHIEVED_LINK, latency=5e-6),
         inter=Link(bandwidth=nic_gbit / 8 * 1e9 * ACHIEVED_LINK, latency=10e-6),
         matmul_half_width=MATMUL_HALF_WIDTH,
-        optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / (hbm_tbs * 1e12 * ACHIEVED_LINK))
+        optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / (hbm_tbs * 1e12 * ACHIEVED_LINK),
+        error=error, error_fraction=error_fraction)
 
 
 PRESETS = {
     # bf16 dense peak, fp32 (TF32) peak, memory, NVLink per direction, NIC per GPU, HBM TB/s
-    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.0),
+    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.0, A100_ERROR,
+                      A100_ERROR_FRACTION),
     "h100-80gb": _gpu("h100-80gb", 989e12, 494e12, 80, 450, 400, 3.35),
     "h200": _gpu("h200", 989e12, 494e12, 141e9 / GIB, 450, 400, 4.8),
     # One gloo rank with a core of its own on this project's 2-core machines: a 512x512
@@ -135,7 +156,8 @@ PRESETS = {
     # round guess; memory is a 24 GiB host shared by 8 ranks; 10 Gb/s between hosts.
     "cpu": Device(name="cpu", flops={"fp32": 62e9, "bf16": 1.2e9}, memory_bytes=3 * GIB,
                   intra=Link(bandwidth=1e9, latency=250e-6),
-                  inter=Link(bandwidth=10 / 8 * 1e9 * ACHIEVED_LINK, latency=100e-6)),
+                  inter=Link(bandwidth=10 / 8 * 1e9 * ACHIEVED_LINK, latency=100e-6),
+                  host=True, error=UNCALIBRATED_CPU),
 }
 
 
@@ -174,6 +196,9 @@ def load_device(name: str) -> Device:
                   collective_cpu_s=float(data.get("collective_cpu_s", 0.0)),
                   all_gather_factor=float(data.get("all_gather_factor", 1.0)),
                   peak=dict(data.get("peak", {})),
+                  host=bool(data.get("host", int(data.get("cores", 0)) > 0)),
+                  error=str(data.get("error", "")),
+                  error_fraction=float(data.get("error_fraction", 0.0)),
                   reduce_scatter_factor=float(data.get("reduce_scatter_factor", 1.0)),
                   group_links={n: Link(**link) for n, link in data.get("group_links", {}).items()})
 

@@ -21,12 +21,13 @@ from typing import Iterator
 
 from hybrid.planning.config import Config
 from hybrid.planning.cost.devices import Device
+from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.job import plan_job
 from hybrid.planning.schedules import SCHEDULES
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import (
-    SIMULATE_UP_TO, StepPrediction, predict_step, simulates, step_lower_bound,
+    SIMULATE_UP_TO, StepPrediction, closed_form_and_bound, predict_step, simulates,
 )
 from hybrid.planning.validate import RECOMPUTE, microbatches, valid_tp_sizes
 
@@ -135,16 +136,28 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
         if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
             rejected[OUT_OF_MEMORY] += 1
             continue
-        closed = predict_step(plan, device, simulated=False)
-        bound = step_lower_bound(plan, device) if simulates(plan) else closed.step_time_s
+        closed, bound = closed_form_and_bound(plan, device)
+        if not simulates(plan):  # the closed form is its final prediction
+            bound = closed.step_time_s
         priced.append((bound, order, closed, candidate))
     best = _finish(priced, device, max(1, top))
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
             "simulated": sum(1 for c in best if c.simulated),
+            "within_error_of_best": _within_error(best[:top], device.error_fraction),
+            "error_fraction": device.error_fraction,
             "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
             "examples": examples,
             "why_cp": _why_cp(best, priced, device)}
+
+
+def _within_error(best: list[Candidate], error: float) -> int | None:
+    """How many of the best layouts are predicted within the device's measured error of the
+    first (None when the error is not measured): the model cannot rank those."""
+    if not best or not error:
+        return None
+    first = best[0].predicted.step_time_s
+    return sum(1 for c in best if c.predicted.step_time_s <= first * (1 + error))
 
 
 def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
@@ -209,7 +222,7 @@ def format_search(result: dict) -> str:
     lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
              f"{result['world']} devices ({result['device']}), by predicted step time:",
              " #   dp  cp  tp  pp vpp schedule          mb zero sp  recompute  step s   "
-             "TFLOP/s mem/rank GiB"]
+             "TFLOP/s   mem/rank"]
     for i, c in enumerate(result["candidates"], 1):
         s, p = c["settings"], c["predicted"]
         lines.append(
@@ -217,12 +230,21 @@ def format_search(result: dict) -> str:
             f"{s['schedule']:<17} "
             f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
             f"{s['recompute']:>9} {p['step_time_s']:>7.3g} "
-            f"{p['tflops_per_device']:>9.4g} {p['mem_bytes_per_rank'] / 2**30:>12.1f}")
+            f"{p['tflops_per_device']:>9.4g} {human_bytes(p['mem_bytes_per_rank']):>10}")
     if result["rejected"]:
         lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in
                                               sorted(result["rejected"].items())))
     if result.get("why_cp"):
         lines.append("why " + result["why_cp"])
+    if result.get("assumes"):
+        lines.append(result["assumes"])
+    tied = result.get("within_error_of_best")
+    if tied and tied > 1:
+        which = (f"all {tied} printed are" if tied == len(result["candidates"])
+                 else f"the first {tied} are")
+        lines.append(f"{which} within the model's measured error "
+                     f"({result['error_fraction']:.0%}) of the best: it cannot rank them; "
+                     f"measure them (search.run=true)")
     if result["candidates"]:
         lines.append("run the best: hybrid-train " + " ".join(
             overrides_of(result["candidates"][0]["settings"])))

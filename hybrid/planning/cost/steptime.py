@@ -28,10 +28,9 @@ from hybrid.planning.cost.flops import (
 )
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.job import JobPlan
-from hybrid.planning.schedules import build_schedule, schedule_spec
-from hybrid.planning.schedules.actions import stage_rank
-from hybrid.planning.schedules.registry import schedule_splits_backward
-from hybrid.planning.schedules.simulate import StageCosts, simulate
+from hybrid.planning.cost.makespan import (
+    closed_form_bubble, makespan_lower_bound, simulated_makespan,
+)
 
 
 @dataclass(frozen=True)
@@ -176,9 +175,9 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
     optimizer step; on shared CPU cores, at least the node's work over its cores."""
     parts = _parts(plan, device)
     if simulated and simulates(plan):
-        makespan = _simulated_makespan(plan, parts.times, parts.p2p)
+        makespan = simulated_makespan(plan, parts.times, parts.p2p)
     else:
-        makespan = max(parts.busy) + _closed_form_bubble(plan, parts.times, parts.p2p)
+        makespan = max(parts.busy) + closed_form_bubble(plan, parts.times, parts.p2p)
     return _prediction(plan, device, parts, makespan,
                        simulated=simulated and simulates(plan))
 
@@ -188,10 +187,19 @@ def step_lower_bound(plan: JobPlan, device: Device) -> float:
     never above ``predict_step``'s simulated time: the search simulates layouts in the order
     of this bound and stops when it passes the best found (an exact search, without
     simulating them all). ``tests/test_search.py`` checks the bound against the simulation."""
+    return closed_form_and_bound(plan, device)[1]
+
+
+def closed_form_and_bound(plan: JobPlan, device: Device) -> tuple[StepPrediction, float]:
+    """``predict_step(plan, device, simulated=False)`` and ``step_lower_bound``, sharing the
+    per-stage times (the search prices thousands of layouts)."""
     parts = _parts(plan, device)
-    makespan = _makespan_lower_bound(plan, parts)
-    return _prediction(plan, device, parts, makespan, simulated=False,
-                       exposed_at_least=True).step_time_s
+    closed = _prediction(plan, device, parts,
+                         max(parts.busy) + closed_form_bubble(plan, parts.times, parts.p2p),
+                         simulated=False)
+    bound = _prediction(plan, device, parts, makespan_lower_bound(plan, parts.times, parts.p2p, parts.busy),
+                        simulated=False, exposed_at_least=True)
+    return closed, bound.step_time_s
 
 
 def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
@@ -206,7 +214,7 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
     # A reduction that hides in the makespan shows less of itself the longer the pipeline
     # runs: beside the cores' bound it is counted at the least it can show.
     floor_exposed = (dp_times(plan, device, dp_link, last_backward, float("inf"))[1]
-                     if exposed_at_least else dp_exposed)
+                     if exposed_at_least and device.cores else dp_exposed)
     optimizer = parts.optimizer
     step = max(makespan + dp_exposed + max(optimizer),
                _shared_cores_time(plan, device,
@@ -258,45 +266,3 @@ def _p2p_time(plan: JobPlan, device: Device) -> float:
         nbytes /= plan.layout.tp
     link = _link(plan, device, "pp")
     return nbytes / link.bandwidth + link.latency + device.collective_overhead_s
-
-
-def _simulated_makespan(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
-    layout, m = plan.layout, plan.schedule.microbatches
-    costs = StageCosts(F=tuple(t.forward for t in times), B=tuple(t.backward for t in times),
-                       I=tuple(t.backward / 2 for t in times),
-                       W=tuple(t.backward / 2 for t in times), p2p=p2p)
-    lists = build_schedule(plan.schedule.name, layout.pp, m, vpp=layout.vpp)
-    return simulate(lists, layout.pp, m, vpp=layout.vpp, costs=costs,
-                    placement=layout.stage_placement).makespan
-
-
-def _makespan_lower_bound(plan: JobPlan, parts: _Parts) -> float:
-    """The longest of: a rank's own work, after the first micro-batch's forward reached its
-    first stage (nothing else it holds can run before), and, where a backward is not split,
-    before the last backward it runs travels down to stage 0 (its last action is a backward of
-    its first stage, and the stages below must still run theirs)."""
-    layout, times = plan.layout, parts.times
-    rank_of = [stage_rank(k, layout.pp, layout.stage_placement) for k in range(len(times))]
-    splits = schedule_splits_backward(plan.schedule.name)
-    bound = 0.0
-    for r in range(layout.pp):
-        first = rank_of.index(r)
-        crossings = sum(1 for k in range(1, first + 1) if rank_of[k] != rank_of[k - 1])
-        head = sum(t.forward for t in times[:first]) + crossings * parts.p2p
-        tail = 0.0 if splits else (sum(t.backward for t in times[:first])
-                                   + crossings * parts.p2p)
-        bound = max(bound, head + parts.busy[r] + tail)
-    return bound
-
-
-def _closed_form_bubble(plan: JobPlan, times: list[_StageTimes], p2p: float) -> float:
-    """Warm-up and drain of the slowest stage: ``(pp - 1)`` of what one warm-up step leaves
-    idle (the schedule's ``warmup_step``: 1F1B a forward and backward, ``/ vpp``
-    interleaved; zero-bubble H1 the forward, ZB-V one chunk's forward), plus the messages."""
-    pp = plan.layout.pp
-    if pp == 1:
-        return 0.0
-    slowest = max(times, key=lambda t: t.forward + t.backward)
-    per_step = schedule_spec(plan.schedule.name).warmup_step(slowest.forward, slowest.backward,
-                                                              plan.layout.vpp)
-    return (pp - 1) * (per_step + 2 * p2p)

@@ -97,7 +97,7 @@ class Zero1(ShardingSpec):
 class Zero2(Zero1):
     stage, name, runtime = 2, "zero-2", "hybrid.dp.sharding:Zero2"
     shards_gradients = True
-    searched = False
+    searched = True
     doc = ("gradients sharded too: each micro-batch's reduce-scattered as it is made, only "
            "the shard kept")
 

@@ -1,0 +1,121 @@
+"""The cost model on published runs it was not fitted to (pure: no torch; #30 item 2).
+
+For each run of Narayanan et al. 2021's Table 1 (``published.NARAYANAN_2021``): the
+throughput the model predicts for the published layout against the published one, in the
+paper's own FLOP convention (Eq. 3: full recomputation, the recomputed forward counted, as
+``StepPrediction.tflops_per_device`` counts it), and how the model ranks the published
+tensor x pipeline split among every other split of the same GPUs, each at its best micro-batch
+and schedule of the paper's software (``published`` says which) and fitting in memory. Where
+the model's best split is within its own error of the published one, it cannot tell them
+apart, and the table says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator, Optional
+
+from hybrid.planning.config import Config
+from hybrid.planning.cost.devices import Device, load_device
+from hybrid.planning.cost.published import KORTHIKANTI_2022, NARAYANAN_2021, ThroughputRun
+from hybrid.planning.cost.steptime import StepPrediction, predict_step
+from hybrid.planning.job import plan_job
+from hybrid.planning.layout import LayoutError, valid_sizes
+
+MICRO_BATCHES_2021 = (1, 2, 4)
+MAX_CHUNKS_2021 = 4
+
+
+def variants_2021(cfg: Config) -> Iterator[Config]:
+    """The micro-batches and schedules a 2021 Megatron-LM run could choose for ``cfg``."""
+    par = cfg.parallel
+    schedules = [("1f1b", 1)] + ([("interleaved-1f1b", v) for v in
+                                  range(2, MAX_CHUNKS_2021 + 1)] if par.pp > 1 else [])
+    for schedule, vpp in schedules:
+        for mb in MICRO_BATCHES_2021:
+            yield replace(cfg, parallel=replace(par, schedule=schedule, vpp=vpp),
+                          train=replace(cfg.train, micro_batch=mb))
+
+
+def best_prediction(cfg: Config, device: Device, simulated: bool = True
+                    ) -> Optional[StepPrediction]:
+    """The fastest of ``cfg``'s 2021 variants that plan and fit in the device's memory
+    (``simulated=False``: each priced with its closed-form bubble)."""
+    best = None
+    for variant in variants_2021(cfg):
+        try:
+            plan = plan_job(variant, simulated=False)
+        except LayoutError:
+            continue
+        if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
+            continue
+        predicted = predict_step(plan, device, simulated=simulated)
+        if best is None or predicted.step_time_s < best.step_time_s:
+            best = predicted
+    return best
+
+
+def splits(run: ThroughputRun, gpus_per_node: int = 8) -> list[tuple[int, int]]:
+    """Every (tp, pp) of the run's GPUs with TP inside a node and at least one layer a stage."""
+    return [(tp, pp) for tp in valid_sizes(gpus_per_node) if run.gpus % tp == 0
+            for pp in valid_sizes(run.gpus // tp) if pp <= run.layers
+            and run.heads % tp == 0 and run.global_batch % (run.gpus // (tp * pp)) == 0]
+
+
+def held_out_row(run: ThroughputRun, device: Device, error: float) -> dict:
+    """The published run against the model: throughput, and the rank of its split."""
+    published = best_prediction(run.config(), device)
+    ranked = []  # in closed form, the published split too, so that all compare alike
+    for tp, pp in splits(run):
+        predicted = best_prediction(run.config(tp, pp), device, simulated=False)
+        if predicted is not None:
+            ranked.append((predicted.step_time_s, tp, pp))
+    ranked.sort()
+    best_s, best_tp, best_pp = ranked[0]
+    own = next(i for i, (_, tp, pp) in enumerate(ranked) if (tp, pp) == (run.tp, run.pp))
+    fitted_models = {(r.hidden, r.layers) for r in KORTHIKANTI_2022}
+    return {"run": run.name, "gpus": run.gpus, "tp": run.tp, "pp": run.pp,
+            "fitted_model": (run.hidden, run.layers) in fitted_models,
+            "published_tflops": run.tflops_per_gpu,
+            "predicted_tflops": published.tflops_per_device,
+            "error": published.tflops_per_device / run.tflops_per_gpu - 1,
+            "rank": own + 1, "splits": len(ranked), "best_tp": best_tp, "best_pp": best_pp,
+            "gap": published.step_time_s / best_s - 1,
+            "within_error": published.step_time_s / best_s - 1 <= error}
+
+
+def held_out_rows() -> list[dict]:
+    """One row per run of Narayanan et al. 2021's Table 1, on the ``a100-80gb`` preset; a
+    split is within the model's error of the best when the gap is under the preset's
+    ``error_fraction`` (the mean |error| of these very rows, ``tests/test_held_out.py``)."""
+    device = load_device("a100-80gb")
+    return [held_out_row(run, device, device.error_fraction) for run in NARAYANAN_2021]
+
+
+def mean_abs_error(rows: list[dict]) -> float:
+    return sum(abs(r["error"]) for r in rows) / len(rows)
+
+
+def format_held_out(rows: list[dict]) -> str:
+    """The markdown table docs/sweeps.md shows (``bench/published_runs.py`` prints it)."""
+    lines = ["| run | GPUs | published t x p | TFLOP/s published | predicted | error "
+             "| rank of t x p | model's best t x p | published is slower by |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        verdict = " (within error)" if r["within_error"] else ""
+        mark = "*" if r["fitted_model"] else ""
+        lines.append(f"| {r['run']}{mark} | {r['gpus']} | {r['tp']} x {r['pp']} | "
+                     f"{r['published_tflops']:.0f} | {r['predicted_tflops']:.0f} | "
+                     f"{r['error']:+.0%} | {r['rank']} of {r['splits']} | "
+                     f"{r['best_tp']} x {r['best_pp']} | {r['gap']:.0%}{verdict} |")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    independent = [r for r in rows if not r["fitted_model"]]
+    lines.append("\n\\* the same model and tensor x pipeline split as a run the preset was "
+                 "fitted to (Korthikanti et al.'s), at more data parallelism: not independent.")
+    lines.append(f"\nThroughput: mean |error| {mean_abs_error(rows):.0%} "
+                 f"({mean_abs_error(independent):.0%} over the {len(independent)} models not "
+                 f"in the fit), worst "
+                 f"{worst['error']:+.0%} ({worst['run']}); the published split ranks first or "
+                 f"within the model's error of its best in "
+                 f"{sum(1 for r in rows if r['within_error'])} of {len(rows)} runs.")
+    return "\n".join(lines)
