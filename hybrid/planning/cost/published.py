@@ -26,7 +26,9 @@ from hybrid.planning.config import Config, ModelConfig, TrainConfig
 
 
 @dataclass(frozen=True)
-class PublishedRun:
+class GptRun:
+    """A published GPT run's model and layout (sequence 2048, vocabulary 51200)."""
+
     name: str
     heads: int
     hidden: int
@@ -35,21 +37,34 @@ class PublishedRun:
     pp: int
     gpus: int
     global_batch: int
+
+
+@dataclass(frozen=True)
+class PublishedRun(GptRun):
+    """One run of Korthikanti et al. 2022 with its seconds per iteration."""
+
     full_recompute_s: float
     selective_sp_s: float
 
     def config(self, recompute: str) -> Config:
         """The run as hybrid would plan it, with ``recompute`` full (no sequence parallelism)
         or selective (with it)."""
-        model = ModelConfig(name=self.name, layers=self.layers, hidden=self.hidden,
-                            heads=self.heads, vocab=51200, vocab_pad_multiple=128, seq_len=2048,
-                            tie_embeddings=True, recompute=recompute)
-        cfg = Config(model=model, train=TrainConfig(global_batch=self.global_batch,
-                                                    micro_batch=1, precision="bf16"))
-        cfg.parallel = replace(cfg.parallel, dp=self.gpus // (self.tp * self.pp), tp=self.tp,
-                               pp=self.pp, sequence_parallel=recompute == "selective")
-        cfg.cost = replace(cfg.cost, device="a100-80gb")
-        return cfg
+        return a100_gpt(self, recompute, self.tp, self.pp,
+                        sequence_parallel=recompute == "selective")
+
+
+def a100_gpt(run: GptRun, recompute: str, tp: int, pp: int, sequence_parallel: bool = False) -> Config:
+    """A published GPT run as hybrid plans it on the A100 preset: sequence 2048, vocabulary 51200, tied embeddings, bf16,
+    micro-batch 1, ``tp`` x ``pp`` and the rest data parallel."""
+    model = ModelConfig(name=run.name, layers=run.layers, hidden=run.hidden, heads=run.heads,
+                        vocab=51200, vocab_pad_multiple=128, seq_len=2048, tie_embeddings=True,
+                        recompute=recompute)
+    cfg = Config(model=model, train=TrainConfig(global_batch=run.global_batch, micro_batch=1,
+                                                precision="bf16"))
+    cfg.parallel = replace(cfg.parallel, dp=run.gpus // (tp * pp), tp=tp, pp=pp,
+                           sequence_parallel=sequence_parallel)
+    cfg.cost = replace(cfg.cost, device="a100-80gb")
+    return cfg
 
 
 KORTHIKANTI_2022 = (
@@ -80,30 +95,15 @@ def compare_with_published(simulated: bool = True) -> list[dict]:
 
 
 @dataclass(frozen=True)
-class ThroughputRun:
+class ThroughputRun(GptRun):
     """One row of Narayanan et al. 2021's Table 1."""
 
-    name: str
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    global_batch: int
     tflops_per_gpu: float
 
     def config(self, tp: int | None = None, pp: int | None = None) -> Config:
-        """The run as hybrid plans it (another ``tp``/``pp`` on the same GPUs for a ranking)."""
-        tp, pp = tp or self.tp, pp or self.pp
-        model = ModelConfig(name=self.name, layers=self.layers, hidden=self.hidden,
-                            heads=self.heads, vocab=51200, vocab_pad_multiple=128, seq_len=2048,
-                            tie_embeddings=True, recompute="full")
-        cfg = Config(model=model, train=TrainConfig(global_batch=self.global_batch,
-                                                    micro_batch=1, precision="bf16"))
-        cfg.parallel = replace(cfg.parallel, dp=self.gpus // (tp * pp), tp=tp, pp=pp)
-        cfg.cost = replace(cfg.cost, device="a100-80gb")
-        return cfg
+        """The run as hybrid plans it (another ``tp``/``pp`` on the same GPUs for a ranking):
+        full recompute, as the paper ran."""
+        return a100_gpt(self, "full", tp or self.tp, pp or self.pp)
 
 
 NARAYANAN_2021 = (
