@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
 
 
+@pytest.mark.slow  # prices every split of ten published runs (3 s)
 def test_the_held_out_runs_are_not_the_fitted_ones_and_the_docs_show_their_table():
     fitted = {(r.name, r.gpus, r.global_batch) for r in KORTHIKANTI_2022}
     assert not fitted & {(r.name, r.gpus, r.global_batch) for r in NARAYANAN_2021}
@@ -37,17 +38,15 @@ def test_the_held_out_runs_are_not_the_fitted_ones_and_the_docs_show_their_table
 
 
 def test_the_search_says_when_it_cannot_rank_and_which_device_and_error_it_assumed():
-    result = search(config(GPT_1B, 128), 16, PRESETS["a100-80gb"], top=5)
+    result = search(config(GPT_1B, 128), 16, PRESETS["a100-80gb"], top=30)
     result["assumes"] = "predictions assume cost.device=a100-80gb: ..."
     text = format_search(result)
-    assert result["within_error_of_best"] >= 1
-    if result["within_error_of_best"] > 1:
-        assert "within the model's measured error (11%) of the best: it cannot rank them" in text
+    assert result["within_error_of_best"] > 1
+    assert "within the model's measured error (11%) of the best: it cannot rank them" in text
     assert "predictions assume cost.device=a100-80gb" in text
+    # ZeRO-2 is searched beside ZeRO-0 and ZeRO-1.
     assert 2 in searched_shardings()
-    assert {c["settings"]["zero"] for c in search(config(GPT_1B, 128), 16,
-                                                   PRESETS["a100-80gb"], top=400)["candidates"]
-            } >= {0, 1, 2}
+    assert {c["settings"]["zero"] for c in result["candidates"]} == {0, 1, 2}
 
 
 def test_a_small_models_memory_reads_in_mib_and_its_prediction_warns():
