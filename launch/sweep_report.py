@@ -212,7 +212,8 @@ def markdown(rows: list[dict]) -> str:
 def _error_note(rows: list[dict], done: list[dict]) -> str:
     """What the predictions assumed, and their error over this sweep's completed cells."""
     assumed = sorted({r["assumes"] for r in rows if r["assumes"] != ""})
-    head = (" / ".join(assumed)[0].upper() + " / ".join(assumed)[1:] + "." if assumed
+    said = " / ".join(assumed)
+    head = (said[:1].upper() + said[1:] + "." if said
             else "Predictions: none (no cell's config could be priced).")
     if not done:
         return head

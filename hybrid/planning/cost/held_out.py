@@ -24,6 +24,8 @@ from hybrid.planning.layout import LayoutError, valid_sizes
 
 MICRO_BATCHES_2021 = (1, 2, 4)
 MAX_CHUNKS_2021 = 4
+FITTED_MODELS = {(r.hidden, r.layers) for r in KORTHIKANTI_2022}
+"""The models the A100 preset was fitted to (a held-out run of one of them is marked)."""
 
 
 def variants_2021(cfg: Config) -> Iterator[Config]:
@@ -73,9 +75,8 @@ def held_out_row(run: ThroughputRun, device: Device, error: float) -> dict:
     ranked.sort()
     best_s, best_tp, best_pp = ranked[0]
     own = next(i for i, (_, tp, pp) in enumerate(ranked) if (tp, pp) == (run.tp, run.pp))
-    fitted_models = {(r.hidden, r.layers) for r in KORTHIKANTI_2022}
     return {"run": run.name, "gpus": run.gpus, "tp": run.tp, "pp": run.pp,
-            "fitted_model": (run.hidden, run.layers) in fitted_models,
+            "fitted_model": (run.hidden, run.layers) in FITTED_MODELS,
             "published_tflops": run.tflops_per_gpu,
             "predicted_tflops": published.tflops_per_device,
             "error": published.tflops_per_device / run.tflops_per_gpu - 1,

@@ -14,6 +14,7 @@ that attention is too small a share of the work to hide the ring behind.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -27,9 +28,9 @@ from hybrid.planning.schedules import SCHEDULES
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import (
-    SIMULATE_UP_TO, StepPrediction, closed_form_and_bound, predict_step, simulates,
+    StepPrediction, closed_form_and_bound, predict_step, simulates,
 )
-from hybrid.planning.validate import RECOMPUTE, microbatches, valid_tp_sizes
+from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes
 
 MICRO_BATCHES = (1, 2, 4, 8)
 OUT_OF_MEMORY = "does not fit in device memory"
@@ -137,9 +138,9 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             rejected[OUT_OF_MEMORY] += 1
             continue
         closed, bound = closed_form_and_bound(plan, device)
-        if not simulates(plan):  # the closed form is its final prediction
-            bound = closed.step_time_s
-        priced.append((bound, order, closed, candidate))
+        final = None if simulates(plan) else closed  # else the closed form is final
+        priced.append((bound if final is None else closed.step_time_s, order, closed,
+                       candidate, final))
     best = _finish(priced, device, max(1, top))
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
@@ -161,16 +162,19 @@ def _within_error(best: list[Candidate], error: float) -> int | None:
 
 
 def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
-    """The ``top`` best of ``priced`` ((bound, order, closed form, config) each) by their
-    final prediction, simulating only those whose bound could still enter the list."""
-    priced.sort(key=lambda entry: (entry[0], entry[1]))
+    """The ``top`` best of ``priced`` ((bound, order, closed form, config, final prediction
+    or None when it is to be simulated) each) by their final prediction, simulating only
+    those whose bound could still enter the list."""
+    priced.sort(key=lambda entry: entry[:2])
     finished: list[tuple[float, int, Candidate]] = []
-    for bound, order, closed, candidate in priced:
+    for bound, order, _, candidate, final in priced:
         if len(finished) >= top and bound > finished[top - 1][0]:
             break
-        final = _final(candidate, device, closed)
-        finished.append((final.predicted.step_time_s, order, final))
-        finished.sort(key=lambda entry: entry[:2])
+        simulated = final is None
+        if simulated:  # what hybrid-plan predicts for it
+            final = predict_step(plan_job(candidate), device)
+        done = Candidate(settings_of(candidate), final, simulated=simulated)
+        bisect.insort(finished, (final.step_time_s, order, done), key=lambda entry: entry[:2])
     return [final for _, _, final in finished[:top]]
 
 
@@ -196,19 +200,6 @@ def _why_cp(best: list[Candidate], priced: list, device: Device) -> str | None:
                 f"keeps 1/cp of each sequence's activations per rank")
     return (f"cp={cp}: predicted {best[0].predicted.step_time_s:.3g} s against "
             f"{without[0].predicted.step_time_s:.3g} s for the best layout with cp=1")
-
-
-def _final(cfg: Config, device: Device, closed_form: StepPrediction) -> Candidate:
-    """The prediction ``hybrid-plan`` makes for ``cfg``: its schedule simulated where
-    ``predict_step`` simulates it, else the closed form already priced."""
-    if not _simulates(cfg):
-        return Candidate(settings_of(cfg), closed_form, simulated=False)
-    return Candidate(settings_of(cfg), predict_step(plan_job(cfg), device), simulated=True)
-
-
-def _simulates(cfg: Config) -> bool:
-    par = cfg.parallel
-    return par.pp * par.vpp * microbatches(cfg) <= SIMULATE_UP_TO
 
 
 def _reason(message: str) -> str:

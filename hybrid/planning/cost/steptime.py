@@ -197,8 +197,8 @@ def closed_form_and_bound(plan: JobPlan, device: Device) -> tuple[StepPrediction
     closed = _prediction(plan, device, parts,
                          max(parts.busy) + closed_form_bubble(plan, parts.times, parts.p2p),
                          simulated=False)
-    bound = _prediction(plan, device, parts, makespan_lower_bound(plan, parts.times, parts.p2p, parts.busy),
-                        simulated=False, exposed_at_least=True)
+    lowest = makespan_lower_bound(plan, parts.times, parts.p2p, parts.busy)
+    bound = _prediction(plan, device, parts, lowest, simulated=False, exposed_at_least=True)
     return closed, bound.step_time_s
 
 
