@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -50,7 +51,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             timeout=timedelta(seconds=collective_timeout_s),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle copies tensors into the bytes: the queue's own pickler would share
+        # them by file descriptor, which the parent can only fetch while this process lives.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -101,7 +104,7 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list
             continue
         if status == "error":
             raise SpawnError(f"rank {rank} of {world_size} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = pickle.loads(payload)
     return [outputs[r] for r in range(world_size)]
 
 

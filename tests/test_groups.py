@@ -85,6 +85,27 @@ def test_harness_reports_failing_rank_and_does_not_hang():
     assert "boom on purpose" in str(err.value)
 
 
+def _a_tensor(rank, world):
+    return torch.arange(4.0)
+
+
+def test_harness_reads_a_result_after_its_rank_has_exited(tmp_path):
+    """A rank may exit the moment it has put its result; the result must not depend on it."""
+    from hybrid.testing import _collect, _context, _kill, _worker
+
+    results = _context().Queue()
+    proc = _context().Process(target=_worker, daemon=True,
+                              args=(0, 1, str(tmp_path / "store"), _a_tensor, (), results, 30))
+    proc.start()
+    try:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+        out, = _collect([proc], results, 1, timeout=30)
+    finally:
+        _kill([proc])
+    assert torch.equal(out, torch.arange(4.0))
+
+
 def _hang(rank, world):
     if rank == 1:
         threading.Event().wait()  # blocks forever outside any collective: only a timeout ends it
