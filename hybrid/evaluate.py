@@ -29,29 +29,24 @@ from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, lowered_schedule
 from hybrid.planning.data_sources import evaluates
 from hybrid.planning.job import JobPlan
-from hybrid.planning.schedules import forward_only
-from hybrid.planning.schedules.check import check_schedule
 
 EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens", "eval_s")
 
 
 def eval_schedule(plan: JobPlan) -> list[list]:
     """Every pipeline rank's forward-only list, proved complete and deadlock-free."""
-    layout = plan.layout
-    lists = forward_only(lowered_schedule(plan))
-    check_schedule(lists, layout.pp, plan.schedule.microbatches, layout.vpp,
-                   layout.stage_placement, forward_only=True)
-    return lists
+    return lowered_schedule(plan, forward=True)
 
 
 class Evaluator:
     """The evaluations of one rank's run (``due(step)``, then ``evaluate(...)``)."""
 
     def __init__(self, plan: JobPlan, groups: ParallelGroups, chunks: dict,
-                 dataset: TokenDataset, *, progress=None):
+                 dataset: TokenDataset, *, progress=None, weights=None):
+        """``weights``: ZeRO-3's gathers (``GradSync.stage_weights``), or None."""
         self.plan, self.groups, self.chunks, self.dataset = plan, groups, chunks, dataset
         self.cfg = plan.cfg
-        self.progress = progress
+        self.progress, self.weights = progress, weights
         layout = plan.layout
         actions = eval_schedule(plan)[groups.pp_rank]
         self.rank_plan = prepare_rank(actions, chunks, groups=groups, pp=layout.pp,
@@ -82,7 +77,8 @@ class Evaluator:
                                                            cfg.model.vocab),
                     act_dtype=torch.float32, progress=self.progress,
                     recv_timeout_s=cfg.train.collective_timeout_s,
-                    placement=layout.stage_placement, forward_only=True)
+                    placement=layout.stage_placement, forward_only=True,
+                    weights=self.weights)
             total += 0.0 if loss is None else loss
         self.groups.pipeline.all_reduce(total)  # only the last stage holds a loss
         self.groups.loss.all_reduce(total)
@@ -93,7 +89,8 @@ class Evaluator:
 
 
 def make_evaluator(plan: JobPlan, groups: ParallelGroups, chunks: dict,
-                   dataset: Optional[TokenDataset], progress=None) -> Optional[Evaluator]:
+                   dataset: Optional[TokenDataset], progress=None,
+                   weights=None) -> Optional[Evaluator]:
     """The run's evaluator, or None when it does not evaluate."""
     if not evaluates(plan.cfg.eval):
         return None
@@ -101,4 +98,4 @@ def make_evaluator(plan: JobPlan, groups: ParallelGroups, chunks: dict,
         from hybrid.data import open_eval_dataset
 
         dataset = open_eval_dataset(plan)
-    return Evaluator(plan, groups, chunks, dataset, progress=progress)
+    return Evaluator(plan, groups, chunks, dataset, progress=progress, weights=weights)

@@ -2,7 +2,8 @@
 
 After its first step every rank counts the distinct storages of its parameters, of its
 gradient buffers (the buckets, and under ZeRO the reduced shards), of its optimizer
-state and of what a DP option keeps (PowerSGD's error feedback, a delayed mean), and measures the activations its step kept for backward at their peak
+state and of what a DP option keeps (PowerSGD's error feedback, a delayed mean), and measures the activations its step kept for backward at their peak, and under ZeRO-3 the most
+whole weights it held gathered at once
 (``hybrid.model.activations.SavedTensors``). Rank 0 writes them with the plan's prediction for
 the same rank: weights, gradients and optimizer state must be equal byte for byte (the
 end-to-end tests assert it for every layout they run); activations are a model and the file
@@ -33,7 +34,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
     """[parameter, gradient, optimizer state, DP option state] bytes this rank holds."""
-    params = [p for chunk in chunks for p in chunk.parameters()]
+    params = sync.held_weights([p for chunk in chunks for p in chunk.parameters()])
     state = [t for per_tensor in sync.optimizer.state.values() for t in per_tensor.values()
              if isinstance(t, torch.Tensor)]
     return [_storage_bytes(params), _storage_bytes(sync.grad_tensors()), _storage_bytes(state),
@@ -42,10 +43,11 @@ def counted_state_bytes(chunks: Iterable[torch.nn.Module], sync) -> list[int]:
 
 def write_memory_check(run_dir: Path, plan: JobPlan, per_rank: list[list[float]]) -> None:
     """Rank 0: ``memory_check.json`` from every rank's ``[param, grad, optimizer, DP option
-    state, activation peak]``, with whether the state bytes all equal the prediction."""
+    state, activation peak, ZeRO-3's gathered peak]``, with whether the state bytes, and the
+    gathered weights, all equal the prediction."""
     cfg = plan.cfg
-    ranks, equal = [], True
-    for rank, (param, grad, optimizer, dp_state, activations) in enumerate(per_rank):
+    ranks, equal, gathered_equal = [], True, True
+    for rank, (param, grad, optimizer, dp_state, activations, gathered) in enumerate(per_rank):
         coords = plan.layout.coords(rank % plan.world_size)
         blocks = [b for s in plan.stages_of(coords["pp"]) for b in s.blocks]
         shard = plan.layout.role_rank("sharding", rank % plan.world_size)
@@ -53,9 +55,14 @@ def write_memory_check(run_dir: Path, plan: JobPlan, per_rank: list[list[float]]
         counted = {"param_bytes": int(param), "grad_bytes": int(grad),
                    "optimizer_bytes": int(optimizer), "dp_state_bytes": int(dp_state)}
         equal &= counted == predicted
+        predicted_gathered = plan.memory[coords["pp"]].gathered_bytes
+        gathered_equal &= int(gathered) == predicted_gathered
         ranks.append({"rank": rank, **coords, "counted": counted, "predicted": predicted,
                       "activation_peak_bytes": int(activations),
                       "predicted_activation_bytes":
-                          plan.memory[coords["pp"]].activation_bytes})
-    write_text(run_dir / FILE, json.dumps({"state_bytes_equal": equal, "ranks": ranks},
-                                          indent=1) + "\n")
+                          plan.memory[coords["pp"]].activation_bytes,
+                      "gathered_peak_bytes": int(gathered),
+                      "predicted_gathered_bytes": predicted_gathered})
+    write_text(run_dir / FILE, json.dumps({"state_bytes_equal": equal,
+                                           "gathered_bytes_equal": gathered_equal,
+                                           "ranks": ranks}, indent=1) + "\n")

@@ -151,8 +151,8 @@ def train_checked(overrides: list[str], run_dir, timeout: float = 280) -> list[d
 
 def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
-    held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts
-    (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
+    held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts, and
+    under ZeRO-3 gathered at most the weights it predicts (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
     ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options, and over its
     context group what ``hybrid.planning.cost.context_time.cp_step_bytes`` predicts; and the run
     directory's ``plan.json`` is the plan of its ``config.json`` (nothing written back)."""
@@ -169,6 +169,9 @@ def checked_records(run_dir) -> list[dict]:
     check = json.loads((run_dir / "memory_check.json").read_text())
     assert check["state_bytes_equal"], [r for r in check["ranks"]
                                         if r["counted"] != r["predicted"]][:2]
+    assert check["gathered_bytes_equal"], [
+        r for r in check["ranks"]
+        if r["gathered_peak_bytes"] != r["predicted_gathered_bytes"]][:2]
     plan = load_plan(run_dir)
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     assert plan.cfg == cfg and plan.stages == plan_job(cfg, block_costs=plan.block_costs).stages

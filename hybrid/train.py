@@ -79,8 +79,10 @@ class Trainer:
         self.watch = RankWatch(dist.get_rank())
         self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg,
                                          wait=self.watch.wait_async)
+        self.weights = self.sync.stage_weights(self.chunks)
+        """ZeRO-3: what runs the schedule's gathers and releases (else None)."""
         self.evaluator = make_evaluator(plan, groups, self.chunks, eval_dataset,
-                                        progress=self.watch)
+                                        progress=self.watch, weights=self.weights)
         publish_pid(store, dist.get_rank(), socket.gethostname())
         self.counter = CommCounter(groups, watch=self.watch)
         self.slow = faults.slow_seconds(dist.get_rank())
@@ -129,6 +131,8 @@ class Trainer:
         self.counter.reset()
         self.watch.start_step(step)
         self.sync.start_step(self.m, step=step)
+        if self.weights is not None:
+            self.weights.reset_peak()
         try:
             with self.counter.track():
                 loss = self._forward_backward(step, data, recorder)
@@ -168,7 +172,7 @@ class Trainer:
                                                        self.cfg.model.vocab),
                 act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
                 recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch,
-                placement=self.groups.layout.stage_placement)
+                placement=self.groups.layout.stage_placement, weights=self.weights)
 
     def _rank_plan(self) -> RankPlan:
         """``self.actions`` checked and planned once, not every step (a bench may swap in
@@ -270,7 +274,8 @@ class Trainer:
 
     def _check_memory(self, saved: SavedTensors) -> None:
         counted = counted_state_bytes(self.chunks.values(), self.sync)
-        per_rank = self._gather([*counted, saved.peak])
+        gathered = 0 if self.weights is None else self.weights.peak_bytes
+        per_rank = self._gather([*counted, saved.peak, gathered])
         if dist.get_rank() == 0:
             write_memory_check(self.run_dir, self.plan, per_rank)
 

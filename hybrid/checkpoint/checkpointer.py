@@ -66,6 +66,7 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.rank, self.world = groups.world.rank(), groups.world.size()
         self.mesh = tp_mesh(groups)
+        self.chunks = chunks
         self.params = unique_parameters(chunks.values())
         self.specs = {spec.name: spec for spec, _ in self.params}
         # DCP's async save runs collectives from its own thread: never on the training groups.
@@ -116,14 +117,15 @@ class Checkpointer:
         self.groups.world.barrier()
         writer = FileSystemWriter(partial)
         if self.async_group is None:
-            with _write_errors_named(partial):
+            with _write_errors_named(partial), self.sync.whole_weights(self.chunks):
                 dcp.save(self._state(step), storage_writer=writer)
             self._finish(step, partial)
             self._announce(step, time.perf_counter() - started)
         else:
-            future = dcp.async_save(self._state(step), storage_writer=writer,
-                                    process_group=self.async_group,
-                                    async_stager=HostCopyStager())
+            with self.sync.whole_weights(self.chunks):  # staged (copied) before it returns
+                future = dcp.async_save(self._state(step), storage_writer=writer,
+                                        process_group=self.async_group,
+                                        async_stager=HostCopyStager())
             self.pending = (future, step, partial, time.perf_counter() - started)
         self.stall_s += time.perf_counter() - started
 
@@ -216,9 +218,10 @@ class Checkpointer:
         rank reads the whole model once and keeps its own shards."""
         weights = pad_vocabulary(read_model_weights(path), self.cfg.model.padded_vocab)
         names = {spec.name for spec, _ in self.params}
-        load_global_weights([param for _, param in self.params],
-                            {name: t for name, t in weights.items() if name in names},
-                            self.groups)
+        with self.sync.whole_weights(self.chunks, write_back=True):
+            load_global_weights([param for _, param in self.params],
+                                {name: t for name, t in weights.items() if name in names},
+                                self.groups)
         self.initialised_from = str(path)
 
     def _planned_resume(self) -> Optional[Path]:
@@ -239,14 +242,8 @@ class Checkpointer:
         elif self.rank == 0 and any(k.startswith(OPTION_PREFIX) for k in manifest["tensors"]):
             print(f"note: {path} was saved on another layout or DP options; "
                   f"parallel.dp_compress / dp_delay state starts afresh", file=sys.stderr)
-        try:
-            dcp.load(targets, storage_reader=SafeReader(path))
-        except CheckpointException as err:
-            cause = os_error_in(err)
-            if cause is None:
-                raise
-            raise CheckpointError(f"checkpoint {path} cannot be read ({cause}); resume from "
-                                  f"an older one") from None
+        with self.sync.whole_weights(self.chunks, write_back=True):
+            _read(path, targets)
         self._check_every_key_loaded(path, targets)
         self.sync.load_state_dict(moments)
         if options:
@@ -321,3 +318,15 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read(path: Path, targets: dict) -> None:
+    """DCP's load of ``targets`` from checkpoint ``path``; an unreadable file in one line."""
+    try:
+        dcp.load(targets, storage_reader=SafeReader(path))
+    except CheckpointException as err:
+        cause = os_error_in(err)
+        if cause is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} cannot be read ({cause}); resume from "
+                              f"an older one") from None

@@ -16,6 +16,7 @@ from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket, Piece
 from hybrid.dp.zero import Shard, all_gather_params
 from hybrid.dp.zero2 import StagedShards
+from hybrid.dp.zero3 import StageWeights, make_stage_weights, shard_values
 
 
 class Replicated:
@@ -63,6 +64,14 @@ class Replicated:
     def after_optimizer_step(self) -> None:
         """What follows AdamW's step (a sharded strategy gathers the updated parameters)."""
 
+    def stage_weights(self, chunks: dict) -> Optional[StageWeights]:
+        """What runs the schedule's gathers and releases (ZeRO-3), or None."""
+        return None
+
+    def held_weights(self) -> list[torch.Tensor]:
+        """Weight buffers held besides the model's parameters (ZeRO-3's shards)."""
+        return []
+
 
 class Zero1(Replicated):
     """ZeRO-1: AdamW's state sharded over the gradient group (``hybrid.dp.zero``)."""
@@ -104,3 +113,30 @@ class Zero2(Zero1):
     def flush(self):
         self.staged.flush()
         return True
+
+
+class Zero3(Zero2):
+    """ZeRO-3: between uses only the shard of the weights (``hybrid.dp.zero3``)."""
+
+    def make_shards(self, buckets):
+        shards = super().make_shards(buckets)
+        self.values = shard_values(shards)
+        self.weights: Optional[StageWeights] = None
+        return shards
+
+    def pieces(self, buckets, decays, in_norm):
+        """The slices of each bucket's parameters in this rank's own shard buffer."""
+        return [shard.pieces(decays, in_norm, values)
+                for shard, values in zip(self.shards, self.values)]
+
+    def after_optimizer_step(self):
+        """Nothing to gather: the next step's UNSHARD actions gather the updated shards."""
+
+    def stage_weights(self, chunks):
+        if self.weights is None:
+            self.weights = make_stage_weights(self.shards, self.values, chunks, self.group,
+                                              self.wait)
+        return self.weights
+
+    def held_weights(self):
+        return list(self.values)

@@ -31,6 +31,7 @@ gradients in ``dp.replicas``). This class asks them; it names none of them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import replace
 from functools import partial
@@ -151,6 +152,23 @@ class GradSync:
         """Every gradient buffer this rank keeps between steps."""
         return [b.grad for b in self.buckets if b.grad.numel()] + \
             [s.grad for s in self.shards if s.grad.numel()]
+
+    def held_weights(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weight tensors this rank holds: ``params`` (the model's), and ZeRO-3's shards."""
+        return list(params) + self.sharding.held_weights()
+
+    def stage_weights(self, chunks: dict[int, nn.Module]):
+        """ZeRO-3: the object that runs the schedule's gathers and releases of the stages in
+        ``chunks`` (``hybrid.dp.zero3.StageWeights``); None under any other stage."""
+        return self.sharding.stage_weights(chunks)
+
+    def whole_weights(self, chunks: dict[int, nn.Module], write_back: bool = False):
+        """A context in which every weight of ``chunks`` is whole (ZeRO-3 gathers them; with
+        ``write_back`` what was loaded into them becomes the shards)."""
+        weights = self.stage_weights(chunks)
+        if weights is None:
+            return contextlib.nullcontext()
+        return weights.whole(write_back=write_back)
 
     def dp_state_tensors(self) -> list[torch.Tensor]:
         """What the reduction keeps between steps (PowerSGD's, the delayed mean)."""

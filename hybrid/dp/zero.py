@@ -21,7 +21,7 @@ exactly the unsharded state).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,20 @@ class Shard:
         return cls(bucket=bucket, start=start, end=start + size, grad=grad)
 
     def pieces(self, decays: Callable[[torch.Tensor], bool],
-               counts_in_norm: Callable[[torch.Tensor], bool]) -> list[Piece]:
-        """The slices of the bucket's parameters inside this shard, as optimizer pieces."""
+               counts_in_norm: Callable[[torch.Tensor], bool],
+               values: Optional[torch.Tensor] = None) -> list[Piece]:
+        """The slices of the bucket's parameters inside this shard, as optimizer pieces: views
+        of ``values`` (the shard's own buffer under ZeRO-3), else of the bucket's flat
+        parameters."""
+        if values is None:
+            values = self.bucket.data[self.start:self.end]
         found = []
         for slot, param in enumerate(self.bucket.params):
             begin, finish = self.bucket.span(slot)
             lo, hi = max(begin, self.start), min(finish, self.end)
             if lo >= hi:
                 continue
-            tensor = self.bucket.data[lo:hi]
+            tensor = values[lo - self.start:hi - self.start]
             tensor.grad = self.grad[lo - self.start:hi - self.start]
             found.append(Piece(tensor=tensor, grad=tensor.grad, param=param, offset=lo - begin,
                                decays=decays(param), counts_in_norm=counts_in_norm(param)))

@@ -19,7 +19,9 @@ import torch
 
 class SavedTensors:
     def __init__(self, parameters: Iterable[torch.Tensor]):
-        self._parameters = {p.untyped_storage().data_ptr() for p in parameters}
+        # By storage object, not address: ZeRO-3 frees a parameter's storage between uses and
+        # gathers it again, at another address.
+        self._parameters = {p.untyped_storage()._cdata for p in parameters}
         self._holders: dict[int, int] = {}  # storage -> saved tensors holding it now
         self._sizes: dict[int, int] = {}
         self.total = 0
@@ -37,7 +39,7 @@ class SavedTensors:
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self._parameters or storage.nbytes() == 0:
+        if storage._cdata in self._parameters or storage.nbytes() == 0:
             return tensor
         if self._holders.get(key, 0) == 0:
             self._sizes[key] = storage.nbytes()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import timedelta
-from typing import Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -35,10 +35,14 @@ from hybrid.groups import ParallelGroups
 from hybrid.pipeline import p2p
 from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F,
-    Action, ScheduleError, stage_rank,
+    UNSHARD, Action, ScheduleError, stage_rank,
 )
+from hybrid.planning.schedules.gathers import needs_weights
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.planning.schedules.rank_check import Posting, RankPlan, plan_rank
+
+if TYPE_CHECKING:
+    from hybrid.dp.zero3 import StageWeights
 
 Microbatch = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # (tokens, labels)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,7 +76,8 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
                       act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
                       recv_timeout_s: Optional[float] = None,
                       progress: Optional[Progress] = None,
-                      placement: str = LOOP, forward_only: bool = False) -> Optional[float]:
+                      placement: str = LOOP, forward_only: bool = False,
+                      weights: Optional[StageWeights] = None) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
 
     ``actions``: a ``RankPlan`` from ``prepare_rank`` (checked once; what a trainer passes
@@ -91,6 +96,10 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
     ``forward_only``: evaluation: ``actions`` hold forwards only (``schedules.forward_only``),
     no autograd graph is recorded and nothing is kept for a backward.
 
+    ``weights``: under ZeRO-3, what runs the list's ``UNSHARD``/``RESHARD`` actions
+    (``GradSync.stage_weights``); a compute that needs its stage's weights waits for their
+    gather first (``schedules.gathers.needs_weights``).
+
     Returns the mean of the micro-batch losses on the rank holding the last stage, else None.
     Every send has completed when it returns.
     """
@@ -106,7 +115,8 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
     step = _Step(chunks, microbatches, groups=groups, pp=pp, vpp=vpp, placement=placement,
                  loss_fn=loss_fn,
                  act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
-                 recv_timeout_s=recv_timeout_s, progress=progress, forward_only=forward_only)
+                 recv_timeout_s=recv_timeout_s, progress=progress, forward_only=forward_only,
+                 weights=weights)
     with torch.no_grad() if forward_only else torch.enable_grad():
         return step.run(plan.posting)
 
@@ -133,7 +143,8 @@ class _Step:
     """The state of one step on one rank, keyed by (stage, micro-batch)."""
 
     def __init__(self, chunks, microbatches, *, groups, pp, vpp, placement, loss_fn, act_shape,
-                 act_dtype, recorder, recv_timeout_s, progress, forward_only=False):
+                 act_dtype, recorder, recv_timeout_s, progress, forward_only=False,
+                 weights=None):
         self.chunks, self.microbatches, self.groups = chunks, microbatches, groups
         self.pp, self.m, self.last_stage = pp, len(microbatches), pp * vpp - 1
         self.placement = placement
@@ -150,6 +161,7 @@ class _Step:
         self.losses: list[torch.Tensor] = []
         self.sends = p2p.SendsInFlight(threaded=groups.pipeline.backend == "gloo")
         self.forward_only = forward_only
+        self.weights = weights
 
     def run(self, posting: Sequence[Posting]) -> Optional[float]:
         compute = {FORWARD: self.forward, BACKWARD: self.backward,
@@ -158,8 +170,12 @@ class _Step:
             for posts, action in posting:
                 if posts:
                     self.communicate(posts)
-                if action is not None:
+                if action is not None and action.is_shard:
+                    self._shard(action)
+                elif action is not None:
                     self.sends.release_finished()
+                    if self.weights is not None and needs_weights(action):
+                        self.weights.ready(action.stage)
                     self._wait_inputs(action)  # outside the timed span: a wait is not work
                     start = self._now()
                     self._started(action)
@@ -182,6 +198,17 @@ class _Step:
         if not self.losses:
             return None
         return float(torch.stack(self.losses).sum())
+
+    def _shard(self, action: Action) -> None:
+        """A ZeRO-3 gather (started here, waited on by the first compute that needs it) or
+        release."""
+        if self.weights is None:
+            raise ScheduleError(f"{action} needs parallel.zero=3's gathered weights; pass "
+                                f"weights=GradSync.stage_weights(chunks)")
+        if action.kind == UNSHARD:
+            self.weights.unshard(action.stage)
+        else:
+            self.weights.reshard(action.stage)
 
     def _now(self) -> float:
         """Wall-clock time; when recording on CUDA, after the queued kernels have finished

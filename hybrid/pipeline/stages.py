@@ -8,7 +8,9 @@ from torch import nn
 from hybrid.groups import ParallelGroups
 from hybrid.model import build_blocks
 from hybrid.planning.job import JobPlan
-from hybrid.planning.schedules import add_communication, build_schedule
+from hybrid.planning.cost.gathered import gather_policy
+from hybrid.planning.schedules import add_communication, build_schedule, forward_only
+from hybrid.planning.schedules.gathers import add_gathers
 from hybrid.planning.schedules.actions import Action
 from hybrid.planning.schedules.check import check_schedule
 
@@ -28,13 +30,19 @@ def build_chunks(plan: JobPlan, groups: ParallelGroups) -> dict[int, nn.Module]:
     return {stage.index: nn.Sequential(*(built[b] for b in stage.blocks)) for stage in stages}
 
 
-def lowered_schedule(plan: JobPlan) -> list[list[Action]]:
-    """Every pipeline rank's action list with sends/receives, proved safe by the checker."""
+def lowered_schedule(plan: JobPlan, forward: bool = False) -> list[list[Action]]:
+    """Every pipeline rank's action list with sends/receives, and under ZeRO-3 its gathers
+    and releases, proved safe by the checker; ``forward``: an evaluation's (forwards only)."""
     layout, m = plan.layout, plan.schedule.microbatches
     pp, vpp, placement = layout.pp, layout.vpp, layout.stage_placement
     lists = add_communication(build_schedule(plan.schedule.name, pp, m, vpp=vpp), pp, vpp,
                               placement)
-    check_schedule(lists, pp, m, vpp, placement)
+    if forward:
+        lists = forward_only(lists)
+    policy = gather_policy(plan.cfg)
+    if policy is not None:
+        lists = add_gathers(lists, policy)
+    check_schedule(lists, pp, m, vpp, placement, forward_only=forward)
     return lists
 
 

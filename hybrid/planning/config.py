@@ -47,7 +47,12 @@ class ParallelConfig:
     holds stages r and 2*pp-1-r, so rank 0 computes the loss; gloo only)."""
     zero: int = 0
     """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP,
-    2 = gradients sharded too (reduce-scattered every micro-batch, only the shard kept)."""
+    2 = gradients sharded too (reduce-scattered every micro-batch, only the shard kept),
+    3 = weights sharded too (each stage's gathered for its computes, released after)."""
+    zero3_reshard: str = "after_forward"
+    """zero=3: when a stage's gathered weights are released: after_forward (after every
+    forward and backward: 2m gathers a step, least memory) | after_step (after the stage's
+    last use in the step: one gather a step, the stage held whole through it)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (Megatron's sequence parallel)."""
     partition: str = "uniform"

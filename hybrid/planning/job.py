@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from hybrid.planning.config import Config
-from hybrid.planning.cost.sizes import MemoryEstimate, estimate_memory
+from hybrid.planning.cost.gathered import closed_form_gathered, gather_policy, rank_gathers
+from hybrid.planning.cost.sizes import MemoryEstimate, block_params, estimate_memory
 from hybrid.planning.cost.dp_traffic import dp_state_bytes, step_bytes
 from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes
 from hybrid.planning.layout import EMBEDDING, ROLES, Layout
@@ -173,14 +174,31 @@ def plan_job(cfg: Config, simulated: bool = True,
     schedule = _schedule_plan(cfg.parallel.schedule, pp, microbatches(cfg), layout.vpp,
                               simulated)
     by_rank = _stages_by_rank(stages, pp)
-    memory = _ranks_memory(cfg, layout, [[list(stages[s].blocks) for s in by_rank[r]]
-                                         for r in range(pp)], schedule.peak_inflight, simulated)
+    chunks = [[list(stages[s].blocks) for s in by_rank[r]] for r in range(pp)]
+    memory = _ranks_memory(cfg, layout, chunks, schedule.peak_inflight, simulated)
+    if gather_policy(cfg) is not None:
+        memory = tuple(replace(est, gathered_bytes=_gathered_bytes(
+            cfg, layout, r, list(zip(by_rank[r], chunks[r])), simulated))
+            for r, est in enumerate(memory))
     placed = ranks_per_node(cfg, layout)
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
                    schedule=schedule, memory=memory, by_rank=by_rank,
                    priced_ranks_per_node=_priced_ranks_per_node(cfg, layout, placed),
                    block_costs=tuple(costs) if cfg.parallel.partition == "measured" else None,
                    costs_measured=measured)
+
+
+def _gathered_bytes(cfg: Config, layout: Layout, pp_rank: int,
+                    stages: list[tuple[int, list[int]]], exact: bool) -> int:
+    """ZeRO-3's gathered working set on ``pp_rank``: walked over its buckets and schedule
+    (``exact``), else in closed form."""
+    if exact:
+        return rank_gathers(cfg, layout, pp_rank, microbatches(cfg), stages)[0]
+    embedding_copy = cfg.model.tie_embeddings and all(0 not in b for _, b in stages)
+    per_block = block_params(cfg.model, head_owns_embedding_copy=embedding_copy)
+    chunk_params = [sum(per_block[i].per_rank(layout.tp) for i in blocks)
+                    for _, blocks in stages]
+    return closed_form_gathered(chunk_params, gather_policy(cfg))
 
 
 def _priced_ranks_per_node(cfg: Config, layout: Layout, placed: int) -> int:
@@ -277,7 +295,11 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
     blocks = [b for stage in plan.stages_of(pp_rank) for b in stage.blocks]
     shapes = rank_shapes(cfg.model, blocks, tp=plan.layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
+    gathers = None
+    if gather_policy(cfg) is not None:
+        gathers = rank_gathers(cfg, plan.layout, pp_rank, microbatches(cfg),
+                               [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)])[1]
     return step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
                       microbatches=microbatches(cfg),
                       options=options or DpOptions.of(cfg.parallel),
-                      bucket_mb=cfg.parallel.bucket_mb)
+                      bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)

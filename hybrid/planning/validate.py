@@ -19,6 +19,7 @@ from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError, valid_sizes
 from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
 from hybrid.planning.schedules.actions import LOOP
+from hybrid.planning.schedules.gathers import RESHARD_POLICIES
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -120,6 +121,7 @@ def _problem(check, *args) -> str | None:
 
 def _check_names(cfg: Config) -> None:
     _choose("parallel.schedule", cfg.parallel.schedule, schedule_names())
+    _choose("parallel.zero3_reshard", cfg.parallel.zero3_reshard, RESHARD_POLICIES)
     _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
     _choose("train.precision", cfg.train.precision, PRECISIONS)
     _choose("model.recompute", cfg.model.recompute, RECOMPUTE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.state_bytes import rank_shapes
 from hybrid.planning.job import JobPlan
+from hybrid.planning.schedules.gathers import AFTER_STEP
 from hybrid.planning.strategies import DpOptions, DpTime, RankTraffic, reduction_of, sharding_of
 
 
@@ -27,7 +28,8 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
     for r, est in enumerate(plan.memory):
         traffic = RankTraffic(lambda r=r: _shapes(plan, r), dp=width,
                               microbatches=plan.schedule.microbatches,
-                              bucket_mb=cfg.parallel.bucket_mb)
+                              bucket_mb=cfg.parallel.bucket_mb,
+                              gathers=_gathers(plan) if sharding.gathers_params else None)
         timing = DpTime(device=device, link=link, params=est.params, backward=last_backward[r],
                         makespan=makespan, matmul_width=cfg.model.hidden / plan.layout.tp)
         pair = reduction.time(traffic, timing, options, sharding)
@@ -39,3 +41,10 @@ def _shapes(plan: JobPlan, pp_rank: int):
     cfg = plan.cfg
     return rank_shapes(cfg.model, [b for st in plan.stages_of(pp_rank) for b in st.blocks],
                        tp=plan.layout.tp, sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
+
+
+def _gathers(plan: JobPlan) -> list[int]:
+    """ZeRO-3's gathers of each weight a step, in closed form: one (``after_step``), or one
+    per forward and one per backward of each micro-batch (``after_forward``)."""
+    once = DpOptions.of(plan.cfg.parallel).reshard == AFTER_STEP
+    return [1 if once else 2 * plan.schedule.microbatches]

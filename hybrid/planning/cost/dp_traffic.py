@@ -11,6 +11,8 @@ agree every step.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from hybrid.planning.strategies import (
     SCALAR, DpOptions, RankTraffic, all_reduce_bytes, reduction_of, sharding_of,
 )
@@ -19,24 +21,30 @@ Shape = tuple[int, ...]
 
 
 def traffic_of(shapes: list[tuple[Shape, str]], *, dp: int, microbatches: int,
-               bucket_mb: float) -> RankTraffic:
-    return RankTraffic(lambda: shapes, dp=dp, microbatches=microbatches, bucket_mb=bucket_mb)
+               bucket_mb: float, gathers: Optional[list[int]] = None) -> RankTraffic:
+    return RankTraffic(lambda: shapes, dp=dp, microbatches=microbatches, bucket_mb=bucket_mb,
+                       gathers=gathers)
 
 
 def step_bytes(shapes: list[tuple[Shape, str]], *, dp: int, options: DpOptions, step: int,
-               microbatches: int, bucket_mb: float) -> float:
-    """Bytes one rank sends over DP in optimizer step ``step`` (1-based), scalars included."""
+               microbatches: int, bucket_mb: float,
+               gathers: Optional[list[int]] = None) -> float:
+    """Bytes one rank sends over DP in optimizer step ``step`` (1-based), scalars included;
+    ``gathers``: ZeRO-3's gathers per bucket (``hybrid.planning.cost.gathered``)."""
     if dp == 1:
         return 0.0
     scalars = all_reduce_bytes(SCALAR, dp) * (2 if sharding_of(options).shards_optimizer else 1)
     return scalars + gradient_bytes(shapes, dp=dp, options=options, step=step,
-                                    microbatches=microbatches, bucket_mb=bucket_mb)
+                                    microbatches=microbatches, bucket_mb=bucket_mb,
+                                    gathers=gathers)
 
 
 def gradient_bytes(shapes: list[tuple[Shape, str]], *, dp: int, options: DpOptions,
-                   step: int, microbatches: int, bucket_mb: float) -> float:
+                   step: int, microbatches: int, bucket_mb: float,
+                   gathers: Optional[list[int]] = None) -> float:
     """Bytes one rank sends over DP for its gradients (or parameters) in step ``step``."""
-    traffic = traffic_of(shapes, dp=dp, microbatches=microbatches, bucket_mb=bucket_mb)
+    traffic = traffic_of(shapes, dp=dp, microbatches=microbatches, bucket_mb=bucket_mb,
+                         gathers=gathers)
     return reduction_of(options).step_bytes(traffic, options, step, sharding_of(options))
 
 

@@ -128,11 +128,13 @@ class MemoryEstimate:
     activation_bytes: int
     dp_state_bytes: int = 0
     """What a DP option keeps besides (PowerSGD's error feedback, a delayed mean)."""
+    gathered_bytes: int = 0
+    """ZeRO-3: the most whole weights gathered at once during a step (besides the shards)."""
 
     @property
     def total_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + \
-            self.activation_bytes + self.dp_state_bytes
+            self.activation_bytes + self.dp_state_bytes + self.gathered_bytes
 
 
 def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int, zero: int,

@@ -77,18 +77,26 @@ def rank_tensors(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: in
 
 def bucket_sizes(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[int]]:
     """Numels per bucket, as ``GradSync._build_buckets`` groups them."""
+    return [[tensors[i][0] for i in bucket] for bucket in bucket_members(tensors, bucket_mb)]
+
+
+def bucket_members(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[int]]:
+    """The indices into ``tensors`` (registration order) of each bucket's parameters, in
+    bucket order: filled in backward order, closed at ``bucket_mb``, the late ones (summed
+    over another group first) in buckets of their own at the end."""
     limit = int(bucket_mb * MIB)
     late: dict[str, list[int]] = {"tp": [], "embedding": []}
     buckets, current, size = [], [], 0
-    for numel, axis in reversed(tensors):
+    for index in reversed(range(len(tensors))):
+        numel, axis = tensors[index]
         if axis:
-            late[axis].append(numel)
+            late[axis].append(index)
             continue
-        current.append(numel)
+        current.append(index)
         size += numel * FP32
         if size >= limit:
             buckets.append(current)
             current, size = [], 0
     if current:
         buckets.append(current)
-    return buckets + [numels for numels in late.values() if numels]
+    return buckets + [indices for indices in late.values() if indices]

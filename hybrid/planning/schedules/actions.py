@@ -8,7 +8,9 @@ stages ``r`` and ``2*pp - 1 - r``, and the first and last stage share rank 0). W
 ``vpp == 1`` both are the identity.
 
 Text form, as in torch.distributed.pipelining: ``<stage><KIND><micro-batch>``, e.g. ``2F0``,
-``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``. ``Action.parse`` and ``str`` round-trip,
+``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``, and under ZeRO-3 ``0UNSHARD3`` / ``0RESHARD3``
+(gather / release stage 0's weights, for and after micro-batch 3's compute; see ``gathers``).
+``Action.parse`` and ``str`` round-trip,
 and so do ``to_text``/``from_text`` and ``dump_csv``/``load_csv`` for whole schedules.
 """
 
@@ -25,10 +27,12 @@ BACKWARD = "B"  # full backward: input gradient and weight gradient together
 BACKWARD_INPUT = "I"  # input gradient only (zero-bubble split)
 BACKWARD_WEIGHT = "W"  # weight gradient only (zero-bubble split)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+UNSHARD, RESHARD = "UNSHARD", "RESHARD"  # ZeRO-3: gather a stage's weights, release them
 
 COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
-ALL_KINDS = COMPUTE_KINDS + COMM_KINDS
+SHARD_KINDS = (UNSHARD, RESHARD)
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + SHARD_KINDS
 
 # Longest kinds first, so that "SEND_F" is never read as "S" + ...; anchored on both ends.
 _ACTION_PATTERN = re.compile(
@@ -76,6 +80,11 @@ class Action:
     @property
     def is_comm(self) -> bool:
         return self.kind in COMM_KINDS
+
+    @property
+    def is_shard(self) -> bool:
+        """A ZeRO-3 gather or release of the stage's weights (``gathers``)."""
+        return self.kind in SHARD_KINDS
 
     @property
     def is_backward_input(self) -> bool:

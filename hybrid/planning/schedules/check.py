@@ -14,6 +14,7 @@ from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
     LOOP, ScheduleError, stage_rank,
 )
+from hybrid.planning.schedules.gathers import check_gathers, strip_gathers
 from hybrid.planning.schedules.replay import Deadlock, OrderViolation, describe_key, replay
 
 MARK = ">>"
@@ -43,7 +44,8 @@ def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
                    placement: str = LOOP, forward_only: bool = False) -> None:
     """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule.
 
-    Complete: every (stage, mb) has one F and (unless ``forward_only``: evaluation) either one
+    ZeRO-3's gathers and releases, where present, must bracket every compute that needs the
+    weights (``gathers.check_gathers``). Complete: every (stage, mb) has one F and (unless ``forward_only``: evaluation) either one
     B or one I and one W, nothing else,
     each on the rank ``stage_rank(stage, pp, placement)`` gives; lowered lists also carry exactly the SEND/RECV pairs of
     every cross-rank edge. Ordered and deadlock-free: replaying all ranks with the runtime's
@@ -53,6 +55,10 @@ def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
         raise ScheduleError(f"schedule has {len(lists)} rank lists but pp={pp}; "
                             f"give one list per pipeline rank")
     _check_placement(lists, pp, m, vpp, placement)
+    if any(action.is_shard for actions in lists for action in actions):
+        for rank, actions in enumerate(lists):
+            check_gathers(actions, rank)
+        lists = strip_gathers(lists)  # local to each rank: no part in a deadlock
     _check_complete(lists, pp, m, vpp, placement, forward_only)
     try:
         replay(lists, pp, vpp, duration=lambda action: 0, placement=placement)

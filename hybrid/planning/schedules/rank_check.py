@@ -22,6 +22,7 @@ from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, Action,
     ScheduleError, rank_stages,
 )
+from hybrid.planning.schedules.gathers import check_gathers, strip_gathers
 from hybrid.planning.schedules.replay import dependencies, describe_key, result_key
 from hybrid.planning.schedules.lowering import add_communication
 
@@ -78,17 +79,18 @@ def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp
 
 def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
                  ) -> list[tuple[list[Action], Optional[Action]]]:
-    """``(SEND/RECV actions to post as one batch, compute action to run next)`` per step.
+    """``(SEND/RECV actions to post as one batch, action to run next)`` per step: a compute,
+    or a ZeRO-3 gather or release.
 
-    The SEND/RECV actions listed between two compute actions are posted together before the
+    The SEND/RECV actions listed between two such actions are posted together before the
     second; a RECV moves ``recv_lookahead`` compute actions earlier than its consumer (never
     before the first). The last step posts what follows the last compute action.
     """
     steps: list[tuple[list[Action], Optional[Action]]] = [
-        ([], action) for action in actions if action.is_compute] + [([], None)]
+        ([], action) for action in actions if _runs(action)] + [([], None)]
     computes_before = 0
     for action in actions:
-        if action.is_compute:
+        if _runs(action):
             computes_before += 1
             continue
         at = computes_before
@@ -96,6 +98,11 @@ def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
             at = max(at - recv_lookahead, 0)
         steps[at][0].append(action)
     return [(posts, action) for posts, action in steps if posts or action is not None]
+
+
+def _runs(action: Action) -> bool:
+    """Run by the rank itself in list order: computes, and ZeRO-3's gathers and releases."""
+    return action.is_compute or action.is_shard
 
 
 def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int,
@@ -122,6 +129,9 @@ def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank
         if action.mb >= m:
             raise ScheduleError(f"{action} names micro-batch {action.mb} but the step has {m} "
                                 f"micro-batches; build the schedule with m={m}")
+    if any(action.is_shard for action in actions):
+        check_gathers(actions, rank)
+        actions = strip_gathers([list(actions)])[0]
     repeated = [str(a) for a, count in Counter(actions).items() if count > 1]
     if repeated:
         raise ScheduleError(f"rank {rank} runs {', '.join(repeated)} more than once")

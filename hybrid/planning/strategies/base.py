@@ -30,6 +30,8 @@ class DpOptions:
     sync_every: int = 1
     sync_moments: bool = False
     delay: int = 0
+    reshard: str = "after_forward"
+    """ZeRO-3's release policy (``hybrid.planning.schedules.gathers``)."""
 
     @classmethod
     def of(cls, parallel) -> "DpOptions":
@@ -37,11 +39,11 @@ class DpOptions:
                    powersgd_rank=parallel.powersgd_rank,
                    powersgd_warmup=parallel.powersgd_warmup,
                    sync_every=parallel.dp_sync_every, sync_moments=parallel.dp_sync_moments,
-                   delay=parallel.dp_delay)
+                   delay=parallel.dp_delay, reshard=parallel.zero3_reshard)
 
     def uncompressed(self) -> "DpOptions":
         """The exact options with the same ZeRO stage (what the bytes are compared with)."""
-        return DpOptions(zero=self.zero)
+        return DpOptions(zero=self.zero, reshard=self.reshard)
 
     def compressing(self, step: int) -> bool:
         """Whether step ``step`` (1-based) runs PowerSGD (after its exact warm-up steps)."""
@@ -69,6 +71,14 @@ class RankTraffic:
     dp: int
     microbatches: int
     bucket_mb: float
+    gathers: Optional[list[int]] = None
+    """ZeRO-3: how often each bucket is gathered in a step (the schedule's UNSHARDs)."""
+
+    def mean_gathers(self) -> float:
+        """Gathers of the rank's weights a step (1 when not given)."""
+        if not self.gathers:
+            return 1.0
+        return sum(self.gathers) / len(self.gathers)
 
     @functools.cached_property
     def shapes(self) -> list[tuple[Shape, str]]:
@@ -121,6 +131,8 @@ class ShardingSpec:
     """The runtime class (``hybrid.dp``), or its dotted ``module:Class`` name."""
     shards_optimizer = False
     shards_gradients = False
+    gathers_params = False
+    """ZeRO-3: weights gathered per use (the schedule gets UNSHARD/RESHARD actions)."""
     searched = False
     """Tried by the layout search."""
     doc = ""

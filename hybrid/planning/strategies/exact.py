@@ -11,7 +11,7 @@ from hybrid.planning.strategies.registry import register_reduction
 
 class Exact(ReductionSpec):
     name, runtime = "exact", "hybrid.dp.reduce:ExactMean"
-    exact, grad_width, shardings = True, FP32, (0, 1, 2)
+    exact, grad_width, shardings = True, FP32, (0, 1, 2, 3)
     doc = "the fp32 mean of every step's gradients (the 1-process model's)"
 
 

@@ -8,6 +8,11 @@
 - 2 (ZeRO-2, gradients sharded too): as DeepSpeed's stage 2 under gradient accumulation,
   each micro-batch's gradients are reduce-scattered as they are made and only the shard is
   kept; the buckets kept out of the overlap (partial sums over another group) once per step.
+- 3 (ZeRO-3, weights sharded too): ZeRO-2's gradients, and between uses only the shard of each
+  bucket's weights; a stage's buckets are all-gathered before the computes that need them and
+  released after, as the schedule's UNSHARD/RESHARD actions say
+  (``hybrid.planning.schedules.gathers``; ``parallel.zero3_reshard``). No gather follows the
+  optimizer step: the next step's first UNSHARD gathers the updated shards.
 
 Runtimes: ``hybrid.dp.sharding``.
 """
@@ -58,10 +63,15 @@ class Zero1(ShardingSpec):
         for bucket in bucket_sizes(tensors, bucket_mb):
             padded = -(-sum(bucket) // dp) * dp
             shard = padded // dp
-            params += FP32 * padded
+            params += self._param_bytes(padded, shard)
             grads += self._grad_bytes(padded, shard, dp)
             optimizer += _shard_optimizer_bytes(bucket, dp_rank * shard, (dp_rank + 1) * shard)
         return StateBytes(params, grads, optimizer)
+
+    @staticmethod
+    def _param_bytes(padded: int, shard: int) -> int:
+        """The bucket's flat parameters, whole (the model's parameters are views of them)."""
+        return FP32 * padded
 
     @staticmethod
     def _grad_bytes(padded: int, shard: int, dp: int) -> int:
@@ -75,12 +85,17 @@ class Zero1(ShardingSpec):
         """How often bucket ``bucket`` is reduce-scattered in a step."""
         return 1
 
+    def gathers_per_step(self, traffic: RankTraffic, bucket: int) -> int:
+        """How often bucket ``bucket``'s parameters are all-gathered in a step."""
+        return 1
+
     def gradient_bytes(self, traffic, width):
         dp = traffic.dp
         padded = [-(-n // dp) * dp for n in traffic.numels()]
         scatters = sum(scatter_bytes(width * n, dp) * self.scatters_per_step(traffic, i)
                        for i, n in enumerate(padded))
-        return scatters + sum(scatter_bytes(FP32 * n, dp) for n in padded)  # + the gather
+        return scatters + sum(scatter_bytes(FP32 * n, dp) * self.gathers_per_step(traffic, i)
+                              for i, n in enumerate(padded))
 
     def time(self, traffic, timing, width):
         dp, link, device = traffic.dp, timing.link, timing.device
@@ -123,6 +138,42 @@ class Zero2(Zero1):
         return m * scatter + gather, m * max(0.0, scatter - timing.backward) + gather
 
 
+class Zero3(Zero2):
+    stage, name, runtime = 3, "zero-3", "hybrid.dp.sharding:Zero3"
+    gathers_params = True
+    searched = True
+    doc = ("weights sharded too: a stage's gathered before the computes that need them and "
+           "released after (parallel.zero3_reshard)")
+
+    @staticmethod
+    def _param_bytes(padded, shard):
+        return FP32 * shard  # the shard's own buffer; the whole is gathered only while used
+
+    def closed_form_state(self, params, dp):
+        return StateBytes(FP32 * params // dp, FP32 * params // dp, 2 * FP32 * params // dp)
+
+    def gathers_per_step(self, traffic, bucket):
+        # the schedule's UNSHARD actions (``RankTraffic.gathers``)
+        return 1 if traffic.gathers is None else traffic.gathers[bucket]
+
+    def time(self, traffic, timing, width):
+        dp, link, device = traffic.dp, timing.link, timing.device
+        grads = width * timing.params
+        buckets = timing.buckets(grads)
+        scatter = ring_gather(grads, dp, link, buckets) * device.reduce_scatter_factor
+        gather = ring_gather(FP32 * timing.params, dp, link, buckets) * device.all_gather_factor
+        m = traffic.microbatches
+        uses = traffic.mean_gathers()
+        # A gather is priced as not hidden: the prefetch overlaps one only where the previous
+        # compute is another stage's, which the closed form does not know.
+        return (m * scatter + uses * gather,
+                m * max(0.0, scatter - timing.backward) + uses * gather)
+
+    def choices(self):
+        return [(f"zero=3 {policy}", {"zero": 3, "zero3_reshard": policy})
+                for policy in ("after_forward", "after_step")]
+
+
 def _shard_optimizer_bytes(bucket: list[int], start: int, end: int) -> int:
     """AdamW's two moments and a step count for each parameter slice in ``[start, end)``."""
     optimizer, offset = 0, 0
@@ -137,3 +188,4 @@ def _shard_optimizer_bytes(bucket: list[int], start: int, end: int) -> int:
 REPLICATED = register_sharding(Replicated())
 ZERO_1 = register_sharding(Zero1())
 ZERO_2 = register_sharding(Zero2())
+ZERO_3 = register_sharding(Zero3())

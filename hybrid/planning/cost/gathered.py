@@ -1,0 +1,80 @@
+"""ZeRO-3's gathered weights (pure; no torch): the most bytes of whole weights a rank holds at
+once during a step, and how often each of its buckets is gathered, from the schedule's
+``UNSHARD``/``RESHARD`` actions (``hybrid.planning.schedules.gathers``) walked over the same
+buckets ``hybrid.dp`` builds. The trainer counts both and ``memory_check.json`` and the
+end-to-end tests hold them equal.
+
+The closed form (searches) does not walk: ``after_step`` holds every stage of the rank at
+once; ``after_forward`` one stage at a time, two while the next one's gather is prefetched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from hybrid.planning.config import Config
+from hybrid.planning.cost.state_bytes import FP32, bucket_members
+from hybrid.planning.layout import Layout
+from hybrid.planning.params import TIED_HEAD_ALIAS, block_param_specs
+from hybrid.planning.schedules import build_schedule
+from hybrid.planning.schedules.gathers import AFTER_STEP, add_gathers, walk_gathers
+from hybrid.planning.strategies import DpOptions, sharding_of
+
+
+def gather_policy(cfg: Config) -> Optional[str]:
+    """``parallel.zero3_reshard`` when the sharding gathers weights per use, else None."""
+    options = DpOptions.of(cfg.parallel)
+    return options.reshard if sharding_of(options).gathers_params else None
+
+
+def rank_gathers(cfg: Config, layout: Layout, pp_rank: int, m: int,
+                 stages: list[tuple[int, list[int]]]) -> tuple[int, list[int]]:
+    """(peak gathered bytes, gathers per bucket) of pipeline rank ``pp_rank`` in one step of
+    ``m`` micro-batches; ``stages``: (stage, blocks) of the stages it holds, by chunk."""
+    policy = gather_policy(cfg)
+    assert policy is not None, "only ZeRO-3 gathers weights"
+    tensors = _tensor_stages(cfg, layout, stages)
+    members = bucket_members([(numel, late) for numel, late, _ in tensors],
+                             cfg.parallel.bucket_mb)
+    d = layout.role_size("sharding")
+    sizes = [FP32 * -(-sum(tensors[i][0] for i in bucket) // d) * d for bucket in members]
+    by_stage = {stage: frozenset(b for b, bucket in enumerate(members)
+                                 if any(stage in tensors[i][2] for i in bucket))
+                for stage, _ in stages}
+    vpp = layout.vpp
+    actions = add_gathers(build_schedule(cfg.parallel.schedule, layout.pp, m, vpp=vpp),
+                          policy)[pp_rank]
+    return walk_gathers(actions, by_stage, sizes)
+
+
+def closed_form_gathered(chunk_params: list[int], policy: str) -> int:
+    """The walk's peak without buckets: every chunk at once (``after_step``), else the two
+    largest (one computing while the next is gathered), or the one chunk."""
+    if policy == AFTER_STEP:
+        return FP32 * sum(chunk_params)
+    return FP32 * sum(sorted(chunk_params, reverse=True)[:2])
+
+
+def _tensor_stages(cfg: Config, layout: Layout, stages: list[tuple[int, list[int]]]
+                   ) -> list[tuple[int, str, set[int]]]:
+    """(numel, late bucket or "", stages using it) of the rank's distinct parameters in
+    registration order (``state_bytes.rank_shapes``' order): a tied head on the rank that
+    holds the embedding uses the embedding's own weight, so both its stages use that."""
+    m, tp, pp = cfg.model, layout.tp, layout.pp
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    held = {b for _, blocks in stages for b in blocks}
+    shared_head = m.tie_embeddings and 0 in held and m.layers + 1 in held
+    out: list[tuple[int, str, set[int]]] = []
+    index_of: dict[str, int] = {}
+    for stage, blocks in stages:
+        for block in blocks:
+            for local, spec in block_param_specs(m, block, sequence_parallel=sp).items():
+                if shared_head and block == m.layers + 1 and local == TIED_HEAD_ALIAS:
+                    out[index_of[spec.name]][2].add(stage)
+                    continue
+                late = "tp" if spec.sequence_partial and tp > 1 else (
+                    "embedding" if spec.tied and pp > 1 else "")
+                index_of[spec.name] = len(out)
+                out.append((math.prod(spec.local_shape(tp)), late, {stage}))
+    return out
