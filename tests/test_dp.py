@@ -246,7 +246,7 @@ def _misuse(rank, world):
         except error as exc:
             errors[key] = str(exc)
 
-    expect("zero", DataParallelConfigError, lambda: GradSync(Toy(), groups, OPTIM, zero=3))
+    expect("zero", DataParallelConfigError, lambda: GradSync(Toy(), groups, OPTIM, zero=4))
     expect("bucket", DataParallelConfigError, lambda: GradSync(Toy(), groups, OPTIM, bucket_mb=0))
     expect("bf16", DataParallelConfigError,
            lambda: GradSync(Toy().to(torch.bfloat16), groups, OPTIM))
@@ -268,7 +268,7 @@ def _misuse(rank, world):
 
 def test_misuse_fails_with_one_actionable_line():
     errors = spawn(_misuse, 1)[0]
-    assert "parallel.zero=3" in errors["zero"]
+    assert "parallel.zero=4" in errors["zero"]
     assert "parallel.bucket_mb=0" in errors["bucket"]
     assert "train.precision=bf16" in errors["bf16"]
     assert "num_microbatches=0" in errors["count"]

@@ -99,7 +99,12 @@ def test_dp_options_pay_where_the_network_is_slow():
     assert slow["sync_every 8"]["step_time_s"] < slow["sync_every 2"]["step_time_s"]
     assert slow["zero=2"]["mem_bytes_per_rank"] < slow["zero=1"]["mem_bytes_per_rank"] \
         < exact["mem_bytes_per_rank"] < slow["powersgd r4"]["mem_bytes_per_rank"]
-    assert [r["option"] for r in slow.values() if r["exact"]] == ["exact", "zero=1", "zero=2"]
+    assert [r["option"] for r in slow.values() if r["exact"]] == [
+        "exact", "zero=1", "zero=2", "zero=3 after_forward", "zero=3 after_step"]
+    # ZeRO-3 gathers the weights once per use (2m a step), or once a step: as many bytes as
+    # ZeRO-2's gather after the optimizer step
+    assert slow["zero=3 after_forward"]["dp_bytes_per_step"] \
+        > slow["zero=3 after_step"]["dp_bytes_per_step"] == slow["zero=2"]["dp_bytes_per_step"]
     cfg.parallel.dp, cfg.train.global_batch = 8, 32  # one node
     inside = {r["option"]: r for r in compare_dp_options(cfg, PRESETS["h100-80gb"])}
     def saved(rows):  # the share of the exact step that PowerSGD r1 saves
@@ -112,7 +117,7 @@ def test_dp_options_pay_where_the_network_is_slow():
     assert done.returncode == 0, done.stderr
     table = done.stdout.split("data-parallel options on this layout")[1].splitlines()
     assert [line.split()[0] for line in table[2:]] == [
-        "exact", "zero=1", "zero=2", "bf16", "powersgd", "powersgd", "powersgd", "sync_every",
+        "exact", "zero=1", "zero=2", "zero=3", "zero=3", "bf16", "powersgd", "powersgd", "powersgd", "sync_every",
         "sync_every", "sync_every", "delay"]
 
 

@@ -25,7 +25,7 @@ BAD = [
       "train.global_batch=12"], "to be a multiple of parallel.pp=2"),
     (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown"),
     (["parallel.order=tp-pp-xx"], "parallel.order='tp-pp-xx' is not a permutation"),
-    (["parallel.zero=3"], "parallel.zero=3 is unknown"),
+    (["parallel.zero=4"], "parallel.zero=4 is unknown"),
     (["model.vocab_pad_multiple=1", "model.vocab=255"], "does not divide the padded vocabulary"),
     (["launcher.nproc_per_node=4"], "but the launcher starts 4 processes"),
     (["data=tokens", "data.path=/nonexistent/tokens.bin"], "/nonexistent/tokens.bin"),

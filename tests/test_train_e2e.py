@@ -33,9 +33,22 @@ LAYOUTS = {
     "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.partition=measured"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
-    # ZeRO-2 staging under zero-bubble's deferred weight gradients
-    "dp2-pp2-zb-h1-zero2": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
-                            "parallel.schedule=zb-h1", "parallel.zero=2"],
+    # ZeRO-3 (ZeRO-2's staging, and the weights gathered per stage) under zero-bubble's
+    # deferred weight gradients; plain, under 1F1B on 2x2x2, and interleaved with each policy
+    "dp2-pp2-zb-h1-zero3": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
+                            "parallel.schedule=zb-h1", "parallel.zero=3"],
+    "dp2-zero3": ["parallel=single", "parallel.dp=2", "parallel.zero=3",
+                  "parallel.bucket_mb=0.02"],
+    "dp4-zero3": ["parallel=single", "parallel.dp=4", "parallel.zero=3",
+                  "parallel.bucket_mb=0.02", "parallel.zero3_reshard=after_step"],
+    "2x2x2-1f1b-zero3": ["parallel.zero=3", "parallel.bucket_mb=0.02"],
+    "dp2-pp2-interleaved-zero3-after_forward": [
+        "parallel=single", "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2",
+        "parallel.schedule=interleaved-1f1b", "parallel.zero=3", "parallel.bucket_mb=0.02"],
+    "dp2-pp2-interleaved-zero3-after_step": [
+        "parallel=single", "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2",
+        "parallel.schedule=interleaved-1f1b", "parallel.zero=3", "parallel.bucket_mb=0.02",
+        "parallel.zero3_reshard=after_step"],
     # V placement: rank 0 holds the first and the last stage, so the tied head shares the
     # embedding's weight there and the loss is computed on rank 0.
     "pp2-zb-v-tied": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
@@ -67,9 +80,11 @@ def assert_same_losses(losses: list[float], reference: list[float]) -> None:
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
-def assert_zero2_holds_one_dp_share(run_dir: Path) -> None:
+def assert_holds_one_dp_share(run_dir: Path) -> dict[int, int]:
     """ZeRO-2: each rank's counted gradient and optimizer bytes are 1/d of what the same
-    layout holds with zero=0 (up to bucket padding and AdamW's 4-byte step counts)."""
+    layout holds with zero=0 (up to bucket padding and AdamW's 4-byte step counts); ZeRO-3:
+    its weights too. Returns ZeRO-3's gathered peak per pipeline rank (``checked_records``
+    has held it equal to the prediction)."""
     from dataclasses import replace
 
     from hybrid.planning.job import plan_job, rank_state_bytes
@@ -77,12 +92,16 @@ def assert_zero2_holds_one_dp_share(run_dir: Path) -> None:
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     unsharded = replace(cfg, parallel=replace(cfg.parallel, zero=0))
     plan = plan_job(unsharded)
+    kinds = ["grad_bytes", "optimizer_bytes"] + ["param_bytes"] * (cfg.parallel.zero == 3)
+    gathered = {}
     for rank in json.loads((run_dir / "memory_check.json").read_text())["ranks"]:
         blocks = [b for st in plan.stages_of(rank["pp"]) for b in st.blocks]
-        whole = rank_state_bytes(unsharded, plan.layout, blocks, dp_rank=rank["dp"])
-        held = rank["counted"]["grad_bytes"] + rank["counted"]["optimizer_bytes"]
-        assert held == pytest.approx((whole.grad_bytes + whole.optimizer_bytes)
-                                     / plan.layout.dp, rel=0.01), rank
+        whole = rank_state_bytes(unsharded, plan.layout, blocks, dp_rank=rank["dp"]).to_dict()
+        held = sum(rank["counted"][kind] for kind in kinds)
+        assert held == pytest.approx(sum(whole[kind] for kind in kinds) / plan.layout.dp,
+                                     rel=0.01), rank
+        gathered[rank["pp"]] = rank["gathered_peak_bytes"]
+    return gathered
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -91,8 +110,9 @@ def test_losses_equal_the_1_process_run(name, reference, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses_of(tmp_path), reference["tied" if TIED[0] in LAYOUTS[name]
                                                       else "untied"])
-    if "zero2" in name:
-        assert_zero2_holds_one_dp_share(tmp_path)
+    if "zero2" in name or "zero3" in name:
+        gathered = assert_holds_one_dp_share(tmp_path)
+        assert ("zero3" in name) == (min(gathered.values()) > 0)
     assert "run directory: " + str(tmp_path) in done.stdout
     assert "straggler" not in done.stderr  # an undisturbed run names no slow rank
     if "parallel.partition=measured" in LAYOUTS[name]:

@@ -58,7 +58,7 @@ BAD = [
                                          "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v"),
     ({"parallel": {"order": "tp-pp"}}, "parallel.order='tp-pp' is not a permutation"),
     ({"parallel": {"dp": 0}}, "parallel.dp=0 must be an integer >= 1"),
-    ({"parallel": {"zero": 3}}, "parallel.zero=3 is unknown; choose one of 0, 1, 2"),
+    ({"parallel": {"zero": 4}}, "parallel.zero=4 is unknown; choose one of 0, 1, 2, 3"),
     ({"parallel": {"sequence_parallel": True}, "model": {"seq_len": 33}},
      "parallel.sequence_parallel=true needs model.seq_len=33 divisible by parallel.tp=2"),
     ({"train": {"precision": "fp16"}}, "train.precision='fp16' is unknown"),

@@ -295,11 +295,12 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
     blocks = [b for stage in plan.stages_of(pp_rank) for b in stage.blocks]
     shapes = rank_shapes(cfg.model, blocks, tp=plan.layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
+    options = options or DpOptions.of(cfg.parallel)
     gathers = None
-    if gather_policy(cfg) is not None:
+    if sharding_of(options).gathers_params:
         gathers = rank_gathers(cfg, plan.layout, pp_rank, microbatches(cfg),
-                               [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)])[1]
+                               [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)],
+                               policy=options.reshard)[1]
     return step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
-                      microbatches=microbatches(cfg),
-                      options=options or DpOptions.of(cfg.parallel),
+                      microbatches=microbatches(cfg), options=options,
                       bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)

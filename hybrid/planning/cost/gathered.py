@@ -29,10 +29,12 @@ def gather_policy(cfg: Config) -> Optional[str]:
 
 
 def rank_gathers(cfg: Config, layout: Layout, pp_rank: int, m: int,
-                 stages: list[tuple[int, list[int]]]) -> tuple[int, list[int]]:
+                 stages: list[tuple[int, list[int]]],
+                 policy: Optional[str] = None) -> tuple[int, list[int]]:
     """(peak gathered bytes, gathers per bucket) of pipeline rank ``pp_rank`` in one step of
-    ``m`` micro-batches; ``stages``: (stage, blocks) of the stages it holds, by chunk."""
-    policy = gather_policy(cfg)
+    ``m`` micro-batches; ``stages``: (stage, blocks) of the stages it holds, by chunk;
+    ``policy``: the release policy (default: the config's, which must be ZeRO-3's)."""
+    policy = policy or gather_policy(cfg)
     assert policy is not None, "only ZeRO-3 gathers weights"
     tensors = _tensor_stages(cfg, layout, stages)
     members = bucket_members([(numel, late) for numel, late, _ in tensors],

@@ -141,7 +141,9 @@ class Zero2(Zero1):
 class Zero3(Zero2):
     stage, name, runtime = 3, "zero-3", "hybrid.dp.sharding:Zero3"
     gathers_params = True
-    searched = True
+    searched = False
+    """Not yet: a stage is gathered whole, so on a rank of one or two chunks the gathered
+    weights outweigh what sharding them saves (``docs/data-parallel.md``)."""
     doc = ("weights sharded too: a stage's gathered before the computes that need them and "
            "released after (parallel.zero3_reshard)")
 
