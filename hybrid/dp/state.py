@@ -62,9 +62,10 @@ def _gathered_moment(sync, shard, key: str) -> torch.Tensor:
     """One moment of a whole ZeRO bucket as a flat tensor: every DP rank's shard gathered."""
     bucket = shard.bucket
     local = torch.zeros(shard.end - shard.start, dtype=torch.float32, device=bucket.grad.device)
+    slots = {id(param): slot for slot, param in enumerate(bucket.params)}
     for piece in sync.pieces_by_bucket[bucket.index]:
-        # a ZeRO piece is a view of the bucket's flat parameters: its place is its offset
-        start = piece.tensor.storage_offset() - bucket.data.storage_offset() - shard.start
+        # a piece's place in the shard: its parameter's in the bucket, plus its offset
+        start = bucket.span(slots[id(piece.param)])[0] + piece.offset - shard.start
         local[start:start + piece.tensor.numel()] = sync.optimizer.state[piece.tensor][key]
     if sync.dp_size == 1:
         return local

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from hybrid.planning.schedules.gathers import strip_gathers
 from hybrid.planning.schedules.actions import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
     LOOP, stage_rank,
@@ -115,8 +116,11 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
     """Run every rank as far as it can, repeatedly, until all finish or all wait.
 
     Returns the timed actions, per rank in list order. A RECV starts when its rank reaches it
-    and ends when the data arrives, so its length is the time spent waiting.
+    and ends when the data arrives, so its length is the time spent waiting. ZeRO-3's gathers
+    and releases are left out (local to a rank, they wait on no other; the cost model prices
+    their time).
     """
+    lists = strip_gathers(lists)
     n_stages = pp * vpp
     lowered = any(action.is_comm for actions in lists for action in actions)
     finished: dict[ResultKey, float] = {}
