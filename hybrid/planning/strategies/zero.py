@@ -97,13 +97,22 @@ class Zero1(ShardingSpec):
         return scatters + sum(scatter_bytes(FP32 * n, dp) * self.gathers_per_step(traffic, i)
                               for i, n in enumerate(padded))
 
+    def collectives_per_step(self, traffic: RankTraffic) -> tuple[float, float]:
+        """(reduce-scatters of the gradients, all-gathers of the weights) a step."""
+        return 1, 1
+
     def time(self, traffic, timing, width):
         dp, link, device = traffic.dp, timing.link, timing.device
         grads = width * timing.params
         buckets = timing.buckets(grads)
         scatter = ring_gather(grads, dp, link, buckets) * device.reduce_scatter_factor
         gather = ring_gather(FP32 * timing.params, dp, link, buckets) * device.all_gather_factor
-        return scatter + gather, max(0.0, scatter - timing.backward) + gather
+        scatters, gathers = self.collectives_per_step(traffic)
+        # What the backward does not hide: each reduce-scatter's excess over one micro-batch's
+        # backward, and every gather (ZeRO-3's prefetch overlaps one only where the previous
+        # compute is another stage's, which the closed form does not know).
+        return (scatters * scatter + gathers * gather,
+                scatters * max(0.0, scatter - timing.backward) + gathers * gather)
 
     def choices(self):
         return [(f"zero={self.stage}", {"zero": self.stage})]
@@ -128,14 +137,8 @@ class Zero2(Zero1):
         # group first) once per step
         return traffic.microbatches if bucket < traffic.overlapped() else 1
 
-    def time(self, traffic, timing, width):
-        dp, link, device = traffic.dp, timing.link, timing.device
-        grads = width * timing.params
-        buckets = timing.buckets(grads)
-        scatter = ring_gather(grads, dp, link, buckets) * device.reduce_scatter_factor
-        gather = ring_gather(FP32 * timing.params, dp, link, buckets) * device.all_gather_factor
-        m = traffic.microbatches
-        return m * scatter + gather, m * max(0.0, scatter - timing.backward) + gather
+    def collectives_per_step(self, traffic):
+        return traffic.microbatches, 1
 
 
 class Zero3(Zero2):
@@ -158,18 +161,8 @@ class Zero3(Zero2):
         # the schedule's UNSHARD actions (``RankTraffic.gathers``)
         return 1 if traffic.gathers is None else traffic.gathers[bucket]
 
-    def time(self, traffic, timing, width):
-        dp, link, device = traffic.dp, timing.link, timing.device
-        grads = width * timing.params
-        buckets = timing.buckets(grads)
-        scatter = ring_gather(grads, dp, link, buckets) * device.reduce_scatter_factor
-        gather = ring_gather(FP32 * timing.params, dp, link, buckets) * device.all_gather_factor
-        m = traffic.microbatches
-        uses = traffic.mean_gathers()
-        # A gather is priced as not hidden: the prefetch overlaps one only where the previous
-        # compute is another stage's, which the closed form does not know.
-        return (m * scatter + uses * gather,
-                m * max(0.0, scatter - timing.backward) + uses * gather)
+    def collectives_per_step(self, traffic):
+        return traffic.microbatches, traffic.mean_gathers()
 
     def choices(self):
         return [(f"zero=3 {policy}", {"zero": 3, "zero3_reshard": policy})
