@@ -6,20 +6,19 @@
 Both sides train the same GPT (``hybrid.model.GPT``, tp=pp=1, same seed) on the same batches
 with the same AdamW, LR schedule and clipping, over ``--ranks`` gloo processes:
 
-- hybrid: ``GradSync(zero=3)``: each rank keeps its shard of every bucket; the model (one
-  stage) is gathered before each micro-batch's forward and again before its backward, and
-  released after each (``parallel.zero3_reshard=after_forward``: the schedule's actions at
-  pp=1); gradients reduce-scattered per micro-batch (ZeRO-2's staging);
+- hybrid: ``GradSync(zero=3)`` with 4 MiB buckets (``--bucket-mb``; a block is 12 MiB of
+  fp32 weights): each rank keeps its shard of every bucket; inside each micro-batch's forward
+  and backward each block is gathered, with the next one behind it, and released after
+  (``parallel.zero3_reshard=after_forward``; the stage's UNSHARD/RESHARD actions at pp=1 are
+  the calls around them); gradients reduce-scattered per micro-batch (ZeRO-2's staging);
 - torch: ``fully_shard`` on every block and on the root, ``reshard_after_forward=True``, with
   gradient sync on the last micro-batch only (``set_requires_gradient_sync``), then
   ``clip_grad_norm_`` and AdamW on the DTensor shards.
 
 Each side runs in processes of its own (so that each one's peak memory is its own): per side
 the median step wall time (slowest rank, first step a warm-up) and the peak resident memory of
-the ranks' processes beyond what they held before building the model (``ru_maxrss``). hybrid's
-unit of gathering is the stage, so at pp=1 it holds the whole model gathered while it computes,
-where FSDP2 holds one block or two: the memory line shows what that costs. The last line is
-``ratio=<hybrid/FSDP2 median step time>`` at ``--ranks 2``.
+the ranks' processes beyond what they held before building the model (``ru_maxrss``). The last
+line is ``ratio=<hybrid/FSDP2 median step time>`` at ``--ranks 2``.
 """
 
 from __future__ import annotations
@@ -146,7 +145,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-mb", type=float, default=4.0)
     args = parser.parse_args()
     ratio = None
     for ranks in args.ranks:

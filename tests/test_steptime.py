@@ -121,7 +121,7 @@ def test_dp_options_pay_where_the_network_is_slow():
         "sync_every", "sync_every", "delay"]
 
 
-@pytest.mark.slow  # 6,300 layouts since ZeRO-2 is searched (4 s)
+@pytest.mark.slow  # 8,400 layouts since ZeRO-2 and ZeRO-3 are searched (5 s)
 def test_search_of_gpt3_175b_on_1024_a100s_picks_what_megatron_runs():
     """Narayanan et al. 2021 ran 175B on 1024 A100s at tp 8, pp 8 (interleaved) and 140
     TFLOP/s per GPU; the search must keep TP inside a node, pipeline the model, fit it, and

@@ -51,7 +51,7 @@ BAD = [
     (["checkpoint.every=-5"], "checkpoint.every=-5 must be a finite number >= 0"),
     (["data=synthetic", "data.samples=0"], "data.samples=0 must be an integer >= 1"),
     (["model=gpt2-350m", "parallel.dp=4", "parallel.tp=2", "parallel.pp=1",
-      "train.global_batch=16"], "model.recompute=full parallel.zero=1 would need"),
+      "train.global_batch=16"], "parallel.zero=3 train.precision=bf16 would need"),
     (["launcher.nnodes=2"], "launcher=local runs one node, not launcher.nnodes=2; use "
                             "launcher=torchrun on each node"),
     (["launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=2",

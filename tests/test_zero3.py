@@ -72,24 +72,30 @@ def test_weight_gradients_need_the_weights_only_where_the_whole_backward_waits()
     assert not needs_weights(Action(1, "SEND_F", 0))
 
 
-def test_the_next_stage_is_gathered_behind_the_current_compute():
-    lists, _ = _gathered("interleaved-1f1b", 2, AFTER_FORWARD)
-    actions = [a for a in lists[0] if a.is_compute or a.is_shard]
-    prefetched = [i for i, a in enumerate(actions[:-1])
-                  if a.kind == UNSHARD and actions[i + 1].is_compute
-                  and actions[i + 1].stage != a.stage]
-    assert prefetched, lists[0]
+def test_a_compute_gathers_one_block_and_the_next_one_behind_it():
+    """Three blocks in buckets of their own (1, 10, 100 bytes) on stage 1: a forward and a
+    backward gather each block once under after_forward, never more than two at once; under
+    after_step each block once a step, all three held."""
+    units = {1: [frozenset({0}), frozenset({1}), frozenset({2})]}
+    actions = [Action(1, UNSHARD, 0), Action(1, "F", 0), Action(1, RESHARD, 0),
+               Action(1, UNSHARD, 0), Action(1, "B", 0), Action(1, RESHARD, 0)]
+    assert walk_gathers(actions, units, [1, 10, 100], AFTER_FORWARD) == (110, [2, 2, 2])
+    once = [Action(1, UNSHARD, 0), Action(1, "F", 0), Action(1, "B", 0), Action(1, RESHARD, 0)]
+    assert walk_gathers(once, units, [1, 10, 100], AFTER_STEP) == (111, [1, 1, 1])
     assert str(Action.parse("2UNSHARD3")) == "2UNSHARD3"
 
 
-def test_the_walk_counts_shared_buckets_once_and_frees_them_with_their_last_stage():
+def test_a_bucket_two_stages_use_is_gathered_once_and_freed_with_the_last():
+    """Stage 0's one block and stage 2's one block share bucket 1 (it straddles the chunks);
+    stage 0's backward keeps its first block (no input gradient frees it) until RESHARD."""
+    units = {0: [frozenset({0, 1})], 2: [frozenset({1, 2})]}
     actions = [Action(0, UNSHARD, 0), Action(2, UNSHARD, 0), Action(0, "F", 0),
-               Action(0, RESHARD, 0), Action(2, "F", 0), Action(2, RESHARD, 0),
-               Action(0, UNSHARD, 1), Action(0, "F", 1), Action(0, RESHARD, 1)]
-    stages = {0: frozenset({0, 1}), 2: frozenset({1, 2})}  # bucket 1 straddles the chunks
-    peak, gathers = walk_gathers(actions, stages, [100, 10, 1000])
-    # bucket 1 is gathered once for both stages, freed with stage 2, gathered again for 0F1
-    assert peak == 1110 and gathers == [2, 2, 1]
+               Action(2, "F", 0), Action(2, RESHARD, 0), Action(0, "B", 0),
+               Action(0, RESHARD, 0)]
+    peak, gathers = walk_gathers(actions, units, [100, 10, 1000], AFTER_STEP)
+    assert peak == 1110 and gathers == [1, 1, 1]
+    peak, gathers = walk_gathers(actions, units, [100, 10, 1000], AFTER_FORWARD)
+    assert peak == 1010 and gathers == [2, 3, 1]
 
 
 def _cfg(policy: str, **parallel) -> Config:
@@ -102,11 +108,10 @@ def _cfg(policy: str, **parallel) -> Config:
 
 
 def test_after_step_holds_more_and_gathers_less_than_after_forward():
-    """With four chunks a rank, after_forward holds two at a time (one computing, the next
-    gathering); after_step all four. (With two chunks the prefetch holds both: the same.)"""
+    """after_forward holds a block and the next one; after_step every block of the rank."""
     walks = {}
     for policy in (AFTER_FORWARD, AFTER_STEP):
-        plan = plan_job(_cfg(policy, vpp=4))
+        plan = plan_job(_cfg(policy))
         stages = [(st.index, list(st.blocks)) for st in plan.stages_of(0)]
         walks[policy] = rank_gathers(plan.cfg, plan.layout, 0, plan.schedule.microbatches,
                                      stages)
@@ -122,3 +127,35 @@ def test_zero3_settings_are_checked_before_launch_in_one_line():
     with pytest.raises(LayoutError, match="parallel.zero=3 runs with exact reduction only, "
                                           "not parallel.dp_compress=bf16"):
         validate_config(_cfg(AFTER_FORWARD, dp_compress="bf16"))
+
+
+def test_the_search_picks_zero3_where_only_it_fits():
+    """On a device too small for any layout at ZeRO 0-2, the search's answers are ZeRO-3's
+    (and where ZeRO-2 fits, the search does not try ZeRO-3: it is never faster)."""
+    from dataclasses import replace
+
+    from hybrid.planning.cost.devices import PRESETS
+    from hybrid.planning.cost.search import LOWER_STAGE_FITS, candidates, search
+
+    # One layer and one head leave no pipeline nor tensor split: 8 devices are 8 replicas,
+    # and the two vocabulary matrices are most of the weights.
+    cfg = Config(model=ModelConfig(layers=1, hidden=256, heads=1, seq_len=64, vocab=32768),
+                 train=TrainConfig(global_batch=32, micro_batch=1, precision="bf16"))
+    least: dict[int, int] = {}
+    for candidate in candidates(cfg, 8):
+        try:
+            plan = plan_job(candidate, simulated=False)
+        except LayoutError:
+            continue
+        need = max(est.total_bytes for est in plan.memory)
+        zero = candidate.parallel.zero
+        least[zero] = min(least.get(zero, need), need)
+    below = min(least[zero] for zero in (0, 1, 2))
+    assert least[3] < below
+    small = replace(PRESETS["a100-80gb"], memory_bytes=(least[3] + below) // 2)
+    found = search(cfg, 8, small, top=3)
+    assert found["candidates"]
+    assert {c["settings"]["zero"] for c in found["candidates"]} == {3}
+    roomy = search(cfg, 8, PRESETS["a100-80gb"], top=3)
+    assert roomy["rejected"][LOWER_STAGE_FITS] > 0
+    assert 3 not in {c["settings"]["zero"] for c in roomy["candidates"]}

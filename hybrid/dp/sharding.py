@@ -16,7 +16,7 @@ from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket, Piece
 from hybrid.dp.zero import Shard, all_gather_params
 from hybrid.dp.zero2 import StagedShards
-from hybrid.dp.zero3 import StageWeights, make_stage_weights, shard_values
+from hybrid.dp.zero3 import StageWeights, shard_values
 
 
 class Replicated:
@@ -64,9 +64,12 @@ class Replicated:
     def after_optimizer_step(self) -> None:
         """What follows AdamW's step (a sharded strategy gathers the updated parameters)."""
 
-    def stage_weights(self, chunks: dict) -> Optional[StageWeights]:
+    def stage_weights(self, chunks: dict, policy: str) -> Optional[StageWeights]:
         """What runs the schedule's gathers and releases (ZeRO-3), or None."""
         return None
+
+    def close(self) -> None:
+        """Remove what it hooked into the model."""
 
     def held_weights(self) -> list[torch.Tensor]:
         """Weight buffers held besides the model's parameters (ZeRO-3's shards)."""
@@ -132,11 +135,15 @@ class Zero3(Zero2):
     def after_optimizer_step(self):
         """Nothing to gather: the next step's UNSHARD actions gather the updated shards."""
 
-    def stage_weights(self, chunks):
+    def stage_weights(self, chunks, policy):
         if self.weights is None:
-            self.weights = make_stage_weights(self.shards, self.values, chunks, self.group,
-                                              self.wait)
+            self.weights = StageWeights(self.shards, self.values, chunks, policy, self.group,
+                                        self.wait)
         return self.weights
+
+    def close(self):
+        if self.weights is not None:
+            self.weights.close()
 
     def held_weights(self):
         return list(self.values)

@@ -160,7 +160,7 @@ class GradSync:
     def stage_weights(self, chunks: dict[int, nn.Module]):
         """ZeRO-3: the object that runs the schedule's gathers and releases of the stages in
         ``chunks`` (``hybrid.dp.zero3.StageWeights``); None under any other stage."""
-        return self.sharding.stage_weights(chunks)
+        return self.sharding.stage_weights(chunks, self.options.reshard)
 
     def whole_weights(self, chunks: dict[int, nn.Module], write_back: bool = False):
         """A context in which every weight of ``chunks`` is whole (ZeRO-3 gathers them; with
@@ -299,6 +299,7 @@ class GradSync:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.sharding.close()
 
 
 def _check_settings(options: DpOptions, dp: int, bucket_mb: Any) -> None:

@@ -21,7 +21,8 @@ saved), so the backward reads the gathered weights and checks nothing falsely.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from functools import partial
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -30,43 +31,113 @@ from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.zero import Shard
 from hybrid.planning.cost.state_bytes import FP32
+from hybrid.planning.schedules.gathers import AFTER_FORWARD
 
 
 def _free(bucket: Bucket) -> None:
     bucket.data.untyped_storage().resize_(0)
 
 
+def units_of(module: nn.Module) -> list[nn.Module]:
+    """The units a stage gathers one at a time: its blocks (an ``nn.Sequential``'s children,
+    a ``GPT``'s ``blocks``), else the module as one unit."""
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        return list(blocks)
+    if isinstance(module, nn.Sequential) and len(module):
+        return list(module)
+    return [module]
+
+
 class StageWeights:
-    """The gathered state of one rank's buckets, driven by the schedule's gather actions."""
+    """The gathered state of one rank's buckets: the schedule's actions open and close a
+    stage, hooks on its blocks gather and release them (see the module doc)."""
 
     def __init__(self, shards: list[Shard], values: list[torch.Tensor],
-                 stage_buckets: dict[int, frozenset[int]], group: Group, wait: Callable):
+                 chunks: dict[int, nn.Module], policy: str, group: Group, wait: Callable):
         self.shards, self.values, self.group, self.wait = shards, values, group, wait
-        self.stage_buckets = stage_buckets
-        self.gathered: set[int] = set()
+        self.releases_per_use = policy == AFTER_FORWARD
+        where = {id(p): s.bucket.index for s in shards for p in s.bucket.params}
+        self.units = {stage: [frozenset(where[id(p)] for p in unit.parameters()
+                                        if id(p) in where) for unit in units_of(module)]
+                      for stage, module in chunks.items()}
+        """Per stage, the buckets of each of its blocks, in forward order."""
+        self.open: set[int] = set()
+        self.active: set[tuple[int, int]] = set()
         self.live: set[int] = set()
         self.pending: dict[int, object] = {}
         self.peak_bytes = 0
         """The most bucket bytes gathered at once since the last ``reset_peak``."""
+        self._hooks = [hook for stage, module in chunks.items()
+                       for k, unit in enumerate(units_of(module))
+                       for hook in (unit.register_forward_pre_hook(
+                                        partial(self._before_forward, stage, k)),
+                                    unit.register_forward_hook(
+                                        partial(self._after_forward, stage, k)))]
 
+    # ----- the schedule's actions ------------------------------------------------------------
     def unshard(self, stage: int) -> None:
-        self.gathered.add(stage)
-        for index in sorted(self.stage_buckets[stage] - self.live):
-            self._gather(index)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        """``UNSHARD``: the stage's computes may gather its blocks."""
+        self.open.add(stage)
 
     def ready(self, stage: int) -> None:
-        """Wait for the stage's gathers; a compute must not run on released weights."""
-        if stage not in self.gathered:
+        """Before a compute that needs the weights: they must be allowed to be gathered."""
+        if stage not in self.open:
             raise RuntimeError(f"stage {stage} computes with parallel.zero=3 but its weights "
                                f"are not gathered: its schedule lacks {stage}UNSHARD (make the "
                                f"rank's list with schedules.gathers.add_gathers)")
-        for index in self.stage_buckets[stage]:
-            self._settle(index)
 
     def reshard(self, stage: int) -> None:
-        self.gathered.discard(stage)
-        still = set().union(*(self.stage_buckets[s] for s in self.gathered))
+        """``RESHARD``: release every block of the stage."""
+        self.open.discard(stage)
+        self._deactivate({(stage, k) for k in range(len(self.units[stage]))})
+
+    # ----- the blocks' hooks -----------------------------------------------------------------
+    def _before_forward(self, stage: int, k: int, module, args) -> None:
+        self._enter(stage, k, +1)
+
+    def _after_forward(self, stage: int, k: int, module, args, output) -> None:
+        self._leave(stage, k)
+        if not torch.is_grad_enabled():
+            return
+        if k == len(self.units[stage]) - 1 and output.requires_grad:
+            output.register_hook(lambda grad: self._enter(stage, k, -1))
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(lambda grad: self._handed_back(stage, k))
+
+    def _handed_back(self, stage: int, k: int) -> None:
+        """Block ``k``'s input gradient is made: its backward is done, the previous one's
+        starts."""
+        self._leave(stage, k)
+        if k > 0:
+            self._enter(stage, k - 1, -1)
+
+    def _enter(self, stage: int, k: int, direction: int) -> None:
+        """Block ``k`` gathered and waited for; the next in ``direction`` starts gathering."""
+        self._activate(stage, k)
+        nxt = k + direction
+        if 0 <= nxt < len(self.units[stage]):
+            self._activate(stage, nxt)
+        for index in self.units[stage][k]:
+            self._settle(index)
+
+    def _leave(self, stage: int, k: int) -> None:
+        if self.releases_per_use:
+            self._deactivate({(stage, k)})
+
+    # ----- buckets ---------------------------------------------------------------------------
+    def _activate(self, stage: int, k: int) -> None:
+        if stage not in self.open:
+            raise RuntimeError(f"stage {stage}'s block {k} computes outside its UNSHARD .. "
+                               f"RESHARD span; run the stage through the schedule's actions")
+        self.active.add((stage, k))
+        for index in sorted(self.units[stage][k] - self.live):
+            self._gather(index)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+
+    def _deactivate(self, units: set[tuple[int, int]]) -> None:
+        self.active -= units
+        still = set().union(*(self.units[s][k] for s, k in self.active))
         for index in sorted(self.live - still):
             self._settle(index)
             _free(self.shards[index].bucket)
@@ -100,19 +171,26 @@ class StageWeights:
     def whole(self, write_back: bool = False) -> Iterator[None]:
         """Every bucket gathered for the duration (a checkpoint's save or load); with
         ``write_back`` the loaded values then replace the shards."""
-        stages = [s for s in self.stage_buckets if s not in self.gathered]
-        for stage in stages:
-            self.unshard(stage)
-        for stage in stages:
-            self.ready(stage)
+        stages = [s for s in self.units if s not in self.open]
+        units = {(s, k) for s in stages for k in range(len(self.units[s]))}
+        self.open.update(stages)
+        for stage, k in sorted(units):
+            self._activate(stage, k)
+        for index in list(self.pending):
+            self._settle(index)
         try:
             yield
             if write_back:
                 for shard, values in zip(self.shards, self.values):
                     values.copy_(shard.bucket.data[shard.start:shard.end])
         finally:
-            for stage in stages:
-                self.reshard(stage)
+            self.open.difference_update(stages)
+            self._deactivate(units)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
 
 def shard_values(shards: list[Shard]) -> list[torch.Tensor]:
@@ -122,18 +200,3 @@ def shard_values(shards: list[Shard]) -> list[torch.Tensor]:
     for shard in shards:
         _free(shard.bucket)
     return values
-
-
-def stage_buckets(buckets: list[Bucket], chunks: dict[int, nn.Module]
-                  ) -> dict[int, frozenset[int]]:
-    """The buckets each stage's parameters lie in."""
-    where = {id(p): b.index for b in buckets for p in b.params}
-    return {stage: frozenset(where[id(p)] for p in module.parameters() if id(p) in where)
-            for stage, module in chunks.items()}
-
-
-def make_stage_weights(shards: list[Shard], values: list[torch.Tensor],
-                       chunks: dict[int, nn.Module], group: Group,
-                       wait: Callable) -> Optional[StageWeights]:
-    return StageWeights(shards, values, stage_buckets([s.bucket for s in shards], chunks),
-                        group, wait)

@@ -196,9 +196,8 @@ def _gathered_bytes(cfg: Config, layout: Layout, pp_rank: int,
         return rank_gathers(cfg, layout, pp_rank, microbatches(cfg), stages)[0]
     embedding_copy = cfg.model.tie_embeddings and all(0 not in b for _, b in stages)
     per_block = block_params(cfg.model, head_owns_embedding_copy=embedding_copy)
-    chunk_params = [sum(per_block[i].per_rank(layout.tp) for i in blocks)
-                    for _, blocks in stages]
-    return closed_form_gathered(chunk_params, gather_policy(cfg))
+    return closed_form_gathered([[per_block[i].per_rank(layout.tp) for i in blocks]
+                                 for _, blocks in stages], gather_policy(cfg))
 
 
 def _priced_ranks_per_node(cfg: Config, layout: Layout, placed: int) -> int:

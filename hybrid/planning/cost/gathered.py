@@ -4,8 +4,8 @@ once during a step, and how often each of its buckets is gathered, from the sche
 buckets ``hybrid.dp`` builds. The trainer counts both and ``memory_check.json`` and the
 end-to-end tests hold them equal.
 
-The closed form (searches) does not walk: ``after_step`` holds every stage of the rank at
-once; ``after_forward`` one stage at a time, two while the next one's gather is prefetched.
+The closed form (searches) does not walk: ``after_step`` holds every block of the rank at
+once; ``after_forward`` one block and the next one, gathered behind it.
 """
 
 from __future__ import annotations
@@ -36,47 +36,49 @@ def rank_gathers(cfg: Config, layout: Layout, pp_rank: int, m: int,
     ``policy``: the release policy (default: the config's, which must be ZeRO-3's)."""
     policy = policy or gather_policy(cfg)
     assert policy is not None, "only ZeRO-3 gathers weights"
-    tensors = _tensor_stages(cfg, layout, stages)
+    tensors = _tensor_units(cfg, layout, stages)
     members = bucket_members([(numel, late) for numel, late, _ in tensors],
                              cfg.parallel.bucket_mb)
     d = layout.role_size("sharding")
     sizes = [FP32 * -(-sum(tensors[i][0] for i in bucket) // d) * d for bucket in members]
-    by_stage = {stage: frozenset(b for b, bucket in enumerate(members)
-                                 if any(stage in tensors[i][2] for i in bucket))
-                for stage, _ in stages}
-    vpp = layout.vpp
-    actions = add_gathers(build_schedule(cfg.parallel.schedule, layout.pp, m, vpp=vpp),
+    units = {stage: [frozenset(b for b, bucket in enumerate(members)
+                               if any((stage, k) in tensors[i][2] for i in bucket))
+                     for k in range(len(blocks))]
+             for stage, blocks in stages}
+    actions = add_gathers(build_schedule(cfg.parallel.schedule, layout.pp, m, vpp=layout.vpp),
                           policy)[pp_rank]
-    return walk_gathers(actions, by_stage, sizes)
+    return walk_gathers(actions, units, sizes, policy)
 
 
-def closed_form_gathered(chunk_params: list[int], policy: str) -> int:
-    """The walk's peak without buckets: every chunk at once (``after_step``), else the two
-    largest (one computing while the next is gathered), or the one chunk."""
+def closed_form_gathered(stage_blocks: list[list[int]], policy: str) -> int:
+    """The walk's peak without buckets (``stage_blocks``: each stage's blocks' parameter
+    counts): every block of the rank (``after_step``), else the largest two neighbouring
+    blocks of a stage (one computing while the next is gathered)."""
     if policy == AFTER_STEP:
-        return FP32 * sum(chunk_params)
-    return FP32 * sum(sorted(chunk_params, reverse=True)[:2])
+        return FP32 * sum(sum(blocks) for blocks in stage_blocks)
+    return FP32 * max((a + b for blocks in stage_blocks for a, b in zip(blocks, blocks[1:])),
+                      default=max((sum(blocks) for blocks in stage_blocks), default=0))
 
 
-def _tensor_stages(cfg: Config, layout: Layout, stages: list[tuple[int, list[int]]]
-                   ) -> list[tuple[int, str, set[int]]]:
-    """(numel, late bucket or "", stages using it) of the rank's distinct parameters in
-    registration order (``state_bytes.rank_shapes``' order): a tied head on the rank that
-    holds the embedding uses the embedding's own weight, so both its stages use that."""
+def _tensor_units(cfg: Config, layout: Layout, stages: list[tuple[int, list[int]]]
+                  ) -> list[tuple[int, str, set[tuple[int, int]]]]:
+    """(numel, late bucket or "", the (stage, block position) units using it) of the rank's
+    distinct parameters in registration order (``state_bytes.rank_shapes``' order): a tied
+    head on the rank that holds the embedding uses the embedding's own weight."""
     m, tp, pp = cfg.model, layout.tp, layout.pp
     sp = cfg.parallel.sequence_parallel and tp > 1
     held = {b for _, blocks in stages for b in blocks}
     shared_head = m.tie_embeddings and 0 in held and m.layers + 1 in held
-    out: list[tuple[int, str, set[int]]] = []
+    out: list[tuple[int, str, set[tuple[int, int]]]] = []
     index_of: dict[str, int] = {}
     for stage, blocks in stages:
-        for block in blocks:
+        for position, block in enumerate(blocks):
             for local, spec in block_param_specs(m, block, sequence_parallel=sp).items():
                 if shared_head and block == m.layers + 1 and local == TIED_HEAD_ALIAS:
-                    out[index_of[spec.name]][2].add(stage)
+                    out[index_of[spec.name]][2].add((stage, position))
                     continue
                 late = "tp" if spec.sequence_partial and tp > 1 else (
                     "embedding" if spec.tied and pp > 1 else "")
                 index_of[spec.name] = len(out)
-                out.append((math.prod(spec.local_shape(tp)), late, {stage}))
+                out.append((math.prod(spec.local_shape(tp)), late, {(stage, position)}))
     return out

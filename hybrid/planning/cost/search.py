@@ -34,6 +34,9 @@ from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes
 
 MICRO_BATCHES = (1, 2, 4, 8)
 OUT_OF_MEMORY = "does not fit in device memory"
+LOWER_STAGE_FITS = "fit at a lower ZeRO stage"
+"""Why a stage that is never faster than the one below (``searched_if_less_fails``: ZeRO-3,
+whose gathers come on top of ZeRO-2's traffic) is not tried on a layout."""
 MIN_CP_TOKENS = 2048
 """The fewest tokens per rank the search splits a sequence down to with context parallelism
 (Megatron-LM's guidance: context parallelism pays from sequences of about 4-8K tokens)."""
@@ -127,13 +130,20 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
     priced = []
+    lower: dict = {}  # layout (ZeRO stage aside) -> the plan of its last stage tried
     for order, candidate in enumerate(candidates(cfg, world)):
+        layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
+        skip = spec.searched_if_less_fails and _skipped(spec, lower.get(layout_key), device)
+        if skip:
+            rejected[skip] += 1
+            continue
         try:
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
             rejected[_reason(str(err))] += 1
             examples.setdefault(_reason(str(err)), str(err))
             continue
+        lower[layout_key] = plan
         if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
             rejected[OUT_OF_MEMORY] += 1
             continue
@@ -150,6 +160,28 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
             "examples": examples,
             "why_cp": _why_cp(best, priced, device)}
+
+
+def _skipped(spec, lower, device: Device) -> str | None:
+    """Why a stage tried only where lower ones fail is not tried on a layout: a lower stage
+    fits (it is never faster), or even its memory floor, from the lower stage's plan, does
+    not (then planning it is wasted: most of a large model's layouts)."""
+    if lower is None:
+        return None
+    totals = [est.total_bytes for est in lower.memory]
+    if max(totals) <= device.memory_bytes:
+        return LOWER_STAGE_FITS
+    d = lower.layout.role_size("sharding")
+    if min(spec.memory_floor(est, d) for est in lower.memory) > device.memory_bytes:
+        return OUT_OF_MEMORY
+    return None
+
+
+def _without_zero(candidate: Config) -> tuple:
+    """A candidate's settings but its ZeRO stage (the stages are tried in order)."""
+    par = candidate.parallel
+    return (par.dp, par.cp, par.tp, par.pp, par.vpp, par.schedule, par.sequence_parallel,
+            candidate.train.micro_batch, candidate.model.recompute)
 
 
 def _within_error(best: list[Candidate], error: float) -> int | None:

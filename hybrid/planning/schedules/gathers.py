@@ -1,11 +1,14 @@
 """ZeRO-3's gathers and releases as schedule actions (pure; no torch).
 
-Under ``parallel.zero=3`` a rank holds only its shard of each weight between uses; a stage's
-weights are all-gathered over the sharding group before the compute that needs them and
-released after. ``add_gathers`` writes that into each rank's action list as ``UNSHARD`` and
-``RESHARD`` actions (torch.distributed.pipelining's names), so the checker proves every compute
-runs on gathered weights, the memory walk counts the gathered working set, and the cost model
-counts the gathers, from the same data the runtime executes.
+Under ``parallel.zero=3`` a rank holds only its shard of each weight between uses. Its action
+lists get ``UNSHARD`` and ``RESHARD`` actions (torch.distributed.pipelining's names):
+between a stage's ``UNSHARD`` and ``RESHARD`` its computes may gather its weights, and its
+``RESHARD`` releases all of them. Inside a compute the weights are gathered one block at a
+time, as FSDP gathers one ``fully_shard`` unit: a block is gathered before its forward (or
+its backward) while the next one in that direction is gathered behind it (prefetch), and
+released after it. So the checker proves every compute runs inside its stage's span, and
+``walk_gathers`` replays the same lists, block by block, for the gathered working set and the
+gather traffic that the trainer counts.
 
 Which computes need the weights (``needs_weights``): a forward, a full backward and an
 input-gradient backward (``I``); a weight-gradient backward (``W``) needs only the saved
@@ -14,14 +17,11 @@ leaves the whole backward to ``W``.
 
 The two policies (``parallel.zero3_reshard``):
 
-- ``after_forward``: release after every use, so a stage is gathered once for each forward
-  and once for each backward (2m gathers a step for ``m`` micro-batches): the least memory.
-- ``after_step``: gather before a stage's first use in the step and release after its last:
-  one gather a step, the stage's weights held whole through the step.
-
-Prefetch: an ``UNSHARD`` moves in front of the compute before the one that needs it when that
-compute is on another stage, so the gather runs while it computes (the runtime starts it and
-waits only at the first use). A stage that is used back to back cannot be prefetched.
+- ``after_forward``: each block released after each use and each stage after each compute:
+  every block gathered once per forward and once per backward (2m a step for ``m``
+  micro-batches); at most two blocks gathered at once.
+- ``after_step``: blocks stay gathered until the stage's last use in the step: one gather a
+  step, every stage of the rank held whole through its span.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from hybrid.planning.schedules.actions import (
-    BACKWARD_INPUT, BACKWARD_WEIGHT, RESHARD, UNSHARD, Action, ScheduleError,
+    BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RESHARD, UNSHARD, Action, ScheduleError,
 )
 
 AFTER_FORWARD, AFTER_STEP = "after_forward", "after_step"
@@ -52,7 +52,7 @@ def add_gathers(lists: list[list[Action]], policy: str) -> list[list[Action]]:
     if policy not in RESHARD_POLICIES:
         raise ScheduleError(f"unknown parallel.zero3_reshard={policy!r}; use one of "
                             f"{', '.join(RESHARD_POLICIES)}")
-    return [_prefetched(_rank_gathers(actions, policy)) for actions in lists]
+    return [_rank_gathers(actions, policy) for actions in lists]
 
 
 def strip_gathers(lists: list[list[Action]]) -> list[list[Action]]:
@@ -73,25 +73,6 @@ def _rank_gathers(actions: Sequence[Action], policy: str) -> list[Action]:
         if uses and (policy == AFTER_FORWARD or last_use[action.stage] == i):
             out.append(Action(action.stage, RESHARD, action.mb))
             gathered.discard(action.stage)
-    return out
-
-
-def _prefetched(actions: list[Action]) -> list[Action]:
-    """Each ``UNSHARD`` moved in front of the previous compute when that compute is on
-    another stage and the stage is not released in between."""
-    out = list(actions)
-    for k in range(len(out)):
-        action = out[k]
-        if action.kind != UNSHARD:
-            continue
-        j = k - 1
-        while j >= 0 and not out[j].is_compute:
-            if out[j].is_shard and out[j].stage == action.stage:
-                break  # released just before: gathering earlier would undo it
-            j -= 1
-        if j < 0 or not out[j].is_compute or out[j].stage == action.stage:
-            continue
-        out.insert(j, out.pop(k))
     return out
 
 
@@ -119,24 +100,67 @@ def check_gathers(actions: Sequence[Action], rank: int) -> None:
                             f"gathered; release each with a {RESHARD} after its last use")
 
 
-def walk_gathers(actions: Sequence[Action], stage_buckets: Mapping[int, frozenset[int]],
-                 bucket_bytes: Sequence[int]) -> tuple[int, list[int]]:
+def walk_gathers(actions: Sequence[Action], stage_units: Mapping[int, Sequence[frozenset[int]]],
+                 bucket_bytes: Sequence[int], policy: str) -> tuple[int, list[int]]:
     """(peak bytes of gathered buckets, gathers per bucket) of one rank's step, as the
-    runtime holds them: a bucket (``stage_buckets``: the buckets each stage's weights lie in)
-    is gathered when a stage using it is, and released when no gathered stage uses it."""
-    gathered: set[int] = set()
-    live: set[int] = set()
-    gathers = [0] * len(bucket_bytes)
-    peak = 0
+    runtime (``hybrid.dp.zero3.StageWeights``) holds them. ``stage_units``: per stage, the
+    buckets each of its blocks' weights lie in, in forward order. A bucket is gathered when a
+    block using it becomes active and released when no active block uses it (one that
+    straddles two blocks, or two stages, is gathered once)."""
+    walk = _Walk(stage_units, bucket_bytes, policy == AFTER_FORWARD)
     for action in actions:
-        if action.kind == UNSHARD:
-            gathered.add(action.stage)
-            for bucket in stage_buckets[action.stage] - live:
-                gathers[bucket] += 1
-                live.add(bucket)
-            peak = max(peak, sum(bucket_bytes[b] for b in live))
-        elif action.kind == RESHARD:
-            gathered.discard(action.stage)
-            still = set().union(*(stage_buckets[s] for s in gathered))
-            live &= still
-    return peak, gathers
+        if action.kind == RESHARD:
+            walk.deactivate({(action.stage, k) for k in range(len(stage_units[action.stage]))})
+        elif needs_weights(action):
+            n = len(stage_units[action.stage])
+            if action.kind == FORWARD:
+                walk.forward(action.stage, n)
+            else:
+                walk.backward(action.stage, n)
+    return walk.peak, walk.gathers
+
+
+class _Walk:
+    """The runtime's hooks, replayed: what a block's forward and backward gather and free."""
+
+    def __init__(self, units, bucket_bytes, per_use: bool):
+        self.units, self.bytes, self.per_use = units, bucket_bytes, per_use
+        self.active: set[tuple[int, int]] = set()
+        self.live: set[int] = set()
+        self.gathers = [0] * len(bucket_bytes)
+        self.peak = 0
+
+    def forward(self, stage: int, n: int) -> None:
+        for k in range(n):
+            self.enter(stage, k, +1, n)
+            self.leave(stage, k)
+
+    def backward(self, stage: int, n: int) -> None:
+        """From the last block's output gradient down; the first block's input has a
+        gradient (and so a hook that frees it) on every stage but stage 0."""
+        self.enter(stage, n - 1, -1, n)
+        for k in range(n - 1, 0, -1):
+            self.leave(stage, k)
+            self.enter(stage, k - 1, -1, n)
+        if stage > 0:
+            self.leave(stage, 0)
+
+    def enter(self, stage: int, k: int, direction: int, n: int) -> None:
+        self.activate(stage, k)
+        if 0 <= k + direction < n:
+            self.activate(stage, k + direction)
+
+    def leave(self, stage: int, k: int) -> None:
+        if self.per_use:
+            self.deactivate({(stage, k)})
+
+    def activate(self, stage: int, k: int) -> None:
+        self.active.add((stage, k))
+        for bucket in self.units[stage][k] - self.live:
+            self.gathers[bucket] += 1
+            self.live.add(bucket)
+        self.peak = max(self.peak, sum(self.bytes[b] for b in self.live))
+
+    def deactivate(self, units: set[tuple[int, int]]) -> None:
+        self.active -= units
+        self.live &= set().union(*(self.units[s][k] for s, k in self.active))

@@ -135,6 +135,8 @@ class ShardingSpec:
     """ZeRO-3: weights gathered per use (the schedule gets UNSHARD/RESHARD actions)."""
     searched = False
     """Tried by the layout search."""
+    searched_if_less_fails = False
+    """Tried only on layouts that fit at no lower stage (it is never faster than those)."""
     doc = ""
 
     def state_bytes(self, tensors: list[tuple[int, str]], *, dp: int, dp_rank: int,
@@ -151,6 +153,11 @@ class ShardingSpec:
         """Bytes one rank sends per step to average gradients of ``width`` bytes an element
         (and, sharded, to gather the updated parameters)."""
         raise NotImplementedError
+
+    def memory_floor(self, lower, dp: int) -> int:
+        """A floor under a rank's bytes at this stage, from its estimate at the stage below
+        (``searched_if_less_fails``: the search skips layouts whose floor does not fit)."""
+        return 0
 
     def time(self, traffic: RankTraffic, timing: DpTime, width: int) -> tuple[float, float]:
         """(the DP traffic's time per step, the part the backward does not hide)."""

@@ -9,9 +9,9 @@
   each micro-batch's gradients are reduce-scattered as they are made and only the shard is
   kept; the buckets kept out of the overlap (partial sums over another group) once per step.
 - 3 (ZeRO-3, weights sharded too): ZeRO-2's gradients, and between uses only the shard of each
-  bucket's weights; a stage's buckets are all-gathered before the computes that need them and
-  released after, as the schedule's UNSHARD/RESHARD actions say
-  (``hybrid.planning.schedules.gathers``; ``parallel.zero3_reshard``). No gather follows the
+  bucket's weights; inside its stage's UNSHARD .. RESHARD span a compute all-gathers them a
+  block at a time and releases them after (``hybrid.planning.schedules.gathers``;
+  ``parallel.zero3_reshard``). No gather follows the
   optimizer step: the next step's first UNSHARD gathers the updated shards.
 
 Runtimes: ``hybrid.dp.sharding``.
@@ -144,11 +144,9 @@ class Zero2(Zero1):
 class Zero3(Zero2):
     stage, name, runtime = 3, "zero-3", "hybrid.dp.sharding:Zero3"
     gathers_params = True
-    searched = False
-    """Not yet: a stage is gathered whole, so on a rank of one or two chunks the gathered
-    weights outweigh what sharding them saves (``docs/data-parallel.md``)."""
-    doc = ("weights sharded too: a stage's gathered before the computes that need them and "
-           "released after (parallel.zero3_reshard)")
+    searched = searched_if_less_fails = True
+    doc = ("weights sharded too: gathered a block at a time for each compute, released after "
+           "(parallel.zero3_reshard)")
 
     @staticmethod
     def _param_bytes(padded, shard):
@@ -156,6 +154,11 @@ class Zero3(Zero2):
 
     def closed_form_state(self, params, dp):
         return StateBytes(FP32 * params // dp, FP32 * params // dp, 2 * FP32 * params // dp)
+
+    def memory_floor(self, lower, dp):
+        # ZeRO-2's gradients and optimizer state; its whole weights become shards, and the
+        # gathered blocks come on top (at least nothing)
+        return lower.total_bytes - lower.param_bytes + lower.param_bytes // dp
 
     def gathers_per_step(self, traffic, bucket):
         # the schedule's UNSHARD actions (``RankTraffic.gathers``)
