@@ -14,7 +14,8 @@ from hybrid.planning.schedules import add_communication, build_schedule, schedul
 from hybrid.planning.schedules.actions import RESHARD, UNSHARD, Action, ScheduleError
 from hybrid.planning.schedules.check import check_schedule
 from hybrid.planning.schedules.gathers import (
-    AFTER_FORWARD, AFTER_STEP, add_gathers, check_gathers, needs_weights, walk_gathers,
+    AFTER_FORWARD, AFTER_STEP, add_gathers, check_gathers, needs_weights, unshard_directions,
+    walk_gathers,
 )
 from hybrid.planning.schedules.rank_check import plan_rank
 from hybrid.planning.validate import validate_config
@@ -72,6 +73,18 @@ def test_weight_gradients_need_the_weights_only_where_the_whole_backward_waits()
     assert not needs_weights(Action(1, "SEND_F", 0))
 
 
+def test_the_next_stage_starts_gathering_behind_the_current_compute():
+    lists, _ = _gathered("interleaved-1f1b", 2, AFTER_FORWARD)
+    actions = [a for a in lists[0] if a.is_compute or a.is_shard]
+    prefetched = [i for i, a in enumerate(actions[:-1])
+                  if a.kind == UNSHARD and actions[i + 1].is_compute
+                  and actions[i + 1].stage != a.stage]
+    assert prefetched, lists[0]
+    directions = unshard_directions(actions)
+    assert len(directions) == sum(a.kind == UNSHARD for a in actions)
+    assert set(directions) == {+1, -1}  # forwards start at the first block, backwards last
+
+
 def test_a_compute_gathers_one_block_and_the_next_one_behind_it():
     """Three blocks in buckets of their own (1, 10, 100 bytes) on stage 1: a forward and a
     backward gather each block once under after_forward, never more than two at once; under
@@ -94,8 +107,10 @@ def test_a_bucket_two_stages_use_is_gathered_once_and_freed_with_the_last():
                Action(0, RESHARD, 0)]
     peak, gathers = walk_gathers(actions, units, [100, 10, 1000], AFTER_STEP)
     assert peak == 1110 and gathers == [1, 1, 1]
+    # after_forward: each UNSHARD starts its stage's first block (both held at once), each
+    # forward frees its block, the backward gathers stage 0's again
     peak, gathers = walk_gathers(actions, units, [100, 10, 1000], AFTER_FORWARD)
-    assert peak == 1010 and gathers == [2, 3, 1]
+    assert peak == 1110 and gathers == [2, 2, 1]
 
 
 def _cfg(policy: str, **parallel) -> Config:

@@ -5,13 +5,16 @@ shard kept; ``hybrid.dp.zero``: AdamW on the shard). What ZeRO-3 adds:
 
 - each bucket's shard of the flat parameters lives in a buffer of its own (``numel/d``), the
   one AdamW steps; the bucket's full flat buffer, of which the model's parameters are views,
-  has its storage freed (resized to nothing) whenever no stage needs it;
+  has its storage freed (resized to nothing) whenever no active block uses it;
 - ``StageWeights`` runs the schedule's ``UNSHARD``/``RESHARD`` actions
-  (``hybrid.planning.schedules.gathers``): ``unshard(stage)`` gives back the storage of the
-  stage's buckets and starts their all-gathers from the shards, ``ready(stage)`` waits for them
-  before a compute that needs the weights, ``reshard(stage)`` frees the buckets no gathered
-  stage still uses. A bucket shared by two stages (one that straddles a chunk boundary, the
-  tied embedding of the V placement) is gathered once and freed with its last stage.
+  (``hybrid.planning.schedules.gathers``), which open and close a stage's span (an
+  ``UNSHARD`` also starts the first block its next compute needs), and hooks on each block
+  of the stage: before a block's forward (a forward pre-hook) or its backward (a hook on its
+  output's gradient) the block is gathered and waited for while the next one in that
+  direction starts gathering; after its forward (a forward hook) or its backward (a hook on
+  its input's gradient) it is released under ``after_forward``. A bucket that two blocks or
+  two stages use (one that straddles them, the tied embedding of the V placement) is
+  gathered once and freed with the last of them.
 
 Autograd saved the weights a forward used: the very tensors that are freed and gathered again
 in place. Their version counter is kept across the gather (the values written are the values
@@ -76,9 +79,12 @@ class StageWeights:
                                         partial(self._after_forward, stage, k)))]
 
     # ----- the schedule's actions ------------------------------------------------------------
-    def unshard(self, stage: int) -> None:
-        """``UNSHARD``: the stage's computes may gather its blocks."""
+    def unshard(self, stage: int, direction: int = 0) -> None:
+        """``UNSHARD``: the stage's computes may gather its blocks; the first one its next
+        compute needs (``direction``: +1 a forward, -1 a backward) starts gathering now."""
         self.open.add(stage)
+        if direction:
+            self._activate(stage, 0 if direction > 0 else len(self.units[stage]) - 1)
 
     def ready(self, stage: int) -> None:
         """Before a compute that needs the weights: they must be allowed to be gathered."""

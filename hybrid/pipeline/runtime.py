@@ -37,7 +37,7 @@ from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F,
     UNSHARD, Action, ScheduleError, stage_rank,
 )
-from hybrid.planning.schedules.gathers import needs_weights
+from hybrid.planning.schedules.gathers import needs_weights, unshard_directions
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.planning.schedules.rank_check import Posting, RankPlan, plan_rank
 
@@ -166,6 +166,7 @@ class _Step:
     def run(self, posting: Sequence[Posting]) -> Optional[float]:
         compute = {FORWARD: self.forward, BACKWARD: self.backward,
                    BACKWARD_INPUT: self.input_backward, BACKWARD_WEIGHT: self.weight_backward}
+        self.directions = iter(unshard_directions([a for _, a in posting if a is not None]))
         try:
             for posts, action in posting:
                 if posts:
@@ -206,7 +207,7 @@ class _Step:
             raise ScheduleError(f"{action} needs parallel.zero=3's gathered weights; pass "
                                 f"weights=GradSync.stage_weights(chunks)")
         if action.kind == UNSHARD:
-            self.weights.unshard(action.stage)
+            self.weights.unshard(action.stage, next(self.directions))
         else:
             self.weights.reshard(action.stage)
 

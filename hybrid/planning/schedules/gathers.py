@@ -3,7 +3,9 @@
 Under ``parallel.zero=3`` a rank holds only its shard of each weight between uses. Its action
 lists get ``UNSHARD`` and ``RESHARD`` actions (torch.distributed.pipelining's names):
 between a stage's ``UNSHARD`` and ``RESHARD`` its computes may gather its weights, and its
-``RESHARD`` releases all of them. Inside a compute the weights are gathered one block at a
+``RESHARD`` releases all of them. An ``UNSHARD`` starts gathering the first block its stage's
+next compute needs, and it stands in front of the compute before that one when that compute
+is another stage's (prefetch: the gather runs behind it). Inside a compute the weights are gathered one block at a
 time, as FSDP gathers one ``fully_shard`` unit: a block is gathered before its forward (or
 its backward) while the next one in that direction is gathered behind it (prefetch), and
 released after it. So the checker proves every compute runs inside its stage's span, and
@@ -52,7 +54,7 @@ def add_gathers(lists: list[list[Action]], policy: str) -> list[list[Action]]:
     if policy not in RESHARD_POLICIES:
         raise ScheduleError(f"unknown parallel.zero3_reshard={policy!r}; use one of "
                             f"{', '.join(RESHARD_POLICIES)}")
-    return [_rank_gathers(actions, policy) for actions in lists]
+    return [_prefetched(_rank_gathers(actions, policy)) for actions in lists]
 
 
 def strip_gathers(lists: list[list[Action]]) -> list[list[Action]]:
@@ -73,6 +75,38 @@ def _rank_gathers(actions: Sequence[Action], policy: str) -> list[Action]:
         if uses and (policy == AFTER_FORWARD or last_use[action.stage] == i):
             out.append(Action(action.stage, RESHARD, action.mb))
             gathered.discard(action.stage)
+    return out
+
+
+def _prefetched(actions: list[Action]) -> list[Action]:
+    """Each ``UNSHARD`` moved in front of the compute before it when that compute is another
+    stage's and the stage is not released in between: the first block it gathers then
+    arrives while that compute runs."""
+    out = list(actions)
+    for k in range(len(out)):
+        action = out[k]
+        if action.kind != UNSHARD:
+            continue
+        j = k - 1
+        while j >= 0 and not out[j].is_compute:
+            if out[j].is_shard and out[j].stage == action.stage:
+                break  # released just before: gathering earlier would undo it
+            j -= 1
+        if j >= 0 and out[j].is_compute and out[j].stage != action.stage:
+            out.insert(j, out.pop(k))
+    return out
+
+
+def unshard_directions(actions: Sequence[Action]) -> list[int]:
+    """For each ``UNSHARD`` in order, which way its stage's next compute walks the blocks:
+    +1 (a forward: its first block first) or -1 (a backward: its last block first); the
+    ``UNSHARD`` gathers that block ahead of it."""
+    out = []
+    for i, action in enumerate(actions):
+        if action.kind == UNSHARD:
+            nxt = next((a for a in actions[i + 1:]
+                        if a.stage == action.stage and needs_weights(a)), None)
+            out.append(+1 if nxt is None or nxt.kind == FORWARD else -1)
     return out
 
 
@@ -108,8 +142,11 @@ def walk_gathers(actions: Sequence[Action], stage_units: Mapping[int, Sequence[f
     block using it becomes active and released when no active block uses it (one that
     straddles two blocks, or two stages, is gathered once)."""
     walk = _Walk(stage_units, bucket_bytes, policy == AFTER_FORWARD)
+    directions = iter(unshard_directions(actions))
     for action in actions:
-        if action.kind == RESHARD:
+        if action.kind == UNSHARD:
+            walk.first(action.stage, next(directions))
+        elif action.kind == RESHARD:
             walk.deactivate({(action.stage, k) for k in range(len(stage_units[action.stage]))})
         elif needs_weights(action):
             n = len(stage_units[action.stage])
@@ -129,6 +166,10 @@ class _Walk:
         self.live: set[int] = set()
         self.gathers = [0] * len(bucket_bytes)
         self.peak = 0
+
+    def first(self, stage: int, direction: int) -> None:
+        """``UNSHARD``: the first block the next compute needs starts gathering."""
+        self.activate(stage, 0 if direction > 0 else len(self.units[stage]) - 1)
 
     def forward(self, stage: int, n: int) -> None:
         for k in range(n):
