@@ -22,7 +22,7 @@ from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, Action,
     ScheduleError, rank_stages,
 )
-from hybrid.planning.schedules.gathers import check_gathers, strip_gathers
+from hybrid.planning.schedules.gathers import check_gathers, strip_gathers, unshard_directions
 from hybrid.planning.schedules.replay import dependencies, describe_key, result_key
 from hybrid.planning.schedules.lowering import add_communication
 
@@ -44,6 +44,9 @@ class RankPlan:
     placement: str
     recv_lookahead: int
     forward_only: bool = False
+    unshard_directions: tuple[int, ...] = ()
+    """ZeRO-3: per ``UNSHARD`` in order, the way its stage's next compute walks the blocks
+    (``gathers.unshard_directions``), found once here rather than every step."""
 
     def check_made_for(self, *, rank: int, pp: int, vpp: int, m: int, placement: str,
                        stages: Sequence[int], recv_lookahead: int,
@@ -74,7 +77,7 @@ def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp
     posting = tuple((tuple(posts), action)
                     for posts, action in posting_plan(actions, recv_lookahead))
     return RankPlan(posting, tuple(sorted(stages)), rank, pp, vpp, m, placement,
-                    recv_lookahead, forward_only)
+                    recv_lookahead, forward_only, tuple(unshard_directions(actions)))
 
 
 def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
