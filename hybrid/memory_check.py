@@ -2,10 +2,11 @@
 
 After its first step every rank counts the distinct storages of its parameters, of its
 gradient buffers (the buckets, and under ZeRO the reduced shards), of its optimizer
-state and of what a DP option keeps (PowerSGD's error feedback, a delayed mean), and measures the activations its step kept for backward at their peak, and under ZeRO-3 the most
-whole weights it held gathered at once
-(``hybrid.model.activations.SavedTensors``). Rank 0 writes them with the plan's prediction for
-the same rank: weights, gradients and optimizer state must be equal byte for byte (the
+state and of what a DP option keeps (PowerSGD's error feedback, a delayed mean), and measures
+the activations its step kept for backward at their peak
+(``hybrid.model.activations.SavedTensors``) and, under ZeRO-3, the most whole weights it held
+gathered at once. Rank 0 writes them with the plan's prediction for the same rank: weights,
+gradients, optimizer state and gathered weights must be equal byte for byte (the
 end-to-end tests assert it for every layout they run); activations are a model and the file
 shows how close (``bench/cost_vs_measured.py`` reports the error over many layouts).
 """

@@ -152,7 +152,8 @@ def train_checked(overrides: list[str], run_dir, timeout: float = 280) -> list[d
 def checked_records(run_dir) -> list[dict]:
     """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts, and
-    under ZeRO-3 gathered at most the weights it predicts (``memory_check.json``), and rank 0 sent over DP in each step exactly the bytes
+    under ZeRO-3 at its peak exactly the gathered weights it predicts (``memory_check.json``),
+    and rank 0 sent over DP in each step exactly the bytes
     ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options, and over its
     context group what ``hybrid.planning.cost.context_time.cp_step_bytes`` predicts; and the run
     directory's ``plan.json`` is the plan of its ``config.json`` (nothing written back)."""

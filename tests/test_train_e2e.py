@@ -41,7 +41,8 @@ LAYOUTS = {
                   "parallel.bucket_mb=0.02"],
     "dp4-zero3": ["parallel=single", "parallel.dp=4", "parallel.zero=3",
                   "parallel.bucket_mb=0.02", "parallel.zero3_reshard=after_step"],
-    "2x2x2-1f1b-zero3": ["parallel.zero=3", "parallel.bucket_mb=0.02"],
+    "2x2x2-1f1b-zero3": ["parallel.zero=3", "parallel.bucket_mb=0.02",
+                         "parallel.sequence_parallel=true", "model.recompute=full"],
     "dp2-pp2-interleaved-zero3-after_forward": [
         "parallel=single", "parallel.dp=2", "parallel.pp=2", "parallel.vpp=2",
         "parallel.schedule=interleaved-1f1b", "parallel.zero=3", "parallel.bucket_mb=0.02"],

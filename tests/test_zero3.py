@@ -137,7 +137,8 @@ def test_after_step_holds_more_and_gathers_less_than_after_forward():
 
 
 def test_zero3_settings_are_checked_before_launch_in_one_line():
-    with pytest.raises(LayoutError, match="parallel.zero3_reshard='never' is unknown; choose one of after_forward, after_step"):
+    with pytest.raises(LayoutError, match="parallel.zero3_reshard='never' is unknown; choose "
+                                          "one of after_forward, after_step"):
         validate_config(_cfg("never"))
     with pytest.raises(LayoutError, match="parallel.zero=3 runs with exact reduction only, "
                                           "not parallel.dp_compress=bf16"):

@@ -8,9 +8,9 @@ stages ``r`` and ``2*pp - 1 - r``, and the first and last stage share rank 0). W
 ``vpp == 1`` both are the identity.
 
 Text form, as in torch.distributed.pipelining: ``<stage><KIND><micro-batch>``, e.g. ``2F0``,
-``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``, and under ZeRO-3 ``0UNSHARD3`` / ``0RESHARD3``
-(gather / release stage 0's weights, for and after micro-batch 3's compute; see ``gathers``).
-``Action.parse`` and ``str`` round-trip,
+``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``, and under ZeRO-3 ``0UNSHARD3`` /
+``0RESHARD3`` (open / close stage 0's span of gathered weights, for and after micro-batch 3's
+compute; see ``gathers``). ``Action.parse`` and ``str`` round-trip,
 and so do ``to_text``/``from_text`` and ``dump_csv``/``load_csv`` for whole schedules.
 """
 

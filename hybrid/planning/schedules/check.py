@@ -45,8 +45,8 @@ def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
     """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule.
 
     ZeRO-3's gathers and releases, where present, must bracket every compute that needs the
-    weights (``gathers.check_gathers``). Complete: every (stage, mb) has one F and (unless ``forward_only``: evaluation) either one
-    B or one I and one W, nothing else,
+    weights (``gathers.check_gathers``). Complete: every (stage, mb) has one F and (unless
+    ``forward_only``: evaluation) either one B or one I and one W, nothing else,
     each on the rank ``stage_rank(stage, pp, placement)`` gives; lowered lists also carry exactly the SEND/RECV pairs of
     every cross-rank edge. Ordered and deadlock-free: replaying all ranks with the runtime's
     semantics (SEND posted without waiting, RECV blocks until posted) runs every action.

@@ -5,12 +5,12 @@ lists get ``UNSHARD`` and ``RESHARD`` actions (torch.distributed.pipelining's na
 between a stage's ``UNSHARD`` and ``RESHARD`` its computes may gather its weights, and its
 ``RESHARD`` releases all of them. An ``UNSHARD`` starts gathering the first block its stage's
 next compute needs, and it stands in front of the compute before that one when that compute
-is another stage's (prefetch: the gather runs behind it). Inside a compute the weights are gathered one block at a
-time, as FSDP gathers one ``fully_shard`` unit: a block is gathered before its forward (or
-its backward) while the next one in that direction is gathered behind it (prefetch), and
-released after it. So the checker proves every compute runs inside its stage's span, and
-``walk_gathers`` replays the same lists, block by block, for the gathered working set and the
-gather traffic that the trainer counts.
+is another stage's (prefetch: the gather runs behind it). Inside a compute the weights are
+gathered one block at a time, as FSDP gathers one ``fully_shard`` unit: a block is gathered
+before its forward (or its backward) while the next one in that direction is gathered behind
+it (prefetch), and released after it. So the checker proves every compute runs inside its
+stage's span, and ``walk_gathers`` replays the same lists, block by block, for the gathered
+working set and the gather traffic that the trainer counts.
 
 Which computes need the weights (``needs_weights``): a forward, a full backward and an
 input-gradient backward (``I``); a weight-gradient backward (``W``) needs only the saved
@@ -21,7 +21,8 @@ The two policies (``parallel.zero3_reshard``):
 
 - ``after_forward``: each block released after each use and each stage after each compute:
   every block gathered once per forward and once per backward (2m a step for ``m``
-  micro-batches); at most two blocks gathered at once.
+  micro-batches); two blocks gathered at once, three while the next stage's first is
+  prefetched.
 - ``after_step``: blocks stay gathered until the stage's last use in the step: one gather a
   step, every stage of the rank held whole through its span.
 """
