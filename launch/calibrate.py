@@ -9,7 +9,8 @@ threads ``hybrid-train`` gives it):
   thread in every core's process at once (what a full node gets). ``rate = flops · h/(h +
   half_width) · rows/(rows + half_rows)`` fitted to those gives the device's ``flops``,
   ``matmul_half_width`` and ``matmul_half_rows``; bf16 at one small shape, scaled alike. The same
-  layer on every core in one process gives ``thread_speedup`` (a single rank's threads).
+  layer on every core in one process, timed in turn with the loaded figure, gives
+  ``thread_speedup`` (a single rank's threads).
 - **After the backward**: seconds per parameter of the gradient norm, clipping, hybrid's
   AdamW step and zeroing the gradients.
 - **Collectives**: a gloo all-reduce among 2, 4 and 8 processes (up to ``--max-ranks``) of a
@@ -17,12 +18,19 @@ threads ``hybrid-train`` gives it):
   model uses, so a group of ``n`` ranks gets its own link (``group_links``): with more ranks
   than cores, ranks wait for a core as well as for data. An all-gather and a reduce-scatter
   of the same bytes give their time over the ring formula's (gloo's are not rings).
-- **Tensor parallelism**: the same layer split over 2 ranks; what it takes beyond its compute
-  and ring time, per collective, is ``collective_overhead_s`` (the framework's own cost).
-- **Cores** the ranks share, and host memory (one rank's share of what is available).
+- **Tensor parallelism**: the same layer split over 2, 4 and 8 ranks (up to ``--max-ranks``),
+  each collective timed from its issue to its end; what the mean takes beyond its ring time
+  is ``tp_calls`` by group size (the framework's own cost, the peers' skew and, in a group
+  larger than the cores, the wait for members that are not running); the 2-way figure is
+  also ``collective_overhead_s``.
+- **Cores** the ranks share, what share of their throughput 2, 4, ... times as many ranks
+  keep (``core_efficiency``: a stack of layers per rank, so caches fill as a model's do), what
+  a zero-bubble schedule's split backward costs over the whole one
+  (``split_backward_factor``), and host memory (one rank's share of what is available).
 
 Between nodes nothing can be measured from one machine: the ``cpu`` preset's link is kept.
-The ranks' timing code is ``launch.calibrate_ranks``; this module runs it and fits the device.
+The ranks' timing code is ``launch.calibrate_ranks`` and ``launch.calibrate_node``; this
+module runs it and fits the device.
 Later calls use the file with ``cost.device=calibrated`` (this host's default path) or
 ``cost.device=PATH``.
 """
@@ -41,30 +49,36 @@ from hybrid.planning.cost.devices import PRESETS, Device, Link, calibrated_path
 from hybrid.planning.cost.collectives import ring_gather
 from launch.agent import MEGATRON_IMPORT_WARNING
 from launch.calibrate_ranks import (BF16_SHAPE, LARGE_BYTES, SHAPES, SMALL_BYTES, TP_SHAPE,
-                                    collective_times, compute_rates, tp_layer_seconds)
+                                    collective_times, compute_rates, thread_speedups,
+                                    tp_call_seconds)
+from launch.calibrate_node import node_sharing
 
 REFERENCE = (256, 1024)
 
 
 CALIBRATED_ERROR = ("calibrated on this host; on this project's 2-core VMs the model's step "
-                    "time is off by 14% on average (Spearman 0.88), TP layouts up to 40% slow, "
-                    "over bench/cost_vs_measured.py's 16 layouts (docs/sweeps.md)")
+                    "time is off by 11-16% on average (Spearman 0.82-0.92) over "
+                    "bench/cost_vs_measured.py's 16 layouts, TP layouts up to 35% slow "
+                    "(docs/sweeps.md)")
 CALIBRATED_ERROR_FRACTION = 0.14
 
 
-def tp_overhead(alone: float, split: float, cpu: float, device: Device) -> tuple[float, float]:
-    """(wall, CPU) seconds per TP collective beyond compute and ring time: what the 2-way
-    layer took over its share of the layer's time alone (scaled by the fitted rates of the
-    two widths), shared over its 4 all-reduces (2 forward, 2 backward); the CPU part is work,
-    the rest waiting."""
+def tp_overhead(figures: list[float], device: Device, ways: int = 2) -> list[float]:
+    """``[wall, CPU]`` seconds per TP collective beyond its ring time, then the same for
+    sequence parallelism's, from a ``ways``-way layer's mean collectives (``figures``: wall
+    and CPU of each; ``TP_SHAPE``'s activations all-reduced, or all-gathered and
+    reduce-scattered); the CPU part is work, the rest waiting."""
     from hybrid.planning.cost.collectives import ring_all_reduce
 
     h, rows = TP_SHAPE
-    compute = alone / 2 * device.compute_rate("fp32", h, rows) / device.compute_rate(
-        "fp32", h / 2, rows)
-    ring = ring_all_reduce(rows * h * 4, 2, device.intra_for(2))
-    per_call = max(0.0, (split - compute) / 4 - ring)
-    return per_call, min(per_call, max(0.0, (cpu - compute) / 4))
+    link = device.intra_for(ways)
+    rings = (ring_all_reduce(rows * h * 4, ways, link),
+             ring_gather(rows * h * 4, ways, link)
+             * (device.all_gather_factor + device.reduce_scatter_factor) / 2)
+    calls = []
+    for (wall, cpu), ring in zip((figures[:2], figures[2:]), rings):
+        calls += [max(0.0, wall - ring), min(max(0.0, wall - ring), cpu)]
+    return calls
 
 
 def fit_rate(rates: dict[tuple[int, int], float]) -> tuple[float, float, float]:
@@ -113,10 +127,8 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
     flops, half_width, half_rows = fit_rate(by_shape)
     h, rows = BF16_SHAPE
     bf16_factor = h / (h + half_width) * rows / (rows + half_rows)
-    h, rows = REFERENCE
     thread_shapes = ((REFERENCE[0], 256), REFERENCE)
-    threaded = spawn(compute_rates, 1, min_seconds, cores, thread_shapes, timeout=600)[0]
-    speedups = {rows: threaded[f"{h}x{rows}"] / by_shape[(h, rows)] for h, rows in thread_shapes}
+    speedups = spawn(thread_speedups, cores, min_seconds, thread_shapes, timeout=600)[0]
     thread_speedup, thread_half_rows = fit_speedup(speedups)
     links, raw_links, gather_factors = {}, {}, []
     n = 2
@@ -129,9 +141,6 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
         raw_links[n] = {"small_s": small, "large_s": large, "all_gather_s": gather,
                         "reduce_scatter_s": scatter}
         n *= 2
-    tp_times = spawn(tp_layer_seconds, 2, 2 * min_seconds, timeout=300)
-    tp_alone = statistics.mean(t[0] for t in tp_times)
-    tp_wall, tp_cpu = max(t[1] for t in tp_times), statistics.mean(t[2] for t in tp_times)
     preset = PRESETS["cpu"]
     device = replace(
         preset, name=f"calibrated:{os.uname().nodename}",
@@ -144,11 +153,33 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
         memory_bytes=_available_memory() // max(max_ranks, 1),
         intra=links.get("2", preset.intra), group_links=links, host=True,
         error=CALIBRATED_ERROR, error_fraction=CALIBRATED_ERROR_FRACTION)
-    call_wall, call_cpu = tp_overhead(tp_alone, tp_wall, tp_cpu, device)
-    device = replace(device, collective_overhead_s=call_wall, collective_cpu_s=call_cpu)
-    raw = {"layer_loaded": by_shape, "thread_speedups": speedups, "tp2_layer_s": tp_wall,
+    calls = _tp_calls(device, max_ranks, min_seconds)
+    sharing = spawn(node_sharing, max(max_ranks, cores), 2 * min_seconds, cores,
+                    timeout=300)[0]
+    device = replace(device, collective_overhead_s=calls["2"][0], collective_cpu_s=calls["2"][1],
+                     tp_calls=calls,
+                     # more ranks than cores never gain throughput: above 1 is noise
+                     core_efficiency={n: min(e, 1.0) for n, e in sharing["efficiency"].items()
+                                      if int(n) > cores},
+                     split_backward_factor=sharing["split_backward"])
+    raw = {"layer_loaded": by_shape, "thread_speedups": speedups,
            "all_reduce": raw_links, "cores": cores}
     return device, raw
+
+
+def _tp_calls(device: Device, max_ranks: int, min_seconds: float) -> dict[str, list[float]]:
+    """By group size (2, 4, ... up to ``max_ranks``): ``tp_overhead`` of a layer split over
+    a group that size, the mean over its ranks."""
+    from hybrid.testing import spawn
+
+    calls = {}
+    ways = 2
+    while ways <= max_ranks:
+        times = spawn(tp_call_seconds, ways, 2 * min_seconds, timeout=300)
+        calls[str(ways)] = tp_overhead([statistics.mean(t[i] for t in times)
+                                        for i in range(4)], device, ways)
+        ways *= 2
+    return calls
 
 
 def _available_memory() -> int:
@@ -198,10 +229,15 @@ def _summary(device: Device, raw: dict) -> str:
              f"x{device.all_gather_factor:.2f} / x{device.reduce_scatter_factor:.2f}",
              f"after the backward (norm, clip, AdamW, zero): "
              f"{device.optimizer_s_per_param * 1e9:.2f} ns per parameter",
-             f"tensor parallelism: a 2-way layer ({TP_SHAPE[0]} wide, {TP_SHAPE[1]} tokens) "
-             f"took {raw['tp2_layer_s'] * 1e3:.1f} ms, "
-             f"{device.collective_overhead_s * 1e3:.2f} ms per collective beyond its ring "
-             f"time ({device.collective_cpu_s * 1e3:.2f} ms of it CPU work)"]
+             f"tensor parallelism, per collective beyond its ring time ({TP_SHAPE[0]} wide, "
+             f"{TP_SHAPE[1]} tokens): " + ", ".join(
+                 f"{n}-way {call[0] * 1e3:.2f} ms ({call[1] * 1e3:.2f} ms of it CPU work), "
+                 f"with sequence parallelism {call[2] * 1e3:.2f} ms ({call[3] * 1e3:.2f})"
+                 for n, call in device.tp_calls.items())]
+    lines.append("ranks sharing the cores keep of their throughput: " + (", ".join(
+        f"{n} ranks {e:.0%}" for n, e in device.core_efficiency.items()) or "(not measured)")
+        + f"; a zero-bubble split backward (I + W) takes x{device.split_backward_factor:.2f} "
+          f"of the whole one")
     for n, link in device.group_links.items():
         lines.append(f"gloo all-reduce, {n} ranks: latency {link.latency * 1e6:.0f} us per "
                      f"ring step, {link.bandwidth / 1e9:.2f} GB/s")

@@ -16,26 +16,15 @@ TP_SHAPE = (256, 256)  # few tokens: the per-call cost stands out from the ring 
 SEQ = 128
 OPTIMIZER_PARAMS = 2**21
 SMALL_BYTES, LARGE_BYTES = 8, 4 * 2**20
+ALTERNATIONS = 5
+"""Times a figure that compares two timings takes each of them, in turn (the median kept)."""
 
 
-def layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, group) -> float:
-    """Seconds of one forward + backward of hybrid's transformer layer."""
-    import torch
-
-    from hybrid.planning.config import ModelConfig
-    from hybrid.model.blocks import TransformerLayer
-
-    m = ModelConfig(hidden=hidden, heads=max(1, hidden // 64), seq_len=SEQ)
-    layer = TransformerLayer(m, group, generator=torch.Generator().manual_seed(0),
-                             sequence_parallel=False)
-    x = torch.randn(SEQ, rows // SEQ, hidden, requires_grad=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16")
-
-    def once() -> None:
-        with autocast:
-            out = layer(x)
-        out.backward(torch.ones_like(out))
-
+def layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, group,
+                  heads: int = 0) -> float:
+    """Median seconds of one forward + backward of hybrid's transformer layer (``heads``: 0
+    for one per 64 of ``hidden``)."""
+    once = _layer_run(hidden, rows, dtype_name, group, heads)
     once()  # warm-up
     times, started = [], time.perf_counter()
     while _all_go_on(time.perf_counter() - started < min_seconds or len(times) < 3, group):
@@ -43,6 +32,30 @@ def layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, g
         once()
         times.append(time.perf_counter() - begun)
     return statistics.median(times)  # a shared machine's bursts fall outside the median
+
+
+def _layer_run(hidden: int, rows: int, dtype_name: str, group, heads: int = 0,
+               sequence_parallel: bool = False):
+    """One forward + backward of a new layer of hybrid's, as a function to time (with
+    sequence parallelism, on this rank's ``1 / group.size()`` of the sequence)."""
+    import torch
+
+    from hybrid.planning.config import ModelConfig
+    from hybrid.model.blocks import TransformerLayer
+
+    m = ModelConfig(hidden=hidden, heads=heads or max(1, hidden // 64), seq_len=SEQ)
+    layer = TransformerLayer(m, group, generator=torch.Generator().manual_seed(0),
+                             sequence_parallel=sequence_parallel)
+    seq = SEQ // group.size() if sequence_parallel else SEQ
+    x = torch.randn(seq, rows // SEQ, hidden, requires_grad=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16")
+
+    def once() -> None:
+        with autocast:
+            out = layer(x)
+        out.backward(torch.ones_like(out))
+
+    return once
 
 
 def _all_go_on(mine: bool, group) -> bool:
@@ -68,7 +81,7 @@ def layer_flops(hidden: int, rows: int) -> float:
     return 3 * layer_forward_flops(m, rows // SEQ)
 
 
-def _own_group(rank: int, world: int):
+def own_group(rank: int, world: int):
     """This rank's own 1-rank TP group, as hybrid's layers take it (a collective: every rank
     makes every rank's)."""
     import torch.distributed as dist
@@ -86,7 +99,7 @@ def compute_rates(rank: int, world: int, min_seconds: float, threads: int,
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    own = _own_group(rank, world)
+    own = own_group(rank, world)
     dist.barrier()  # every core starts together
     rates = {f"{h}x{rows}": layer_flops(h, rows) / layer_seconds(h, rows, "fp32", min_seconds,
                                                                     own)
@@ -95,6 +108,30 @@ def compute_rates(rank: int, world: int, min_seconds: float, threads: int,
     rates["bf16"] = layer_flops(h, rows) / layer_seconds(h, rows, "bf16", min_seconds, own)
     rates["optimizer_s_per_param"] = _optimizer_seconds() / OPTIMIZER_PARAMS
     return rates
+
+
+def thread_speedups(rank: int, world: int, min_seconds: float, shapes) -> dict[int, float]:
+    """By rows: how much faster rank 0 runs the layer on ``world`` threads alone than on one
+    while every rank runs it, timed in turn ``ALTERNATIONS`` times (the median ratio), so that
+    both figures see the machine's same moods (the others wait in a barrier, which costs no
+    CPU). Rank 0's answer is the one kept."""
+    import torch
+    import torch.distributed as dist
+
+    own = own_group(rank, world)
+    ratios = {rows: [] for _, rows in shapes}
+    for _ in range(ALTERNATIONS):
+        for h, rows in shapes:
+            torch.set_num_threads(1)
+            dist.barrier()
+            loaded = layer_seconds(h, rows, "fp32", min_seconds / ALTERNATIONS, own)
+            dist.barrier()
+            if rank == 0:
+                torch.set_num_threads(world)
+                ratios[rows].append(loaded / layer_seconds(h, rows, "fp32",
+                                                           min_seconds / ALTERNATIONS, own))
+            dist.barrier()
+    return {rows: statistics.median(r) for rows, r in ratios.items() if r}
 
 
 def _optimizer_seconds() -> float:
@@ -125,28 +162,57 @@ def _optimizer_seconds() -> float:
     return (time.perf_counter() - started) / 5
 
 
-def tp_layer_seconds(rank: int, world: int, min_seconds: float) -> tuple[float, ...]:
-    """Seconds of the layer's forward + backward alone on each rank, then (wall, CPU) split
-    over the ``world`` ranks as tensor parallelism (one thread each), at ``TP_SHAPE``:
-    alternately, so that the comparison sees the same machine."""
+def tp_call_seconds(rank: int, world: int, min_seconds: float) -> tuple[float, ...]:
+    """Mean (wall, CPU) seconds of one of the TP collectives of the layer split over the
+    ``world`` ranks (one thread each, ``TP_SHAPE``), each timed from its issue to its end,
+    then the same with sequence parallelism (its all-gathers and reduce-scatters): each run
+    for ``min_seconds``, so that the means take in the waits of a group larger than the
+    cores for a member without a core."""
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
+    figures = ()
+    for sequence_parallel in (False, True):
+        figures += _mean_call(world, min_seconds, sequence_parallel)
+    return figures
+
+
+def _mean_call(world: int, min_seconds: float, sequence_parallel: bool) -> tuple[float, float]:
+    import torch.distributed as dist
+
     from hybrid.comm import Group
 
-    own = _own_group(rank, world)
+    timer = _CallTimer()
+    timed = Group(dist.group.WORLD, list(range(world)), "tp", "gloo", observer=timer)
     every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
-    alone, split, cpu = [], [], []
-    for _ in range(3):  # alternate, so that both see the machine's same moods
-        dist.barrier()
-        alone.append(layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, own))
-        dist.barrier()
-        cpu_started, started = time.process_time(), time.perf_counter()
-        split.append(layer_seconds(*TP_SHAPE, "fp32", min_seconds / 3, every))
-        runs = round((time.perf_counter() - started) / split[-1])
-        cpu.append((time.process_time() - cpu_started) / max(runs, 1))
-    return statistics.median(alone), statistics.median(split), statistics.median(cpu)
+    heads = max(TP_SHAPE[0] // 64, world)  # every rank holds whole heads
+    run = _layer_run(*TP_SHAPE, "fp32", timed, heads, sequence_parallel)
+    run()  # warm-up
+    timer.calls, timer.wall, timer.cpu = 0, 0.0, 0.0
+    started = time.perf_counter()
+    while _all_go_on(time.perf_counter() - started < min_seconds or timer.calls < 20, every):
+        run()
+    return timer.wall / timer.calls, timer.cpu / timer.calls
+
+
+class _CallTimer:
+    """Stands in for a ``Group``'s observer: times each collective from its issue to its end
+    (wall and this process's CPU)."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.calls, self.wall, self.cpu = 0, 0.0, 0.0
+
+    def collective(self, group, op, kind, payload, issue, waits: bool):
+        cpu, begun = time.process_time(), time.perf_counter()
+        work = issue()
+        if waits and work is not None:
+            work.wait()  # the caller's wait then returns at once
+        self.wall += time.perf_counter() - begun
+        self.cpu += time.process_time() - cpu
+        self.calls += 1
+        return work
 
 
 def collective_times(rank: int, world: int, repeats: int) -> tuple[float, ...]:

@@ -44,11 +44,32 @@ def test_calibrate_writes_a_device_that_plans_use(tmp_path):
     assert device.flops["fp32"] > 1e8 and device.cores >= 1
     assert device.optimizer_s_per_param > 0 and device.thread_speedup > 0
     assert set(device.group_links) == {"2"} and device.intra_for(8) == device.group_links["2"]
+    # per TP call (and SP's) by group size; no crowding measured with one rank a core
+    assert set(device.tp_calls) == {"2"} and len(device.tp_calls["2"]) == 4
+    assert device.tp_call(2) == (device.collective_overhead_s, device.collective_cpu_s)
+    assert device.core_efficiency == {} and device.split_backward_factor > 0
     assert json.loads(out.read_text())["name"].startswith("calibrated:")
     planned = subprocess.run([PLAN, "model=tiny", "parallel.tp=2", f"cost.device={out}"],
                              capture_output=True, text=True, timeout=60)
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "predicted on calibrated:" in planned.stdout
+
+
+def test_a_tp_call_is_its_measured_mean_less_its_ring_time():
+    from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
+    from hybrid.planning.cost.devices import PRESETS
+    from launch.calibrate import tp_overhead
+    from launch.calibrate_ranks import TP_SHAPE
+
+    device = PRESETS["cpu"]
+    activation = TP_SHAPE[0] * TP_SHAPE[1] * 4
+    ring = ring_all_reduce(activation, 4, device.intra)
+    sp_ring = ring_gather(activation, 4, device.intra)  # both factors 1 on the preset
+    wall, cpu, sp_wall, sp_cpu = tp_overhead([ring + 3e-3, 1e-3, sp_ring + 2e-3, 5e-3],
+                                             device, ways=4)
+    assert (wall, cpu) == pytest.approx((3e-3, 1e-3))
+    assert (sp_wall, sp_cpu) == pytest.approx((2e-3, 2e-3))  # CPU never above the wall
+    assert tp_overhead([ring / 2, 0.0, 0.0, 0.0], device, ways=4)[0] == 0.0
 
 
 def test_calibrate_refuses_bad_flags_in_one_line():

@@ -67,11 +67,25 @@ class Device:
     """How much faster one rank computes with every core's thread than with one, on wide
     work; less on few tokens: ``1 + (thread_speedup - 1) * rows / (rows + thread_half_rows)``."""
     thread_half_rows: float = 0.0
+    core_efficiency: dict = field(default_factory=dict)
+    """By ranks on the node (``"4"``, ``"8"``, ...; more than ``cores``): what share of the
+    cores' throughput with one rank per core they keep (context switches, caches), measured
+    by ``hybrid-plan calibrate``; other counts use the nearest measured one (none: 1)."""
+    split_backward_factor: float = 1.0
+    """A backward split into ``I`` and a deferred ``W`` (zero-bubble schedules) over the
+    whole backward's time (on a CPU's small caches ``W`` reads cold data)."""
     collective_overhead_s: float = 0.0
     """Seconds each tensor-parallel collective costs beyond its ring time: the framework's
     own work per call (measured by ``hybrid-plan calibrate`` on a real 2-way TP layer)."""
     collective_cpu_s: float = 0.0
     """Of that, CPU work (the rest is waiting, which other ranks can fill on shared cores)."""
+    tp_calls: dict = field(default_factory=dict)
+    """Measured ``[wall, cpu]`` seconds per TP collective beyond its ring time, then the same
+    for sequence parallelism's all-gathers and reduce-scatters, by TP group size inside one
+    node (``"2"``, ``"4"``, ...), from ``hybrid-plan calibrate``: a group larger than the
+    node's cores waits at every call for members that are not running, which no per-call
+    figure of a smaller group shows. Other sizes use the nearest measured one; empty:
+    ``collective_overhead_s`` and ``collective_cpu_s``."""
     all_gather_factor: float = 1.0
     """An all-gather's time over the ring formula's (gloo's is not a ring)."""
     reduce_scatter_factor: float = 1.0
@@ -104,6 +118,24 @@ class Device:
             speedup = (self.thread_speedup - 1) * rows / (rows + self.thread_half_rows)
             rate *= 1 + speedup * (min(threads, self.cores) - 1) / (self.cores - 1)
         return rate
+
+    def sharing_efficiency(self, ranks: int) -> float:
+        """What share of the cores' throughput ``ranks`` ranks on one node keep."""
+        if not self.core_efficiency or ranks <= self.cores:
+            return 1.0
+        nearest = min(self.core_efficiency, key=lambda n: (abs(int(n) - ranks), int(n)))
+        return float(self.core_efficiency[nearest])
+
+    def tp_call(self, group_size: int, sequence_parallel: bool = False
+                ) -> tuple[float, float]:
+        """(wall, CPU) seconds per TP collective of a ``group_size``-way group, beyond its ring
+        time (see ``tp_calls``)."""
+        if not self.tp_calls:
+            return self.collective_overhead_s, self.collective_cpu_s
+        nearest = min(self.tp_calls, key=lambda n: (abs(int(n) - group_size), int(n)))
+        measured = self.tp_calls[nearest]
+        wall, cpu = measured[2:4] if sequence_parallel and len(measured) > 2 else measured[:2]
+        return float(wall), float(cpu)
 
     def intra_for(self, group_size: int) -> Link:
         """The link a collective among ``group_size`` ranks of one node runs at."""
@@ -192,8 +224,12 @@ def load_device(name: str) -> Device:
                   cores=int(data.get("cores", 0)),
                   thread_speedup=float(data.get("thread_speedup", 1.0)),
                   thread_half_rows=float(data.get("thread_half_rows", 0.0)),
+                  core_efficiency={n: float(e) for n, e
+                                   in data.get("core_efficiency", {}).items()},
+                  split_backward_factor=float(data.get("split_backward_factor", 1.0)),
                   collective_overhead_s=float(data.get("collective_overhead_s", 0.0)),
                   collective_cpu_s=float(data.get("collective_cpu_s", 0.0)),
+                  tp_calls={n: list(call) for n, call in data.get("tp_calls", {}).items()},
                   all_gather_factor=float(data.get("all_gather_factor", 1.0)),
                   peak=dict(data.get("peak", {})),
                   host=bool(data.get("host", int(data.get("cores", 0)) > 0)),

@@ -33,7 +33,7 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
         timing = DpTime(device=device, link=link, params=est.params, backward=last_backward[r],
                         makespan=makespan, matmul_width=cfg.model.hidden / plan.layout.tp)
         pair = reduction.time(traffic, timing, options, sharding)
-        worst = max(worst, pair, key=lambda p: p[1])
+        worst = max(worst, pair, key=lambda p: (p[1], p[0]))  # ties: the longer
     return worst
 
 

@@ -1,25 +1,28 @@
 """Predicted step time of a planned job on a device (pure: no torch).
 
 Each stage's compute comes from its FLOPs at the device's achieved rate; tensor-parallel
-collectives, pipeline sends, context parallelism's ring (``context_time``) and the data-parallel
-gradient reduction from their volumes over the link they cross (inside a node or between
-nodes). The pipeline's makespan, bubbles
-included, is hybrid's own simulator run on those per-stage times; the DP reduction overlaps the
-last micro-batch's backward and only what sticks out counts (ZeRO-1's parameter all-gather
-after the step never overlaps); the optimizer step follows. The achieved rate depends on the
-work's width per TP rank and its tokens per micro-batch, and on CPU on the threads each rank
-gets and the cores the node's ranks share (``hybrid.planning.cost.devices``).
+collectives (``tp_time``: the calls hybrid's layers make, each at the device's cost per call
+beyond its ring time), pipeline sends, context parallelism's ring (``context_time``) and the
+data-parallel gradient reduction from their volumes over the link they cross (inside a node
+or between nodes). The pipeline's makespan, bubbles included, is hybrid's own simulator run on
+those per-stage times (a zero-bubble split backward at the device's ``split_backward_factor``);
+the DP reduction overlaps the last micro-batch's backward and only what sticks out counts
+(ZeRO-1's parameter all-gather after the step never overlaps; on a CPU host gloo reduces on
+the cores that compute, so none of it hides); the optimizer step follows. The achieved rate
+depends on the work's width per TP rank and its tokens per micro-batch, and on CPU on the
+threads each rank gets and the cores the node's ranks share (``hybrid.planning.cost.devices``):
+a node with more ranks than cores cannot finish before its cores have done every rank's work.
 
-FLOPs come from ``hybrid.planning.cost.flops``. ``tflops_per_device`` counts the model's FLOPs as Narayanan et al. 2021 do (their Eq. 3:
-with full recompute the extra forward counts; selective recompute's is not counted, as
-Korthikanti et al. 2022's model FLOPs do not), so it compares with their tables.
+FLOPs come from ``hybrid.planning.cost.flops``. ``tflops_per_device`` counts the model's FLOPs
+as Narayanan et al. 2021 do (their Eq. 3: with full recompute the extra forward counts;
+selective recompute's is not counted, as Korthikanti et al. 2022's model FLOPs do not), so it
+compares with their tables.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
 from hybrid.planning.cost.context_time import ring_times
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.dp_time import dp_times
@@ -27,7 +30,9 @@ from hybrid.planning.cost.flops import (
     attention_core_flops, head_forward_flops, layer_forward_flops, paper_flops_per_step,
 )
 from hybrid.planning.cost.sizes import BYTES
+from hybrid.planning.cost.tp_time import tp_traffic
 from hybrid.planning.job import JobPlan
+from hybrid.planning.schedules.registry import schedule_splits_backward
 from hybrid.planning.cost.makespan import (
     closed_form_bubble, makespan_lower_bound, simulated_makespan,
 )
@@ -83,8 +88,10 @@ class _StageTimes:
     cp_exposed: float = 0.0
 
 
-def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
-    """One micro-batch of one stage on one TP rank: forward and full backward seconds. Under
+def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = False
+                 ) -> _StageTimes:
+    """One micro-batch of one stage on one TP rank: forward and full backward seconds
+    (``split``: as ``I`` + ``W``, at the device's ``split_backward_factor``). Under
     context parallelism a rank works on ``seq_len / cp`` tokens (zigzag: a ``1 / cp`` share of
     the attention too) and passes keys and values around its ring."""
     cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
@@ -92,43 +99,33 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range) -> _StageTimes:
     rate = device.compute_rate(cfg.train.precision, m.hidden / tp, b * m.seq_len / cp,
                                threads_per_rank(plan, device))
     act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision] / cp
-    tp_link = _link(plan, device, "tp")
     layers = sum(1 for block in blocks if 1 <= block <= m.layers)
     compute = layers * layer_forward_flops(m, b) / tp / cp / rate
     ring = ring_times(cfg, plan.layout, _link(plan, device, "cp"),
                       attention_core_flops(m, b) / tp / cp / rate, overlaps=not device.cores)
-    # After attention and after the MLP: an all-reduce, or with sequence parallelism an
-    # all-gather before and a reduce-scatter after (the same ring volume, not the same time
-    # on every backend: hybrid.planning.cost.devices).
-    if cfg.parallel.sequence_parallel and tp > 1:
-        layer_wire = ring_gather(act, tp, tp_link) * (device.all_gather_factor
-                                                      + device.reduce_scatter_factor)
-        layer_calls = 2
-    else:
-        layer_wire, layer_calls = ring_all_reduce(act, tp, tp_link), 1
-    wire, calls = layers * 2 * layer_wire, layers * 2 * layer_calls
-    if 0 in blocks:  # the vocabulary-parallel embedding sums its shards
-        wire, calls = wire + ring_all_reduce(act, tp, tp_link), calls + 1
     if m.layers + 1 in blocks:
         compute += head_forward_flops(m, b) / tp / cp / rate
-        wire += 3 * ring_all_reduce(4 * b * m.seq_len / cp, tp, tp_link)  # cross entropy
-        calls += 3
-    call = device.collective_overhead_s if tp > 1 else 0.0
+    traffic = tp_traffic(plan, device, _link(plan, device, "tp"), blocks, act, layers)
+    fwd_wire, fwd_calls, bwd_wire, bwd_calls = traffic.forward + traffic.backward
+    call, call_cpu = (device.tp_call(tp, cfg.parallel.sequence_parallel) if tp > 1
+                      else (0.0, 0.0))
     recompute_wire = recompute_calls = 0.0
     extra = 0.0
     if m.recompute == "full":
         extra = layers * layer_forward_flops(m, b) / tp / cp / rate
-        recompute_wire, recompute_calls = layers * 2 * layer_wire, layers * 2 * layer_calls
+        recompute_wire, recompute_calls = traffic.layers
     elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
         extra = layers * attention_core_flops(m, b) / tp / rate
-    tp_fwd = wire + calls * call
+    tp_fwd, tp_bwd = fwd_wire + fwd_calls * call, bwd_wire + bwd_calls * call
     recompute_comm = recompute_wire + recompute_calls * call
-    waiting = (device.collective_overhead_s - device.collective_cpu_s) if tp > 1 else 0.0
+    all_calls = fwd_calls + bwd_calls + recompute_calls
+    backward_compute = 2 * compute * (device.split_backward_factor if split else 1.0)
     return _StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s,
-                       backward=(2 * compute + tp_fwd + extra + recompute_comm
+                       backward=(backward_compute + tp_bwd + extra + recompute_comm
                                  + layers * ring.backward_exposed_s),
-                       tp_comm=2 * tp_fwd + recompute_comm,
-                       tp_wire=2 * wire + recompute_wire + (2 * calls + recompute_calls) * waiting,
+                       tp_comm=tp_fwd + tp_bwd + recompute_comm,
+                       tp_wire=(fwd_wire + bwd_wire + recompute_wire
+                                + all_calls * (call - call_cpu)),
                        cp_ring=layers * (ring.forward_s + ring.backward_s),
                        cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
 
@@ -151,7 +148,11 @@ class _Parts:
 
 
 def _parts(plan: JobPlan, device: Device) -> _Parts:
-    times = [_stage_times(plan, device, stage.blocks) for stage in plan.stages]
+    # Zero-bubble schedules split every stage's backward but the first's (it has no input
+    # gradient to hurry: its I is empty and its W the whole backward).
+    splits = schedule_splits_backward(plan.schedule.name)
+    times = [_stage_times(plan, device, stage.blocks, split=splits and stage.index > 0)
+             for stage in plan.stages]
     m = plan.schedule.microbatches
     per_rank = [[times[st.index] for st in plan.stages_of(r)] for r in range(plan.layout.pp)]
     return _Parts(
@@ -198,12 +199,12 @@ def closed_form_and_bound(plan: JobPlan, device: Device) -> tuple[StepPrediction
                          max(parts.busy) + closed_form_bubble(plan, parts.times, parts.p2p),
                          simulated=False)
     lowest = makespan_lower_bound(plan, parts.times, parts.p2p, parts.busy)
-    bound = _prediction(plan, device, parts, lowest, simulated=False, exposed_at_least=True)
+    bound = _prediction(plan, device, parts, lowest, simulated=False)
     return closed, bound.step_time_s
 
 
 def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
-                simulated: bool, exposed_at_least: bool = False) -> StepPrediction:
+                simulated: bool) -> StepPrediction:
     cfg, layout = plan.cfg, plan.layout
     m = plan.schedule.microbatches
     per_rank = [[parts.times[st.index] for st in plan.stages_of(r)] for r in range(layout.pp)]
@@ -211,15 +212,15 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
     dp_link = _link(plan, device, "dp")
     last_backward = [sum(t.backward for t in ts) for ts in per_rank]
     dp_s, dp_exposed = dp_times(plan, device, dp_link, last_backward, makespan)
-    # A reduction that hides in the makespan shows less of itself the longer the pipeline
-    # runs: beside the cores' bound it is counted at the least it can show.
-    floor_exposed = (dp_times(plan, device, dp_link, last_backward, float("inf"))[1]
-                     if exposed_at_least and device.cores else dp_exposed)
+    if device.cores:
+        # gloo reduces on the cores that compute (the link was measured with every rank of
+        # the node reducing at once): nothing of it hides behind the backward.
+        dp_exposed = dp_s
     optimizer = parts.optimizer
     step = max(makespan + dp_exposed + max(optimizer),
                _shared_cores_time(plan, device,
                                   [b + o for b, o in zip(parts.cpu_busy, optimizer)],
-                                  max(parts.wire)) + floor_exposed)
+                                  max(parts.wire)) + dp_exposed)
     return StepPrediction(
         step_time_s=step, compute_s=parts.busy[busiest],
         bubble_s=makespan - parts.busy[busiest],
@@ -245,15 +246,21 @@ def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: f
                        ) -> float:
     """With more ranks on a node than cores (``device.cores``), the node cannot finish before
     its cores have done every rank's work: each pipeline rank's compute, TP call overheads
-    and optimizer step (the same for all its DP and TP peers), over the cores. Waiting on a
-    TP ring is not work, but the ranks of one TP group wait together: only the node's other
-    TP groups can use the cores meanwhile, so ``wire / groups`` of it stays exposed."""
+    and optimizer step (the same for all its DP and TP peers), and gloo's CPU for each
+    pipeline message, over the cores at the share of their throughput that many ranks keep.
+    Waiting on a TP ring is not work, but the ranks of one TP group wait together: only the
+    node's other TP groups (or, in a group larger than the cores, its members that are not
+    running) can use the cores meanwhile, so ``wire / groups`` of it stays exposed."""
     if not device.cores or plan.priced_ranks_per_node <= device.cores:
         return 0.0
     layout = plan.layout
     nodes = max(1, layout.world_size // plan.priced_ranks_per_node)
-    groups = max(1, plan.priced_ranks_per_node // layout.tp)
-    return layout.dp * layout.cp * layout.tp * sum(work) / nodes / device.cores + wire / groups
+    groups = max(1.0, plan.priced_ranks_per_node / min(layout.tp, device.cores))
+    rate = device.cores * device.sharing_efficiency(plan.priced_ranks_per_node)
+    # one message each way per micro-batch across each boundary between virtual stages
+    messages = 2 * plan.schedule.microbatches * (layout.pp * layout.vpp - 1)
+    replica = sum(work) + messages * device.collective_cpu_s
+    return layout.dp * layout.cp * layout.tp * replica / nodes / rate + wire / groups
 
 
 def _p2p_time(plan: JobPlan, device: Device) -> float:
