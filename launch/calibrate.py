@@ -58,7 +58,7 @@ REFERENCE = (256, 1024)
 
 CALIBRATED_ERROR = ("calibrated on this host; on this project's 2-core VMs the model's step "
                     "time is off by 11-16% on average (Spearman 0.82-0.92) over "
-                    "bench/cost_vs_measured.py's 16 layouts, TP layouts up to 35% slow "
+                    "bench/cost_vs_measured.py's 16 layouts, TP layouts predicted up to 42% slow "
                     "(docs/sweeps.md)")
 CALIBRATED_ERROR_FRACTION = 0.14
 

@@ -6,9 +6,8 @@ zero-bubble schedule's split backward costs over the whole one. Runs inside
 from __future__ import annotations
 
 import statistics
-import time
 
-from launch.calibrate_ranks import ALTERNATIONS, SEQ, TP_SHAPE, own_group
+from launch.calibrate_ranks import ALTERNATIONS, SEQ, TP_SHAPE, median_seconds, own_group
 
 STACK_LAYERS = 4
 """Layers in the stack timed for the node's sharing and the split backward: several, so that
@@ -71,22 +70,12 @@ def node_sharing(rank: int, world: int, min_seconds: float, cores: int) -> dict:
             rates[n].append(_node_rate(fused, rank < n, min_seconds / ALTERNATIONS))
         dist.barrier()
         if rank < cores:
-            ratios.append(_seconds(split, min_seconds / ALTERNATIONS)
-                          / _seconds(fused, min_seconds / ALTERNATIONS))
+            ratios.append(median_seconds(split, min_seconds / ALTERNATIONS)
+                          / median_seconds(fused, min_seconds / ALTERNATIONS))
         dist.barrier()
     base = statistics.median(rates[cores])
     return {"efficiency": {str(n): statistics.median(r) / base for n, r in rates.items()},
             "split_backward": statistics.median(ratios) if ratios else 1.0}
-
-
-def _seconds(work, min_seconds: float) -> float:
-    """Median seconds of ``work()``, run for at least ``min_seconds`` (at least 3 times)."""
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < min_seconds or len(times) < 3:
-        begun = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - begun)
-    return statistics.median(times)
 
 
 def _node_rate(work, running: bool, min_seconds: float) -> float:
@@ -95,7 +84,7 @@ def _node_rate(work, running: bool, min_seconds: float) -> float:
     import torch.distributed as dist
 
     dist.barrier()
-    rate = torch.tensor([1.0 / _seconds(work, min_seconds) if running else 0.0],
+    rate = torch.tensor([1.0 / median_seconds(work, min_seconds) if running else 0.0],
                         dtype=torch.float64)
     dist.all_reduce(rate)
     return float(rate.item())

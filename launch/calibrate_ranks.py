@@ -20,16 +20,20 @@ ALTERNATIONS = 5
 """Times a figure that compares two timings takes each of them, in turn (the median kept)."""
 
 
-def layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, group,
-                  heads: int = 0) -> float:
-    """Median seconds of one forward + backward of hybrid's transformer layer (``heads``: 0
-    for one per 64 of ``hidden``)."""
-    once = _layer_run(hidden, rows, dtype_name, group, heads)
+def layer_seconds(hidden: int, rows: int, dtype_name: str, min_seconds: float, group) -> float:
+    """Median seconds of one forward + backward of hybrid's transformer layer."""
+    once = _layer_run(hidden, rows, dtype_name, group)
     once()  # warm-up
+    return median_seconds(once, min_seconds, group)
+
+
+def median_seconds(work, min_seconds: float, group=None) -> float:
+    """Median seconds of ``work()``, run for at least ``min_seconds`` and 3 times; with a
+    ``group`` whose ranks run it collectively, as often on every rank (``_all_go_on``)."""
     times, started = [], time.perf_counter()
     while _all_go_on(time.perf_counter() - started < min_seconds or len(times) < 3, group):
         begun = time.perf_counter()
-        once()
+        work()
         times.append(time.perf_counter() - begun)
     return statistics.median(times)  # a shared machine's bursts fall outside the median
 
@@ -62,7 +66,7 @@ def _all_go_on(mine: bool, group) -> bool:
     """Whether any rank of ``group`` wants another run: ranks that time a collective layer
     must run it the same number of times, or one waits forever in a collective the others
     never join (each rank's clock passes ``min_seconds`` at its own run)."""
-    if group.size() == 1:
+    if group is None or group.size() == 1:
         return mine
     import torch
     import torch.distributed as dist

@@ -123,8 +123,7 @@ class Device:
         """What share of the cores' throughput ``ranks`` ranks on one node keep."""
         if not self.core_efficiency or ranks <= self.cores:
             return 1.0
-        nearest = min(self.core_efficiency, key=lambda n: (abs(int(n) - ranks), int(n)))
-        return float(self.core_efficiency[nearest])
+        return float(_nearest(self.core_efficiency, ranks))
 
     def tp_call(self, group_size: int, sequence_parallel: bool = False
                 ) -> tuple[float, float]:
@@ -132,8 +131,7 @@ class Device:
         time (see ``tp_calls``)."""
         if not self.tp_calls:
             return self.collective_overhead_s, self.collective_cpu_s
-        nearest = min(self.tp_calls, key=lambda n: (abs(int(n) - group_size), int(n)))
-        measured = self.tp_calls[nearest]
+        measured = _nearest(self.tp_calls, group_size)
         wall, cpu = measured[2:4] if sequence_parallel and len(measured) > 2 else measured[:2]
         return float(wall), float(cpu)
 
@@ -141,11 +139,16 @@ class Device:
         """The link a collective among ``group_size`` ranks of one node runs at."""
         if not self.group_links:
             return self.intra
-        nearest = min(self.group_links, key=lambda n: (abs(int(n) - group_size), int(n)))
-        return self.group_links[nearest]
+        return _nearest(self.group_links, group_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _nearest(by_size: dict, size: int):
+    """The entry of a table keyed by group size (``"2"``, ``"4"``, ...) nearest ``size``
+    (the smaller on a tie)."""
+    return by_size[min(by_size, key=lambda n: (abs(int(n) - size), int(n)))]
 
 
 ADAMW_BYTES_PER_PARAM = 28
