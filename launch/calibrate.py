@@ -22,7 +22,10 @@ threads ``hybrid-train`` gives it):
   each collective timed from its issue to its end; what the mean takes beyond its ring time
   is ``tp_calls`` by group size (the framework's own cost, the peers' skew and, in a group
   larger than the cores, the wait for members that are not running); the 2-way figure is
-  also ``collective_overhead_s``.
+  also ``collective_overhead_s``. The same split layer with its collectives not issued,
+  timed in turn with the whole layer, gives what a shard's compute costs over the price of
+  a layer ``hidden / tp`` wide (``tp_compute``: its matmuls keep the full hidden size on
+  one side, and run faster than that).
 - **Cores** the ranks share, what share of their throughput 2, 4, ... times as many ranks
   keep (``core_efficiency``: a stack of layers per rank, so caches fill as a model's do), what
   a zero-bubble schedule's split backward costs over the whole one
@@ -153,11 +156,11 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
         memory_bytes=_available_memory() // max(max_ranks, 1),
         intra=links.get("2", preset.intra), group_links=links, host=True,
         error=CALIBRATED_ERROR, error_fraction=CALIBRATED_ERROR_FRACTION)
-    calls = _tp_calls(device, max_ranks, min_seconds)
+    calls, shard_factors = _tp_calls(device, max_ranks, min_seconds)
     sharing = spawn(node_sharing, max(max_ranks, cores), 2 * min_seconds, cores,
                     timeout=300)[0]
     device = replace(device, collective_overhead_s=calls["2"][0], collective_cpu_s=calls["2"][1],
-                     tp_calls=calls,
+                     tp_calls=calls, tp_compute=shard_factors,
                      # more ranks than cores never gain throughput: above 1 is noise
                      core_efficiency={n: min(e, 1.0) for n, e in sharing["efficiency"].items()
                                       if int(n) > cores},
@@ -167,19 +170,30 @@ def calibrate(max_ranks: int, min_seconds: float, repeats: int) -> tuple[Device,
     return device, raw
 
 
-def _tp_calls(device: Device, max_ranks: int, min_seconds: float) -> dict[str, list[float]]:
-    """By group size (2, 4, ... up to ``max_ranks``): ``tp_overhead`` of a layer split over
-    a group that size, the mean over its ranks."""
+def _tp_calls(device: Device, max_ranks: int, min_seconds: float
+              ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """By group size (2, 4, ... up to ``max_ranks``), the means over a split layer's ranks:
+    ``tp_overhead`` of its collectives, and ``shard_factor`` of its compute."""
     from hybrid.testing import spawn
 
-    calls = {}
+    calls, shards = {}, {}
     ways = 2
     while ways <= max_ranks:
         times = spawn(tp_call_seconds, ways, 2 * min_seconds, timeout=300)
         calls[str(ways)] = tp_overhead([statistics.mean(t[i] for t in times)
                                         for i in range(4)], device, ways)
+        shards[str(ways)] = shard_factor(statistics.mean(t[4] for t in times), device, ways)
         ways *= 2
-    return calls
+    return calls, shards
+
+
+def shard_factor(ratio: float, device: Device, ways: int) -> float:
+    """``Device.tp_compute`` for a ``ways``-way group from the shard's measured time over the
+    whole layer's (``ratio``, at ``TP_SHAPE``): the shard's time over what the model prices
+    it at, a ``1 / ways`` share of the layer's FLOPs at the rate of width ``hidden / ways``."""
+    h, rows = TP_SHAPE
+    priced = device.compute_rate("fp32", h, rows) / device.compute_rate("fp32", h / ways, rows)
+    return ratio * ways / priced
 
 
 def _available_memory() -> int:
@@ -233,7 +247,9 @@ def _summary(device: Device, raw: dict) -> str:
              f"{TP_SHAPE[1]} tokens): " + ", ".join(
                  f"{n}-way {call[0] * 1e3:.2f} ms ({call[1] * 1e3:.2f} ms of it CPU work), "
                  f"with sequence parallelism {call[2] * 1e3:.2f} ms ({call[3] * 1e3:.2f})"
-                 for n, call in device.tp_calls.items())]
+                 for n, call in device.tp_calls.items()),
+             "a TP shard's compute over its price at width hidden / tp: " + ", ".join(
+                 f"{n}-way x{f:.2f}" for n, f in device.tp_compute.items())]
     lines.append("ranks sharing the cores keep of their throughput: " + (", ".join(
         f"{n} ranks {e:.0%}" for n, e in device.core_efficiency.items()) or "(not measured)")
         + f"; a zero-bubble split backward (I + W) takes x{device.split_backward_factor:.2f} "

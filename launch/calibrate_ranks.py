@@ -178,7 +178,41 @@ def tp_call_seconds(rank: int, world: int, min_seconds: float) -> tuple[float, .
     figures = ()
     for sequence_parallel in (False, True):
         figures += _mean_call(world, min_seconds, sequence_parallel)
-    return figures
+    return figures + (_shard_ratio(rank, world, min_seconds),)
+
+
+def _shard_ratio(rank: int, world: int, min_seconds: float) -> float:
+    """One rank's ``world``-way TP shard of the layer (its collectives not issued) over the
+    whole layer on that rank, both at ``TP_SHAPE`` on one thread while every rank runs the
+    same, timed in turn ``ALTERNATIONS`` times (the median): the shard's compute alone."""
+    import torch.distributed as dist
+
+    from hybrid.comm import Group
+
+    shard_group = Group(dist.group.WORLD, list(range(world)), "tp", "gloo",
+                        observer=_SkipCollectives())
+    shard = _layer_run(*TP_SHAPE, "fp32", shard_group, max(TP_SHAPE[0] // 64, world))
+    whole = _layer_run(*TP_SHAPE, "fp32", own_group(rank, world))
+    shard()
+    whole()  # warm-up
+    ratios = []
+    for _ in range(ALTERNATIONS):
+        dist.barrier()
+        alone = median_seconds(whole, min_seconds / ALTERNATIONS)
+        dist.barrier()
+        ratios.append(median_seconds(shard, min_seconds / ALTERNATIONS) / alone)
+    return statistics.median(ratios)
+
+
+class _SkipCollectives:
+    """A ``Group``'s observer that issues none of its collectives: a TP layer computes as
+    it would, on its own rank's shard, with nothing to wait for (its sums are wrong, which
+    timing does not mind; the layer's TP collectives all work in place)."""
+
+    active = True
+
+    def collective(self, group, op, kind, payload, issue, waits: bool):
+        return None
 
 
 def _mean_call(world: int, min_seconds: float, sequence_parallel: bool) -> tuple[float, float]:

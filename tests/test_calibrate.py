@@ -4,11 +4,12 @@ file that ``cost.device`` then uses."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from hybrid.planning.cost.devices import load_device
+from hybrid.planning.cost.devices import PRESETS, load_device
 from launch.calibrate import LARGE_BYTES, SHAPES, fit_rate, ring_link
 
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
@@ -47,6 +48,7 @@ def test_calibrate_writes_a_device_that_plans_use(tmp_path):
     # per TP call (and SP's) by group size; no crowding measured with one rank a core
     assert set(device.tp_calls) == {"2"} and len(device.tp_calls["2"]) == 4
     assert device.tp_call(2) == (device.collective_overhead_s, device.collective_cpu_s)
+    assert set(device.tp_compute) == {"2"} and 0.2 < device.tp_compute["2"] < 5
     assert device.core_efficiency == {} and device.split_backward_factor > 0
     assert json.loads(out.read_text())["name"].startswith("calibrated:")
     planned = subprocess.run([PLAN, "model=tiny", "parallel.tp=2", f"cost.device={out}"],
@@ -57,7 +59,6 @@ def test_calibrate_writes_a_device_that_plans_use(tmp_path):
 
 def test_a_tp_call_is_its_measured_mean_less_its_ring_time():
     from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
-    from hybrid.planning.cost.devices import PRESETS
     from launch.calibrate import tp_overhead
     from launch.calibrate_ranks import TP_SHAPE
 
@@ -70,6 +71,17 @@ def test_a_tp_call_is_its_measured_mean_less_its_ring_time():
     assert (wall, cpu) == pytest.approx((3e-3, 1e-3))
     assert (sp_wall, sp_cpu) == pytest.approx((2e-3, 2e-3))  # CPU never above the wall
     assert tp_overhead([ring / 2, 0.0, 0.0, 0.0], device, ways=4)[0] == 0.0
+
+
+def test_a_tp_shards_factor_is_its_time_over_its_price():
+    from launch.calibrate import shard_factor
+    from launch.calibrate_ranks import TP_SHAPE
+
+    flat = replace(PRESETS["cpu"], matmul_half_width=0.0)
+    assert shard_factor(0.5, flat, 2) == pytest.approx(1.0)  # half the time, as priced
+    narrow = replace(flat, matmul_half_width=TP_SHAPE[0])  # priced: 1/2 at 1/1.5 the rate
+    assert shard_factor(0.5, narrow, 2) == pytest.approx(1 / 1.5)
+    assert shard_factor(0.3, narrow, 4) == pytest.approx(0.3 * 4 / (0.5 / 0.2))
 
 
 def test_calibrate_refuses_bad_flags_in_one_line():

@@ -52,6 +52,27 @@ def test_a_tp_group_larger_than_the_cores_pays_its_own_measured_call():
     assert predict(large, tp=4).step_time_s > predict(small, tp=4).step_time_s
 
 
+def test_a_tp_shards_compute_costs_its_measured_share_of_its_price():
+    """``tp_compute`` scales a TP rank's layer compute (forward, backward and full
+    recompute's forward again) and nothing else: not its collectives, not its head, not
+    layouts without TP."""
+    from hybrid.planning.cost.flops import layer_forward_flops
+
+    shard = replace(HOST, tp_compute={"2": 0.5, "4": 0.8})
+    assert shard.tp_compute_factor(1) == 1.0 and HOST.tp_compute_factor(2) == 1.0
+    assert shard.tp_compute_factor(8) == 0.8  # the nearest measured size
+    rate = HOST.compute_rate("fp32", SMALL.hidden / 2, 2 * SMALL.seq_len)
+    layers = 8 * 3 * SMALL.layers * layer_forward_flops(SMALL, 2) / 2 / rate  # a step's
+    for recompute, passes in (("none", 3), ("full", 4)):
+        cfg = config(tp=2)
+        cfg.model = replace(SMALL, recompute=recompute)
+        priced, measured = (predict_step(plan_job(cfg), d) for d in (HOST, shard))
+        assert measured.tp_s == priced.tp_s
+        assert measured.compute_s == pytest.approx(
+            priced.compute_s - passes / 3 * layers / 2, rel=1e-9)
+    assert predict(shard, dp=2).step_time_s == predict(dp=2).step_time_s
+
+
 def test_tp_calls_per_step_are_the_ones_hybrids_model_makes():
     """Per micro-batch, forward: two all-reduces a layer, the embedding's and the cross
     entropy's one gather; backward: two a layer and the head's input gradient (a tp2 run of

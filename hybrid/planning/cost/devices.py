@@ -86,6 +86,13 @@ class Device:
     node's cores waits at every call for members that are not running, which no per-call
     figure of a smaller group shows. Other sizes use the nearest measured one; empty:
     ``collective_overhead_s`` and ``collective_cpu_s``."""
+    tp_compute: dict = field(default_factory=dict)
+    """By TP group size (``"2"``, ``"4"``, ...): one rank's shard of a layer, timed, over
+    what ``compute_rate`` at width ``hidden / tp`` prices it at, from ``hybrid-plan
+    calibrate``. A shard's matmuls keep the full hidden size on one side, so they run faster
+    than a layer ``hidden / tp`` wide (on this project's 2-core machine, at about 0.85, 0.7
+    and 0.6 of that price 2-, 4- and 8-way). Other sizes use the nearest measured one; none:
+    1 (the GPU presets' fits price the narrow width)."""
     all_gather_factor: float = 1.0
     """An all-gather's time over the ring formula's (gloo's is not a ring)."""
     reduce_scatter_factor: float = 1.0
@@ -134,6 +141,12 @@ class Device:
         measured = _nearest(self.tp_calls, group_size)
         wall, cpu = measured[2:4] if sequence_parallel and len(measured) > 2 else measured[:2]
         return float(wall), float(cpu)
+
+    def tp_compute_factor(self, group_size: int) -> float:
+        """What a ``group_size``-way TP shard's layer compute costs over its priced time."""
+        if group_size <= 1 or not self.tp_compute:
+            return 1.0
+        return float(_nearest(self.tp_compute, group_size))
 
     def intra_for(self, group_size: int) -> Link:
         """The link a collective among ``group_size`` ranks of one node runs at."""
@@ -233,6 +246,7 @@ def load_device(name: str) -> Device:
                   collective_overhead_s=float(data.get("collective_overhead_s", 0.0)),
                   collective_cpu_s=float(data.get("collective_cpu_s", 0.0)),
                   tp_calls={n: list(call) for n, call in data.get("tp_calls", {}).items()},
+                  tp_compute={n: float(f) for n, f in data.get("tp_compute", {}).items()},
                   all_gather_factor=float(data.get("all_gather_factor", 1.0)),
                   peak=dict(data.get("peak", {})),
                   host=bool(data.get("host", int(data.get("cores", 0)) > 0)),

@@ -100,7 +100,8 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
                                threads_per_rank(plan, device))
     act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision] / cp
     layers = sum(1 for block in blocks if 1 <= block <= m.layers)
-    compute = layers * layer_forward_flops(m, b) / tp / cp / rate
+    layer = layer_forward_flops(m, b) / tp / cp / rate * device.tp_compute_factor(tp)
+    compute = layers * layer
     ring = ring_times(cfg, plan.layout, _link(plan, device, "cp"),
                       attention_core_flops(m, b) / tp / cp / rate, overlaps=not device.cores)
     if m.layers + 1 in blocks:
@@ -112,7 +113,7 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
     recompute_wire = recompute_calls = 0.0
     extra = 0.0
     if m.recompute == "full":
-        extra = layers * layer_forward_flops(m, b) / tp / cp / rate
+        extra = layers * layer
         recompute_wire, recompute_calls = traffic.layers
     elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
         extra = layers * attention_core_flops(m, b) / tp / rate
