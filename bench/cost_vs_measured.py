@@ -15,9 +15,12 @@ times rank alike (the machine's own noise floor for the model's rank correlation
 
 A calibration is paired with the round it precedes because this shared machine's speed moves
 by 10-20% over minutes (the same layout measured twice, or calibrated twice, differs by that):
-the bench measures the model, not how far the machine has drifted since calibrating.
+the bench measures the model, not how far the machine has drifted since calibrating. Three
+rounds by default (about 22 minutes): the median of three outvotes one round's outlier, a
+layout measured in a slow minute or a calibration timed in one (two rounds' median is their
+mean, and carries half of either).
 
-    .venv/bin/python bench/cost_vs_measured.py [--device FILE] [--steps 10] [--rounds 2] [--out DIR]
+    .venv/bin/python bench/cost_vs_measured.py [--device FILE] [--steps 10] [--rounds 3] [--out DIR]
     .venv/bin/python bench/cost_vs_measured.py --out DIR --predict-again   # after a model change
 """
 
@@ -140,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", help="a calibrated device file (default: calibrate now)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="where the runs go (default: a temporary directory)")
     parser.add_argument("--predict-again", action="store_true",
                         help="train nothing: predict the runs --out kept, on their rounds' "
