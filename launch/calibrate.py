@@ -60,10 +60,10 @@ REFERENCE = (256, 1024)
 
 
 CALIBRATED_ERROR = ("calibrated on this host; on this project's 2-core VMs the model's step "
-                    "time is off by 11-16% on average (Spearman 0.82-0.92) over "
-                    "bench/cost_vs_measured.py's 16 layouts, TP layouts predicted up to 42% slow "
-                    "(docs/sweeps.md)")
-CALIBRATED_ERROR_FRACTION = 0.14
+                    "time is off by 11-13% on average (Spearman 0.92-0.99) over "
+                    "bench/cost_vs_measured.py's 16 layouts, TP groups on 4-8 ranks sharing the "
+                    "cores predicted up to 34% slow, pipelines up to 19% fast (docs/sweeps.md)")
+CALIBRATED_ERROR_FRACTION = 0.12
 
 
 def tp_overhead(figures: list[float], device: Device, ways: int = 2) -> list[float]:
