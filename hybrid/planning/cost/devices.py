@@ -90,9 +90,9 @@ class Device:
     """By TP group size (``"2"``, ``"4"``, ...): one rank's shard of a layer, timed, over
     what ``compute_rate`` at width ``hidden / tp`` prices it at, from ``hybrid-plan
     calibrate``. A shard's matmuls keep the full hidden size on one side, so they run faster
-    than a layer ``hidden / tp`` wide (on this project's 2-core machine, at about 0.85, 0.7
-    and 0.6 of that price 2-, 4- and 8-way). Other sizes use the nearest measured one; none:
-    1 (the GPU presets' fits price the narrow width)."""
+    than a layer ``hidden / tp`` wide (on this project's 2-core machine, at 0.82-0.87,
+    0.69-0.82 and 0.56-0.73 of that price 2-, 4- and 8-way). Other sizes use the nearest
+    measured one; none: 1 (the GPU presets' fits price the narrow width)."""
     all_gather_factor: float = 1.0
     """An all-gather's time over the ring formula's (gloo's is not a ring)."""
     reduce_scatter_factor: float = 1.0
