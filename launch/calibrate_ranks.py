@@ -171,7 +171,7 @@ def tp_call_seconds(rank: int, world: int, min_seconds: float) -> tuple[float, .
     ``world`` ranks (one thread each, ``TP_SHAPE``), each timed from its issue to its end,
     then the same with sequence parallelism (its all-gathers and reduce-scatters): each run
     for ``min_seconds``, so that the means take in the waits of a group larger than the
-    cores for a member without a core."""
+    cores for a member without a core; last, ``_shard_ratio``."""
     import torch
 
     torch.set_num_threads(1)
@@ -198,9 +198,9 @@ def _shard_ratio(rank: int, world: int, min_seconds: float) -> float:
     ratios = []
     for _ in range(ALTERNATIONS):
         dist.barrier()
-        alone = median_seconds(whole, min_seconds / ALTERNATIONS)
+        whole_s = median_seconds(whole, min_seconds / ALTERNATIONS)
         dist.barrier()
-        ratios.append(median_seconds(shard, min_seconds / ALTERNATIONS) / alone)
+        ratios.append(median_seconds(shard, min_seconds / ALTERNATIONS) / whole_s)
     return statistics.median(ratios)
 
 
