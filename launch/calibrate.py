@@ -60,7 +60,7 @@ REFERENCE = (256, 1024)
 
 
 CALIBRATED_ERROR = ("calibrated on this host; on this project's 2-core VMs the model's step "
-                    "time is off by 11-13% on average (Spearman 0.92-0.99) over "
+                    "time is off by 10.9-12.7% on average (Spearman 0.915-0.985) over "
                     "bench/cost_vs_measured.py's 16 layouts, TP groups on 4-8 ranks sharing the "
                     "cores predicted up to 34% slow, pipelines up to 19% fast (docs/sweeps.md)")
 CALIBRATED_ERROR_FRACTION = 0.12

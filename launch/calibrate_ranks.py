@@ -191,7 +191,7 @@ def _shard_ratio(rank: int, world: int, min_seconds: float) -> float:
 
     shard_group = Group(dist.group.WORLD, list(range(world)), "tp", "gloo",
                         observer=_SkipCollectives())
-    shard = _layer_run(*TP_SHAPE, "fp32", shard_group, max(TP_SHAPE[0] // 64, world))
+    shard = _layer_run(*TP_SHAPE, "fp32", shard_group, _tp_heads(world))
     whole = _layer_run(*TP_SHAPE, "fp32", own_group(rank, world))
     shard()
     whole()  # warm-up
@@ -202,6 +202,11 @@ def _shard_ratio(rank: int, world: int, min_seconds: float) -> float:
         dist.barrier()
         ratios.append(median_seconds(shard, min_seconds / ALTERNATIONS) / whole_s)
     return statistics.median(ratios)
+
+
+def _tp_heads(ways: int) -> int:
+    """Heads of the ``TP_SHAPE`` layer split ``ways`` ways: every rank holds whole heads."""
+    return max(TP_SHAPE[0] // 64, ways)
 
 
 class _SkipCollectives:
@@ -223,8 +228,7 @@ def _mean_call(world: int, min_seconds: float, sequence_parallel: bool) -> tuple
     timer = _CallTimer()
     timed = Group(dist.group.WORLD, list(range(world)), "tp", "gloo", observer=timer)
     every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
-    heads = max(TP_SHAPE[0] // 64, world)  # every rank holds whole heads
-    run = _layer_run(*TP_SHAPE, "fp32", timed, heads, sequence_parallel)
+    run = _layer_run(*TP_SHAPE, "fp32", timed, _tp_heads(world), sequence_parallel)
     run()  # warm-up
     timer.calls, timer.wall, timer.cpu = 0, 0.0, 0.0
     started = time.perf_counter()
