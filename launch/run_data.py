@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.checkpoint.store import TOKENIZER_FILE
-from hybrid.data.examples import write_example
+from hybrid.data.dataset import DataError
+from hybrid.data.examples import user_cache_dir, write_example
 from hybrid.data.megatron import build_caches
 from hybrid.data.metadata import read_meta, tokenizer_path
 from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes
@@ -26,10 +27,10 @@ def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
     """``plan`` with its data placed and its tokenizer recorded (see the module doc)."""
     data = plan.cfg.data
     if data.source == "indexed":
-        cache = (Path(data.cache_dir).expanduser() if data.cache_dir else
-                 Path(run_dir) / DATA_CACHE).resolve()
-        prefixes = (write_example(data.example, cache),) if data.example else \
-            resolve_prefixes(data)
+        chosen = Path(data.cache_dir).expanduser().resolve() if data.cache_dir else None
+        cache = chosen or (Path(run_dir) / DATA_CACHE).resolve()
+        prefixes = (_built_example(data.example, chosen or user_cache_dir()),) \
+            if data.example else resolve_prefixes(data)
         plan = plan.with_data(prefixes, str(cache))
         started = time.monotonic()
         if build_caches(indexed_spec(plan)):
@@ -42,6 +43,20 @@ def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
     if tokenizer_path(recorded).is_file():
         write_text(Path(run_dir) / TOKENIZER_FILE, tokenizer_path(recorded).read_text())
     return plan.with_tokenizer(meta["tokenizer"])
+
+
+def _built_example(name: str, folder: Path) -> str:
+    """A built-in corpus's prefix, built once per machine into ``folder``."""
+    try:
+        prefix, built = write_example(name, folder)
+    except OSError as err:
+        raise DataError(f"cannot build the built-in corpus {name} into {folder}: "
+                        f"{err.strerror or err}; choose a writable folder with "
+                        f"data.cache_dir=DIR") from None
+    if built:
+        print(f"data: built {name} in {Path(prefix).parent}, once for this machine",
+              file=sys.stderr)
+    return prefix
 
 
 def _recorded_data(plan: JobPlan) -> Optional[str]:

@@ -28,7 +28,8 @@ from hybrid.checkpoint.store import (
     read_manifest, resolve_resume,
 )
 from hybrid.data import validate_data
-from hybrid.data.fingerprint import changed_file, data_files, fingerprint, order_changes
+from hybrid.data.fingerprint import (changed_file, changed_tokenizer, data_files, fingerprint,
+                                     order_changes)
 from hybrid.errors import UserError
 from hybrid.files import RunDirError, write_error, write_text
 from hybrid.planning.config import Config
@@ -163,7 +164,8 @@ def check_resumed_data(plan: JobPlan) -> None:
     for change in order_changes(saved, plan.cfg):
         print(f"warning: resuming with {change}: the data order from here on is not the "
               f"saved run's", file=sys.stderr)
-    changed = changed_file(saved["files"], fingerprint(data_files(plan.cfg, plan.data_prefixes)))
+    changed = (changed_file(saved["files"], fingerprint(data_files(plan.cfg, plan.data_prefixes)))
+               or changed_tokenizer(saved, plan.tokenizer))
     if changed:
         raise CheckpointError(f"the data is not what checkpoint {plan.resume_from} trained on: "
                               f"{changed}; restore it, or start a new run from the "

@@ -5,6 +5,33 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory) -> Path:
+    """The user's cache (``$XDG_CACHE_HOME``) of every run the tests start: one for the session,
+    so the built-in corpus is built once, as on a user's machine, and never in the user's own
+    cache."""
+    import os
+
+    cache = tmp_path_factory.mktemp("user-cache")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    return cache / "hybrid"
+
+
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory) -> tuple[Path, str]:
+    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 100
+    and 120, which changes nothing in training): its run directory and console output."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path_factory.mktemp("main-job")
+    done = subprocess.run([str(Path(sys.executable).parent / "hybrid-train"),
+                           f"hydra.run.dir={run_dir}", "checkpoint.every=100"],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, done.stdout
+
+
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory) -> dict[str, Path]:
     """The run directories of ``test_train_e2e``'s 1-process runs, untied and tied embeddings:

@@ -30,21 +30,17 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_main_job_trains_on_english_text_with_the_validation_loss_beside(tmp_path):
-    """The README's first command's job as it is (only its run directory chosen): CPython's
-    documentation, the loss and the validation loss falling, printed side by side."""
-    import subprocess
-    import sys
-
+def test_the_main_job_trains_on_english_text_with_the_validation_loss_beside(main_job, user_cache):
+    """The README's first command's job as it is (``main_job``): CPython's documentation, the
+    loss and the validation loss falling, printed side by side; the corpus built once for the
+    machine, in the user's cache."""
     from hybrid.metrics import read_metrics
 
-    done = subprocess.run([str(Path(sys.executable).parent / "hybrid-train"),
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                          timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = read_metrics(tmp_path / "metrics.jsonl")
+    run_dir, stdout = main_job
+    records = read_metrics(run_dir / "metrics.jsonl")
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     assert sorted(evals) == [20, 40, 60, 80, 100, 120]
     assert records[-1]["loss"] < records[0]["loss"] - 2 and evals[120] < evals[20]
-    assert "step   120/120  eval_loss" in done.stdout
-    assert (tmp_path / "data_cache" / "examples" / "python-docs.bin").is_file()
+    assert "step   120/120  eval_loss" in stdout
+    assert len(list((user_cache / "examples").glob("python-docs-*.bin"))) == 1
+    assert not (run_dir / "data_cache" / "examples").exists()

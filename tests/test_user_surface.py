@@ -215,7 +215,8 @@ def test_the_docs_load_an_exported_model_in_a_python_session_of_its_own(trained,
 @pytest.mark.slow
 def test_a_resume_reads_the_data_its_checkpoint_read(tmp_path):
     """The checkpoint records its data (size and edges' hash) and the seed and global batch
-    that order it: other data is refused in one line, another order is warned of."""
+    that order it: other data is refused in one line, the same bytes at another path are
+    accepted, another order is warned of."""
     import numpy as np
 
     tokens = tmp_path / "tokens.bin"
@@ -237,10 +238,16 @@ def test_a_resume_reads_the_data_its_checkpoint_read(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "warning: resuming with seed=8 (the checkpoint's 1234): the data order from here " \
            "on is not the saved run's" in done.stderr
+    moved = tmp_path / "moved" / "tokens.bin"  # the same bytes elsewhere: the same data
+    moved.parent.mkdir()
+    shutil.copy(tokens, moved)
+    done = resume("moved", "data=tokens", f"data.path={moved}")
+    assert done.returncode == 0, done.stderr[-2000:]
     other = tmp_path / "other.bin"
-    shutil.copy(tokens, other)
+    np.random.default_rng(1).integers(0, 256, 20_000, dtype=np.uint16).tofile(other)
     done = resume("swapped", "data=tokens", f"data.path={other}")
-    one_line_error(done, f"it trained on {tokens}, this run reads {other}")
+    one_line_error(done, f"{other} (the checkpoint's {tokens}) has the same size but other "
+                         f"contents than then")
     with open(tokens, "r+b") as handle:
         handle.truncate(30_000)
     done = resume("truncated", *data)

@@ -191,7 +191,8 @@ class Checkpointer:
     def _data_record(self) -> dict:
         """What the run's data is (``hybrid.data.fingerprint``): read once, on rank 0."""
         if self._data is None:
-            self._data = run_data_record(self.cfg, tuple(self.plan.data_prefixes))
+            self._data = run_data_record(self.cfg, tuple(self.plan.data_prefixes),
+                                         self.plan.tokenizer)
         return self._data
 
     # ----- loading ---------------------------------------------------------------------------

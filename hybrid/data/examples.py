@@ -5,10 +5,20 @@ shows), which every Python installation carries: about 2,600 paragraphs of Engli
 document each, tokenized byte by byte (vocabulary 256) into Megatron's indexed format. It is
 what the main job trains on, so that ``hybrid-train`` works on real text with nothing to
 download or prepare.
+
+A corpus is built once per machine, not once per run, into the user's cache
+(``$XDG_CACHE_HOME/hybrid``, else ``~/.cache/hybrid``; ``data.cache_dir`` instead when set),
+as HF datasets and Megatron's index cache do. Its name carries a hash of its text and of this
+module's build version, so another Python's documentation (or a changed build) gets files of
+its own instead of a stale copy. Runs that start together may build it at once: each writes
+whole files under names of its own and renames them into place, the record last
+(``hybrid.files.AtomicFiles``), so a reader finds either the complete corpus or none.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import tempfile
 from pathlib import Path
 
@@ -17,6 +27,14 @@ from hybrid.data.metadata import read_meta
 from hybrid.data.prepare import Request, prepare_data
 
 EXAMPLES_FOLDER = "examples"
+BUILD_VERSION = "1"
+"""Bump when the tokenization of the built-in corpora changes: older builds are not reused."""
+
+
+def user_cache_dir() -> Path:
+    """Where hybrid keeps what it builds once per machine."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hybrid"
 
 
 def python_docs_text() -> str:
@@ -25,15 +43,24 @@ def python_docs_text() -> str:
     return "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
 
 
-def write_example(name: str, folder: Path) -> str:
-    """The prefix of example ``name`` in ``folder``, written unless it is there already."""
-    prefix = Path(folder) / EXAMPLES_FOLDER / name
+def example_prefix(name: str, folder: Path, text: str) -> Path:
+    """Where example ``name`` with ``text`` lies in ``folder`` (named by its content)."""
+    digest = hashlib.sha256(f"{BUILD_VERSION}\0{text}".encode("utf-8")).hexdigest()[:12]
+    return Path(folder) / EXAMPLES_FOLDER / f"{name}-{digest}"
+
+
+def write_example(name: str, folder: Path) -> tuple[str, bool]:
+    """The prefix of example ``name`` in ``folder``, and whether this call wrote it (it is
+    written unless it is there already)."""
+    text = python_docs_text()
+    prefix = example_prefix(name, folder, text)
     if read_meta(str(prefix)) is None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=prefix.parent) as tmp:
-            text = Path(tmp) / f"{name}.txt"
-            text.write_text(python_docs_text(), encoding="utf-8")
-            prepare_data(Request(inputs=[str(text)], output=str(prefix), format="indexed",
+        with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".build-") as tmp:
+            source = Path(tmp) / f"{name}.txt"
+            source.write_text(text, encoding="utf-8")
+            prepare_data(Request(inputs=[str(source)], output=str(prefix), format="indexed",
                                  read=ReadOptions(documents="blank-lines"), progress=False,
                                  force=True))
-    return str(prefix)
+        return str(prefix), True
+    return str(prefix), False

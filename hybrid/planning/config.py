@@ -179,11 +179,14 @@ class DataConfig:
     (Megatron's convention; normalised)."""
     cache_dir: Optional[str] = None
     """source=indexed: where megatron-core's sample-index caches go, built once before the
-    ranks start; None means ``<run dir>/data_cache``. Never the data's own folder."""
+    ranks start, and a built-in corpus (``example``); None means ``<run dir>/data_cache`` for
+    the indices and the user's cache (``$XDG_CACHE_HOME/hybrid``, else ``~/.cache/hybrid``)
+    for the corpus. Never the data's own folder."""
     example: Optional[str] = None
-    """source=indexed: a built-in corpus instead of files, tokenized at launch into the cache
-    folder: python-docs (CPython's documentation topics, which every Python carries: about
-    2,600 paragraphs of English, one document each, byte-level: vocabulary 256)."""
+    """source=indexed: a built-in corpus instead of files, tokenized once per machine into the
+    user's cache (or ``cache_dir``): python-docs (CPython's documentation topics, which every
+    Python carries: about 2,600 paragraphs of English, one document each, byte-level:
+    vocabulary 256)."""
 
 
 @dataclass(kw_only=True)
