@@ -39,7 +39,7 @@ from hybrid.planning.config import from_dict
 from hybrid.planning.cost.devices import load_device
 from hybrid.planning.job import plan_job
 from hybrid.planning.cost.steptime import predict_step
-from launch.sweep_report import spearman
+from launch.reports.sweep_report import spearman
 
 BIN = Path(sys.executable).parent
 MODEL = ["parallel=single", "model=small", "model.layers=8", "model.hidden=256", "model.heads=8",

@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    from launch.local import run_local
+    from launch.launchers.local import run_local
 
     total = (args.blocks + 1) * args.steps * len(MODES) + 2
     single = [*train_overrides("small", total), "parallel=single"]

@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    from launch.local import run_local
+    from launch.launchers.local import run_local
 
     if "zb-v" in args.schedules or (args.vpp > 1) != ("interleaved-1f1b" in args.schedules):
         parser.error("schedules of one placement: loop-placed with --vpp 1, or "

@@ -11,7 +11,7 @@ import time
 
 from hybrid.planning.cost.devices import load_device
 from hybrid.planning.cost.search import search
-from launch.app import compose_plan_config
+from launch.commands.app import compose_plan_config
 
 BOUND_S = 10.0
 

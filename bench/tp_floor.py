@@ -208,7 +208,7 @@ def composed(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     from hybrid.planning.config import to_dict
-    from launch.app import CONF_DIR, register_schemas
+    from launch.commands.app import CONF_DIR, register_schemas
 
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -240,7 +240,7 @@ def cpu_trainer(cfg_dict: dict, run_dir):
 
 def run_floor(overrides: list[str], blocks: int, steps: int, profile: bool = False) -> dict:
     """Compose the config, run ``measure`` on its ranks; the medians and the floor."""
-    from launch.local import run_local
+    from launch.launchers.local import run_local
 
     total = (2 * (blocks + 1) + 2) * steps + 2
     cfg = composed([*overrides, f"train.steps={total}"])

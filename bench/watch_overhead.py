@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
-    from launch.local import run_local
+    from launch.launchers.local import run_local
 
     total = 2 * (args.blocks + 1) * args.steps
     cfg = composed([f"train.steps={total}", "train.timeline_step=0"])

@@ -90,7 +90,7 @@ def worker_main(plan_dict: dict, run_dir: str) -> dict:
         plan = settle_measured_partition(plan, groups, Path(run_dir))
         return train(plan, groups, Path(run_dir), store, dataset, eval_dataset)
     except UserError as err:
-        # The launcher prints a UserError's line and nothing else (launch.run.failure_line):
+        # The launcher prints a UserError's line and nothing else (launch.launchers.run.failure_line):
         # bad input found on a rank (a damaged checkpoint, a diverging run) is no bug.
         raise UserError(str(err)) from err
     finally:

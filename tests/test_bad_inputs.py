@@ -198,7 +198,7 @@ def test_a_signal_mid_run_stops_every_process_with_one_line(sig, code, needle, t
 def test_ctrl_c_inside_a_library_cleanup_still_counts_as_ctrl_c():
     """The start-up race behind the test below: Ctrl-C landing in OmegaConf's flag restore
     surfaces as an AttributeError whose context is the KeyboardInterrupt."""
-    from launch.failures import interrupted_by
+    from launch.launchers.failures import interrupted_by
 
     try:
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.planning.cost.devices import PRESETS, load_device
-from launch.calibrate import LARGE_BYTES, SHAPES, fit_rate, ring_link
+from launch.calibration.calibrate import LARGE_BYTES, SHAPES, fit_rate, ring_link
 
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
 
@@ -59,8 +59,8 @@ def test_calibrate_writes_a_device_that_plans_use(tmp_path):
 
 def test_a_tp_call_is_its_measured_mean_less_its_ring_time():
     from hybrid.planning.cost.collectives import ring_all_reduce, ring_gather
-    from launch.calibrate import tp_overhead
-    from launch.calibrate_ranks import TP_SHAPE
+    from launch.calibration.calibrate import tp_overhead
+    from launch.calibration.ranks import TP_SHAPE
 
     device = PRESETS["cpu"]
     activation = TP_SHAPE[0] * TP_SHAPE[1] * 4
@@ -74,8 +74,8 @@ def test_a_tp_call_is_its_measured_mean_less_its_ring_time():
 
 
 def test_a_tp_shards_factor_is_its_time_over_its_price():
-    from launch.calibrate import shard_factor
-    from launch.calibrate_ranks import TP_SHAPE
+    from launch.calibration.calibrate import shard_factor
+    from launch.calibration.ranks import TP_SHAPE
 
     flat = replace(PRESETS["cpu"], matmul_half_width=0.0)
     assert shard_factor(0.5, flat, 2) == pytest.approx(1.0)  # half the time, as priced
@@ -98,7 +98,7 @@ def _timed_tp_layer(rank, world, late_s):
     import torch.distributed as dist
 
     from hybrid.comm import Group
-    from launch.calibrate_ranks import TP_SHAPE, layer_seconds
+    from launch.calibration.ranks import TP_SHAPE, layer_seconds
 
     every = Group(dist.group.WORLD, list(range(world)), "tp", "gloo")
     if rank == 1:

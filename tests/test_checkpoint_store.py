@@ -95,7 +95,7 @@ def test_metadata_unpickler_refuses_anything_but_dcp_classes(tmp_path):
 
 def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(tmp_path):
     from hybrid.planning.config import Config, TrainConfig
-    from launch.train import resolve_checkpointing
+    from launch.commands.train import resolve_checkpointing
 
     path = make_checkpoint(tmp_path / "checkpoints", 10)
     cfg = Config(train=TrainConfig(steps=10))

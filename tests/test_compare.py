@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.loss_compare import (CompareError, Run, compare_losses, deviations_from_reference,
+from launch.reports.loss_compare import (CompareError, Run, compare_losses, deviations_from_reference,
                                  numerics_differences, summary_line)
 
 COMPARE = str(Path(sys.executable).parent / "hybrid-compare")

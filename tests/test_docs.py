@@ -2,14 +2,14 @@
 
 from pathlib import Path
 
-from launch.config_reference import render
+from launch.commands.config_reference import render
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_config_reference_is_up_to_date():
     page = (ROOT / "docs" / "config.md").read_text()
-    assert page == render(), "regenerate: python -m launch.config_reference > docs/config.md"
+    assert page == render(), "regenerate: python -m launch.commands.config_reference > docs/config.md"
 
 
 def test_every_schema_field_is_documented():

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from launch.local import WorkerFailure, default_omp_threads, run_local, worker_env_summary
+from launch.launchers.local import WorkerFailure, default_omp_threads, run_local, worker_env_summary
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 LONG_JOB_S = 600  # far beyond every test timeout: a worker only ends early if it is stopped
@@ -153,7 +153,7 @@ def test_sigint_to_one_worker_is_a_failure_not_a_hang(tmp_path):
 LAUNCHER_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests_dir!r})
-    from launch.local import run_local
+    from launch.launchers.local import run_local
     import test_launcher
 
     if __name__ == "__main__":

@@ -14,7 +14,7 @@ from hybrid.planning.cost.search import candidates, search
 from hybrid.planning.cost.steptime import predict_step, simulates, step_lower_bound
 from hybrid.planning.job import plan_job
 from hybrid.planning.layout import LayoutError
-from launch.app import compose_plan_config
+from launch.commands.app import compose_plan_config
 
 A100 = PRESETS["a100-80gb"]
 GPT_7B = ModelConfig(name="7.5b", layers=36, hidden=4096, heads=32, vocab=51200,

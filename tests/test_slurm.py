@@ -97,7 +97,7 @@ def test_dry_run_prints_the_job_script_node_command_and_rank_table(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=4",
                  "#SBATCH --partition=debug", "#SBATCH --time=30"):
         assert line in out.splitlines(), line
-    assert re.search(rf"^\S*python\S* -m launch.slurm_node {tmp_path}$", out, re.M), out
+    assert re.search(rf"^\S*python\S* -m launch.launchers.slurm_node {tmp_path}$", out, re.M), out
     assert "--kill-on-bad-exit=1" in out and "export HYBRID_RDZV_PORT=" in out
     table = out.split("rank  node  dp  tp  pp\n", 1)[1].splitlines()[:8]
     assert [row.split() for row in table] == [

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.launchers import LAUNCHERS  # first: registers them in launcher.name's order
-import launch.slurm as slurm
-from launch.failures import LaunchFailed
-from launch.slurm_partition import partition_problem
+from launch.launchers.registered import LAUNCHERS  # first: registers them in launcher.name's order
+import launch.launchers.slurm as slurm
+from launch.launchers.failures import LaunchFailed
+from launch.launchers.slurm_partition import partition_problem
 
 
 def test_a_partition_that_can_hold_the_job_or_cannot_say_has_no_problem():

@@ -134,7 +134,7 @@ def test_importing_all_of_planning_loads_no_torch():
 
 PURE_OUTSIDE_PLANNING = ("hybrid.pipeline.timeline", "hybrid.checkpoint.store", "hybrid.stall",
                          "hybrid.stragglers", "hybrid.files", "hybrid.data", "hybrid.data.prepare",
-                         "hybrid.data.megatron", "launch.data", "launch.run_data")
+                         "hybrid.data.megatron", "launch.commands.data", "launch.commands.run_data")
 """Runtime-side modules the launcher uses before any worker starts: no torch either."""
 
 

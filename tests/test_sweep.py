@@ -12,7 +12,7 @@ import pytest
 
 from hybrid.planning.cost.devices import calibrated_path, load_device
 
-from launch.sweep_report import spearman
+from launch.reports.sweep_report import spearman
 
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data=synthetic", "train.steps=3", "train.global_batch=4",

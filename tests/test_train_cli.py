@@ -98,7 +98,7 @@ def _fork_servers() -> set[int]:
 def test_a_refused_config_ends_the_fork_server_it_started_early(tmp_path):
     """hybrid-train starts its workers' fork server before it reads the config (the imports
     overlap); a config refused before launch must not leave it importing on its own."""
-    from launch.console import may_start_workers_here
+    from launch.commands.console import may_start_workers_here
 
     assert may_start_workers_here(["model=tiny", "data=synthetic", "parallel.dp=3"])
     assert not may_start_workers_here(["-m", "parallel.dp=1,2"])

@@ -149,7 +149,7 @@ def test_config_dataclasses_are_keyword_only_and_documented():
     ({"name": "mpirun"}, "launcher.name='mpirun' is unknown; choose one of local, torchrun, slurm"),
 ])
 def test_each_launcher_words_its_own_rules(launcher, expected):
-    from launch.launchers import launcher_problem
+    from launch.launchers.registered import launcher_problem
 
     cfg = make(launcher=launcher)
     validate_config(cfg)  # the layout's rules hold: what is left is the launcher's
@@ -158,7 +158,7 @@ def test_each_launcher_words_its_own_rules(launcher, expected):
 
 
 def test_torchrun_checkpoints_on_several_nodes_need_one_shared_directory():
-    from launch.launchers import launcher_problem
+    from launch.launchers.registered import launcher_problem
 
     cfg = make(launcher={"name": "torchrun", "nnodes": 2, "rdzv_endpoint": "h:1"})
     cfg.checkpoint.every = 5

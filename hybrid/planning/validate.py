@@ -3,7 +3,7 @@
 ``validate_config(cfg)`` raises ``LayoutError`` with one line naming the field, the values and
 the fix, or returns the ``Layout`` the job will use; ``plan_job`` calls it, once, before any
 process starts, so a bad config never starts one. The rules of a schedule, a DP strategy or a
-launcher are their own (their registries: ``schedules``, ``strategies``, ``launch.launcher``);
+launcher are their own (their registries: ``schedules``, ``strategies``, ``launch.launchers.launcher``);
 the choices of ``parallel.schedule``, ``parallel.dp_compress`` and ``parallel.zero`` are the
 registered ones.
 """
@@ -318,7 +318,7 @@ def _check_nodes(launcher) -> None:
                           f"{launcher.nnodes - 1} for launcher.nnodes={launcher.nnodes}")
     _above_zero("launcher.rdzv_timeout_s", launcher.rdzv_timeout_s)
     endpoint = launcher.rdzv_endpoint
-    if endpoint is None:  # whether the launcher needs one is its own rule (launch.launcher)
+    if endpoint is None:  # whether the launcher needs one is its own rule (launch.launchers.launcher)
         return
     host, _, port = str(endpoint).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -4,8 +4,8 @@
 (through submitit). A cluster that forbids submitit can start the same thing from its own
 job script, one task per node (docs/multinode.md has the template)::
 
-    export HYBRID_RDZV_PORT=$(python -m launch.slurm_node --free-port)   # on the first node
-    srun --ntasks-per-node=1 python -m launch.slurm_node RUN_DIR
+    export HYBRID_RDZV_PORT=$(python -m launch.launchers.slurm_node --free-port)   # on the first node
+    srun --ntasks-per-node=1 python -m launch.launchers.slurm_node RUN_DIR
 
 Slurm says where each task stands: ``SLURM_NODEID`` is the node's rank, and the job's first
 node (node 0, where the batch script and ``srun`` run: ``SLURM_LAUNCH_NODE_IPADDR``) hosts the
@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from launch.agent import run_agent
-from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
-from launch.rendezvous import Rendezvous
+from launch.launchers.agent import run_agent
+from launch.launchers.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
+from launch.launchers.rendezvous import Rendezvous
 
 RDZV_PORT_ENV = "HYBRID_RDZV_PORT"
 SLURM_VARIABLES = ("SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_TASKS",
                    "SLURM_LAUNCH_NODE_IPADDR", RDZV_PORT_ENV)
-USAGE = ("usage: python -m launch.slurm_node RUN_DIR (one Slurm task per node) | "
-         "python -m launch.slurm_node --free-port")
+USAGE = ("usage: python -m launch.launchers.slurm_node RUN_DIR (one Slurm task per node) | "
+         "python -m launch.launchers.slurm_node --free-port")
 
 
 def slurm_rendezvous(cfg, env: Mapping[str, str]) -> Rendezvous:
@@ -54,7 +54,7 @@ def slurm_rendezvous(cfg, env: Mapping[str, str]) -> Rendezvous:
 
 
 class SlurmNodeLauncher:
-    """This node's part of a Slurm job (``launch.run.launch`` with this launcher; not
+    """This node's part of a Slurm job (``launch.launchers.run.launch`` with this launcher; not
     registered: ``launcher=slurm`` names ``SlurmLauncher``, which submits the job)."""
 
     name = "slurm-node"
@@ -81,7 +81,7 @@ def run_node(run_dir: str) -> dict:
     submitting ``hybrid-train`` reads back: ``{"node": i, "results": [...]}`` (this node's
     ranks' summaries) or ``{"node": i, "error": "<one line>"}``."""
     from hybrid.planning.plan_file import load_plan
-    from launch.run import failure_line, launch
+    from launch.launchers.run import failure_line, launch
 
     path = Path(run_dir)
     plan = load_plan(path)  # made on the login node before submitting: never planned here
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     if "error" in outcome:
         sys.exit(f"error: node {outcome['node']}: {outcome['error']}")
     if outcome["node"] == 0:
-        from launch.run import report_results
+        from launch.launchers.run import report_results
 
         report_results(outcome["results"], Path(args[0]))
 

@@ -5,7 +5,7 @@
 
 runs every check on the login node, writes the resolved config into the run directory (which
 must be on a filesystem the nodes share, as submitit's own files are), then submits a job of
-``launcher.nnodes`` tasks. Each task is one node: ``launch.slurm_node.run_node`` runs the
+``launcher.nnodes`` tasks. Each task is one node: ``launch.launchers.slurm_node.run_node`` runs the
 node's torch elastic agent; the job script picks a free port on the first node, where the
 agents meet (torch's static rendezvous). By default ``hybrid-train`` waits, shows rank 0's
 progress and exits with the job's status (Ctrl-C cancels the job); ``launcher.wait=false``
@@ -13,7 +13,7 @@ prints the job id and the run directory and returns; ``launcher.dry_run=true`` p
 job script, the per-node command and the rank table, and submits nothing.
 
 In a Hydra multirun (``hybrid-train -m ... launcher=slurm``) every cell is submitted without
-waiting, so the cells run side by side as separate jobs; ``launch.sweep`` waits for them all
+waiting, so the cells run side by side as separate jobs; ``launch.reports.sweep`` waits for them all
 at the end of the sweep and reports each.
 """
 
@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launch.failures import LaunchFailed
-from launch.slurm_partition import NEVER_CLEARS, partition_nodes, partition_problem
-from launch.launcher import register_launcher
-from launch.slurm_node import RDZV_PORT_ENV
+from launch.launchers.failures import LaunchFailed
+from launch.launchers.slurm_partition import NEVER_CLEARS, partition_nodes, partition_problem
+from launch.launchers.launcher import register_launcher
+from launch.launchers.slurm_node import RDZV_PORT_ENV
 
 SLURM_DIR = "slurm"
 """submitit's folder in the run directory: job scripts, pickles, each task's log."""
 SWEEP_JOBS = "slurm_jobs.jsonl"
-"""In a multirun's sweep directory: one line per submitted cell (``launch.sweep``)."""
+"""In a multirun's sweep directory: one line per submitted cell (``launch.reports.sweep``)."""
 POLL_S = 0.5
 END_WAIT_S = 60.0
 """How long the job may take to end once every task has written its result."""
@@ -64,7 +64,7 @@ def sbatch_parameters(plan) -> dict[str, Any]:
         "additional_parameters": dict(launcher.sbatch) or None,
         # The first node's free port, exported to every task by srun.
         "setup": [*launcher.setup, f"export {RDZV_PORT_ENV}=$({shlex.quote(sys.executable)} "
-                                   f"-m launch.slurm_node --free-port)"],
+                                   f"-m launch.launchers.slurm_node --free-port)"],
         # One node that fails ends the job at once, not after the others' timeouts.
         "srun_args": ["--kill-on-bad-exit=1"],
     }
@@ -73,7 +73,7 @@ def sbatch_parameters(plan) -> dict[str, Any]:
 
 def node_command(run_dir: Path) -> str:
     """What each task runs, as a command line (submitit runs the same function)."""
-    return f"{shlex.quote(sys.executable)} -m launch.slurm_node {shlex.quote(str(run_dir))}"
+    return f"{shlex.quote(sys.executable)} -m launch.launchers.slurm_node {shlex.quote(str(run_dir))}"
 
 
 def dry_run_text(plan, run_dir: Path) -> str:
@@ -93,7 +93,7 @@ def dry_run_text(plan, run_dir: Path) -> str:
         f"{nproc} ranks per node; nothing was submitted", "",
         "# job script (sbatch):", script.rstrip(), "",
         "# per-node command (one task per node; submitit runs it as "
-        "launch.slurm_node.run_node):", node_command(run_dir), "",
+        "launch.launchers.slurm_node.run_node):", node_command(run_dir), "",
         "# ranks:", "rank  node  dp  " + "cp  " * (layout.cp > 1) + "tp  pp", *rows, "",
         f"# run directory (config.json and plan.json written): {run_dir}",
     ])
@@ -158,7 +158,7 @@ class SlurmLauncher:
 def submit(plan, run_dir: Path):
     import submitit
 
-    from launch.slurm_node import run_node
+    from launch.launchers.slurm_node import run_node
 
     executor = submitit.SlurmExecutor(folder=run_dir / SLURM_DIR, python=sys.executable)
     executor.update_parameters(**sbatch_parameters(plan))

@@ -32,7 +32,7 @@ threads ``hybrid-train`` gives it):
   (``split_backward_factor``), and host memory (one rank's share of what is available).
 
 Between nodes nothing can be measured from one machine: the ``cpu`` preset's link is kept.
-The ranks' timing code is ``launch.calibrate_ranks`` and ``launch.calibrate_node``; this
+The ranks' timing code is ``launch.calibration.ranks`` and ``launch.calibration.node``; this
 module runs it and fits the device.
 Later calls use the file with ``cost.device=calibrated`` (this host's default path) or
 ``cost.device=PATH``.
@@ -50,11 +50,11 @@ from pathlib import Path
 
 from hybrid.planning.cost.devices import PRESETS, Device, Link, calibrated_path
 from hybrid.planning.cost.collectives import ring_gather
-from launch.agent import MEGATRON_IMPORT_WARNING
-from launch.calibrate_ranks import (BF16_SHAPE, LARGE_BYTES, SHAPES, SMALL_BYTES, TP_SHAPE,
+from launch.launchers.agent import MEGATRON_IMPORT_WARNING
+from launch.calibration.ranks import (BF16_SHAPE, LARGE_BYTES, SHAPES, SMALL_BYTES, TP_SHAPE,
                                     collective_times, compute_rates, thread_speedups,
                                     tp_call_seconds)
-from launch.calibrate_node import node_sharing
+from launch.calibration.node import node_sharing
 
 REFERENCE = (256, 1024)
 
@@ -206,7 +206,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="hybrid-plan calibrate",
         description="Measure this machine for the cost model and write a device file "
-                    "(launch/calibrate.py says what is measured and how).")
+                    "(launch/calibration/calibrate.py says what is measured and how).")
     parser.add_argument("--out", default=str(calibrated_path()),
                         help="device file to write (default: %(default)s)")
     parser.add_argument("--max-ranks", type=int, default=8,

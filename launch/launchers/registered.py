@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Optional
 
 # Each import registers its launcher; this order is the order of launcher.name's choices.
-from launch import local  # noqa: I001
-from launch import torchrun
-from launch import slurm
-from launch.launcher import LAUNCHERS, Launcher, launcher_for
+from launch.launchers import local  # noqa: I001
+from launch.launchers import torchrun
+from launch.launchers import slurm
+from launch.launchers.launcher import LAUNCHERS, Launcher, launcher_for
 
 BUILT_IN = (local, torchrun, slurm)
 

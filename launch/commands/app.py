@@ -19,9 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from hybrid.errors import USER_ERROR_EXIT
 from hybrid.planning.config import Config, PlanConfig
 from hybrid.files import RunDirError
-from launch.failures import interrupted_by
+from launch.launchers.failures import interrupted_by
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 T = TypeVar("T", bound=Config)
 

@@ -1,4 +1,4 @@
-"""What each rank of ``hybrid-plan calibrate`` times (``launch.calibrate`` fits the device to
+"""What each rank of ``hybrid-plan calibrate`` times (``launch.calibration.calibrate`` fits the device to
 it): hybrid's transformer layer alone and split as tensor parallelism, the step after the
 backward, and gloo's collectives. Every function here runs inside ``hybrid.testing.spawn``'s
 processes; ranks that time something collective run it the same number of times

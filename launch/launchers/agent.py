@@ -1,5 +1,5 @@
 """Run a function on this node's workers under torch's elastic agent: the machinery behind
-every hybrid launcher (``launch/local.py``, ``launch/torchrun.py``).
+every hybrid launcher (``launch/launchers/local.py``, ``launch/launchers/torchrun.py``).
 
 ``run_agent(fn, args, nproc=4, rendezvous=..., run_dir=...)`` is ``torchrun`` done in-process:
 one agent on this node meets the other nodes' agents (``Rendezvous``), starts ``nproc``
@@ -7,12 +7,12 @@ workers with ``spawn`` or ``forkserver`` and gives each the usual torchrun varia
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) so that it can call
 ``torch.distributed.init_process_group(backend)`` itself. It returns this node's results.
 
-Failures (``launch/failures.py``): when a worker raises or dies, the agent stops all the
+Failures (``launch/launchers/failures.py``): when a worker raises or dies, the agent stops all the
 others and ``run_agent`` raises ``WorkerFailure`` (``rank 3 failed: ValueError: ...`` and the
 worker's traceback tail). Ctrl-C stops every worker, then raises ``KeyboardInterrupt``;
 SIGTERM, SIGHUP or SIGQUIT stop every worker, then raise ``LaunchInterrupted``. Nodes that do
 not meet within the rendezvous timeout raise ``RendezvousFailure``
-(``launch/rendezvous.py``).
+(``launch/launchers/rendezvous.py``).
 
 A script that calls it needs the ``if __name__ == "__main__":`` guard: spawned workers import
 the main module, and without the guard each would launch again.
@@ -28,9 +28,9 @@ import signal
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from launch.failures import (LaunchInterrupted, RestartNotices, WorkerInterrupted,
+from launch.launchers.failures import (LaunchInterrupted, RestartNotices, WorkerInterrupted,
                              worker_failure_from)
-from launch.rendezvous import Rendezvous, rendezvous_failure, wait_for_node0
+from launch.launchers.rendezvous import Rendezvous, rendezvous_failure, wait_for_node0
 
 WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
@@ -84,22 +84,13 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     Forked workers inherit the fork server's state from when it started (its environment
     and preloaded modules), not the launcher's current one: ``spawn`` is this function's
     default for arbitrary callers; ``hybrid-train`` uses the fork server
-    (``launcher.start_method``) and starts it first thing (``launch.console``), so that its
+    (``launcher.start_method``) and starts it first thing (``launch.commands.console``), so that its
     imports overlap the launcher's; each worker's OMP_NUM_THREADS comes from the agent.
     """
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
 
-    if nproc < 1:
-        raise ValueError(f"nproc={nproc} must be >= 1")
-    if omp_threads is not None and omp_threads < 1:
-        raise ValueError(f"launcher.omp_threads={omp_threads} must be >= 1, or null for "
-                         f"cores / workers")
-    if start_method not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method={start_method!r} is unsupported; use spawn or "
-                         f"forkserver (fork is unsafe once torch has started threads)")
+    _check_options(nproc, omp_threads, start_method)
     config = LaunchConfig(
         nproc_per_node=nproc, max_restarts=max_restarts, **rendezvous.launch_options(),
         start_method=start_method, monitor_interval=0.1, shutdown_timeout=shutdown_timeout_s,
@@ -120,19 +111,42 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
                                          os.path.join(os.fspath(run_dir), "workers"))), \
             _own_error_files():
         os.environ.update(_worker_environ(threads))
-        try:
-            results = elastic_launch(config, _call_entrypoint)(entrypoint, *args)
-        except ChildFailedError as err:
-            raise worker_failure_from(err) from None
-        except SignalException as err:
-            if err.sigval == signal.SIGINT:
-                raise KeyboardInterrupt(f"all {nproc} workers were stopped") from None
-            raise LaunchInterrupted(int(err.sigval), nproc) from None
-        except (dist.DistStoreError, dist.DistNetworkError) as err:
-            if rendezvous.endpoint is None:
-                raise  # one node meets on its own free port: not a rendezvous problem
-            raise rendezvous_failure(rendezvous, err) from None
+        results = _elastic_run(config, rendezvous, nproc, entrypoint, args)
     return [results[rank] for rank in sorted(results)]
+
+
+def _check_options(nproc: int, omp_threads: Optional[int], start_method: str) -> None:
+    """``run_agent``'s arguments (the launchers check the user's config before this)."""
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} must be >= 1")
+    if omp_threads is not None and omp_threads < 1:
+        raise ValueError(f"launcher.omp_threads={omp_threads} must be >= 1, or null for "
+                         f"cores / workers")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r} is unsupported; use spawn or "
+                         f"forkserver (fork is unsafe once torch has started threads)")
+
+
+def _elastic_run(config, rendezvous: Rendezvous, nproc: int, entrypoint: Callable[..., Any],
+                 args: Sequence[Any]) -> dict:
+    """torch's elastic launch of ``entrypoint(*args)``, its failures turned into hybrid's."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    try:
+        return elastic_launch(config, _call_entrypoint)(entrypoint, *args)
+    except ChildFailedError as err:
+        raise worker_failure_from(err) from None
+    except SignalException as err:
+        if err.sigval == signal.SIGINT:
+            raise KeyboardInterrupt(f"all {nproc} workers were stopped") from None
+        raise LaunchInterrupted(int(err.sigval), nproc) from None
+    except (dist.DistStoreError, dist.DistNetworkError) as err:
+        if rendezvous.endpoint is None:
+            raise  # one node meets on its own free port: not a rendezvous problem
+        raise rendezvous_failure(rendezvous, err) from None
 
 
 def start_fork_server(preload: Sequence[str], omp_threads: Optional[int] = None) -> None:

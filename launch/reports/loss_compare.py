@@ -4,7 +4,7 @@ A step stays within tolerance when ``|run - base| <= max(rtol * |base|, atol)``
 (pytest.approx's rule, which the layout tests use); the default is DESIGN's fp32 layout
 tolerance, relative 1e-4. ``numerics_differences`` says whether two resolved configs must
 train alike at all: they may differ in layout, micro-batch, recomputation and how the run is
-launched or watched, nothing else. ``launch/compare.py`` (the command) and the sweep report's
+launched or watched, nothing else. ``launch/commands/compare.py`` (the command) and the sweep report's
 ``max_loss_dev`` column both use these functions.
 """
 

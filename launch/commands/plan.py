@@ -5,7 +5,7 @@ every layout of N devices instead (``hybrid.planning.cost.search``)::
 
     hybrid-plan parallel.dp=2 parallel.tp=2 parallel.pp=2 format=json
     hybrid-plan model=gpt-1t train.global_batch=3072 search.world=3072 cost.device=a100-80gb
-    hybrid-plan calibrate        # measure this machine (launch/calibrate.py)
+    hybrid-plan calibrate        # measure this machine (launch/calibration/calibrate.py)
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from hybrid.planning.cost.search import format_search, no_layout_line, overrides
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.cost.trust import assumption_line
 from hybrid.planning.validate import config_problems
-from launch.launchers import unknown_launcher
-from launch.run import save_run_files
-from launch.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
+from launch.launchers.registered import unknown_launcher
+from launch.launchers.run import save_run_files
+from launch.commands.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan", version_base="1.3")
@@ -85,7 +85,7 @@ def write_run_files(job, run_dir: Path) -> None:
     """``config.json`` and ``plan.json`` of a run that a launcher of the user's starts (with
     its data checked and an indexed source's caches built)."""
     from hybrid.data import validate_data
-    from launch.run_data import with_run_data
+    from launch.commands.run_data import with_run_data
 
     validate_data(job.cfg.data, job.cfg.model, job.cfg.train)
     try:
@@ -150,7 +150,7 @@ def run_as_sweep(cfg: PlanConfig, cells: list[list[str]]) -> None:
     after another, recording how each ended; then write the sweep report."""
     from hydra.core.hydra_config import HydraConfig
 
-    from launch.sweep_report import record_cell, write_report
+    from launch.reports.sweep_report import record_cell, write_report
 
     shared = [o for o in HydraConfig.get().overrides.task if not o.startswith(PLAN_ONLY_KEYS)]
     sweep_dir = Path(cfg.search.dir or f"multirun/search-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
@@ -171,7 +171,7 @@ def run_as_sweep(cfg: PlanConfig, cells: list[list[str]]) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["calibrate"]:  # a measurement, not a plan: its own flags
-        from launch import calibrate
+        from launch.calibration import calibrate
 
         calibrate.main(sys.argv[2:])
         return

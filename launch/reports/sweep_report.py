@@ -11,7 +11,7 @@ beside what the cost model predicted for the same config (``cost.device``), and 
 well the prediction ordered the layouts (Spearman's rank correlation of predicted and
 measured step times). Where the sweep holds a completed 1-process cell (dp = tp = pp = 1)
 whose config differs from a completed cell's in layout settings only (model, seed, data,
-optimizer and steps the same: ``launch.loss_compare.LAYOUT_ONLY``), that cell's
+optimizer and steps the same: ``launch.reports.loss_compare.LAYOUT_ONLY``), that cell's
 ``max_loss_dev`` is its largest relative difference in per-step loss from the 1-process cell
 (``hybrid-compare``'s comparison): layout invariance, checked for every cell.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.planning.layout import COORD_ORDER
-from launch.compare import load_run
-from launch.loss_compare import CompareError, deviations_from_reference
+from launch.commands.compare import load_run
+from launch.reports.loss_compare import CompareError, deviations_from_reference
 
 CELL_FILE = "cell.json"
 COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",

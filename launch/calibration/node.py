@@ -1,13 +1,13 @@
-"""What ``hybrid-plan calibrate``'s ranks time of the node as a whole (``launch.calibrate``
+"""What ``hybrid-plan calibrate``'s ranks time of the node as a whole (``launch.calibration.calibrate``
 fits the device to it): how much of the cores' throughput ranks sharing them keep, and what a
 zero-bubble schedule's split backward costs over the whole one. Runs inside
-``hybrid.testing.spawn``'s processes, like ``launch.calibrate_ranks``."""
+``hybrid.testing.spawn``'s processes, like ``launch.calibration.ranks``."""
 
 from __future__ import annotations
 
 import statistics
 
-from launch.calibrate_ranks import ALTERNATIONS, SEQ, TP_SHAPE, median_seconds, own_group
+from launch.calibration.ranks import ALTERNATIONS, SEQ, TP_SHAPE, median_seconds, own_group
 
 STACK_LAYERS = 4
 """Layers in the stack timed for the node's sharing and the split backward: several, so that

@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from launch.agent import run_agent
-from launch.launcher import register_launcher
-from launch.rendezvous import Rendezvous
+from launch.launchers.agent import run_agent
+from launch.launchers.launcher import register_launcher
+from launch.launchers.rendezvous import Rendezvous
 
 
 @register_launcher

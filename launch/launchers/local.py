@@ -1,7 +1,7 @@
 """``launcher=local``: every rank on this machine, one agent (``torchrun --standalone``).
 
 ``run_local(fn, args, nproc=4, run_dir=...)`` runs ``fn(*args)`` on 4 workers of this machine
-and returns their results by rank (see ``launch.agent`` for failures and signals).
+and returns their results by rank (see ``launch.launchers.agent`` for failures and signals).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from launch.agent import default_omp_threads, run_agent, worker_env_summary
-from launch.failures import LaunchInterrupted, WorkerFailure
-from launch.launcher import register_launcher
-from launch.rendezvous import Rendezvous
+from launch.launchers.agent import default_omp_threads, run_agent, worker_env_summary
+from launch.launchers.failures import LaunchInterrupted, WorkerFailure
+from launch.launchers.launcher import register_launcher
+from launch.launchers.rendezvous import Rendezvous
 
 __all__ = ["LaunchInterrupted", "LocalLauncher", "WorkerFailure", "default_omp_threads",
            "run_local", "worker_env_summary"]

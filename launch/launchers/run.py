@@ -1,7 +1,7 @@
 """Start a prepared run's workers through a launcher, and say in one line how they ended.
 
-``launch.train`` (``hybrid-train``) and ``launch.slurm_node`` (each node of a Slurm job) both
-start workers through here; neither this module nor the launchers import ``launch.train``.
+``launch.commands.train`` (``hybrid-train``) and ``launch.launchers.slurm_node`` (each node of a Slurm job) both
+start workers through here; neither this module nor the launchers import ``launch.commands.train``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from hybrid.files import write_text
 from hybrid.planning.config import to_dict
 from hybrid.planning.plan_file import plan_to_dict, save_plan
 from hybrid.stall import FAILURE_FILE
-from launch.agent import AGENT_LOG, MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, \
+from launch.launchers.agent import AGENT_LOG, MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, \
     default_omp_threads, start_fork_server
-from launch.failures import count_restarts
+from launch.launchers.failures import count_restarts
 
 WORKER_FAILED_EXIT = 1
 WORKER_USER_ERROR = UserError.__name__

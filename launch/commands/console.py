@@ -1,6 +1,6 @@
 """The ``hybrid-train`` console script: one line on Ctrl-C, whenever it comes.
 
-The script's module must be light: a Ctrl-C while ``launch.train`` imports Hydra and torch
+The script's module must be light: a Ctrl-C while ``launch.commands.train`` imports Hydra and torch
 (the first second or two) would otherwise print a traceback of the import machinery.
 
 It also starts the workers' fork server first thing, when the command line may start workers
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from launch.failures import interrupted_by
+from launch.launchers.failures import interrupted_by
 
 INTERRUPTED_EXIT = 130
 
@@ -24,11 +24,11 @@ def train() -> None:
     try:
         early = may_start_workers_here(sys.argv[1:])
         if early:
-            from launch.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, start_fork_server
+            from launch.launchers.agent import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, start_fork_server
 
             os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
             start_fork_server(WORKER_PRELOAD)
-        from launch.train import main
+        from launch.commands.train import main
 
         main()
     except Exception as err:
@@ -40,7 +40,7 @@ def train() -> None:
         _report_interrupt(err)
     finally:
         if early:
-            from launch.agent import stop_fork_server
+            from launch.launchers.agent import stop_fork_server
 
             stop_fork_server()
 

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from launch.failures import LaunchFailed
+from launch.launchers.failures import LaunchFailed
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Nothing starts until the whole config is validated and planned: a bad config exits with
 status 2 and one line on stderr. The job's one plan (``hybrid.planning.job``) is written as
 ``plan.json`` beside ``config.json``; then the launcher ``launcher.name`` names (a registered
-``launch.launcher.Launcher``) starts the ranks, each running ``hybrid.worker.worker_main`` on
+``launch.launchers.launcher.Launcher``) starts the ranks, each running ``hybrid.worker.worker_main`` on
 that plan; if any fails, all stop and the command exits 1 naming the rank.
 
     hybrid-train                                  # the main job (DP 2 x TP 2 x PP 2)
@@ -39,12 +39,12 @@ from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
 from hybrid.planning.validate import config_warnings
-from launch.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
+from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
-from launch.launcher import Launcher
-from launch.launchers import launcher_for, launcher_problem
-from launch.run import WORKER_FAILED_EXIT, failure_line, launch, report_results, save_run_files
-from launch.run_data import with_run_data
+from launch.launchers.launcher import Launcher
+from launch.launchers.registered import launcher_for, launcher_problem
+from launch.launchers.run import WORKER_FAILED_EXIT, failure_line, launch, report_results, save_run_files
+from launch.commands.run_data import with_run_data
 
 
 RUN_FILES = ("config.json", "metrics.jsonl")
@@ -184,7 +184,7 @@ class RunFailed(Exception):
 def run(plan: JobPlan, launcher: Launcher, run_dir: Path) -> bool:
     """Launch the workers; True when they trained here, False when they were left running
     (a Slurm job). A failure raises ``RunFailed``; a signal exits with its status."""
-    from launch.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
+    from launch.launchers.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
 
     started = time.time()
     try:
@@ -207,7 +207,7 @@ def run(plan: JobPlan, launcher: Launcher, run_dir: Path) -> bool:
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _train(dict_cfg: DictConfig) -> None:
     """One run; in a sweep (``-m``) one cell, whose outcome is recorded for the sweep's
-    report (``launch.sweep_report``) instead of ending the sweep."""
+    report (``launch.reports.sweep_report``) instead of ending the sweep."""
     cfg = to_dataclass(dict_cfg, Config)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -247,7 +247,7 @@ def discard_scaffolding(run_dir: Path) -> None:
 
 
 def _record_cell(run_dir: Path, status: str, reason: str, hydra_cfg) -> None:
-    from launch.sweep_report import record_cell
+    from launch.reports.sweep_report import record_cell
 
     if status in ("skipped", "failed"):
         print(f"{status}: {reason}", file=sys.stderr)
@@ -255,7 +255,7 @@ def _record_cell(run_dir: Path, status: str, reason: str, hydra_cfg) -> None:
 
 
 def main() -> None:
-    """Ctrl-C is reported by the console script (``launch.console``), even during imports."""
+    """Ctrl-C is reported by the console script (``launch.commands.console``), even during imports."""
     run_hydra_app(_train)
 
 

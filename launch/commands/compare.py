@@ -12,7 +12,7 @@ of different lengths are compared over their common steps, and that is an error 
 run parts: that verdict stands), except for a run that resumed the other's checkpoint: it lacks
 only the steps before its first, and the common steps are the comparison.
 
-The comparison itself is pure (``launch.loss_compare``); this module reads the runs and
+The comparison itself is pure (``launch.reports.loss_compare``); this module reads the runs and
 prints. It imports nothing heavy (no torch), so it answers at once.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence, Union
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
-from launch.loss_compare import (RTOL, CompareError, LossComparison, Run, compare_losses,
+from launch.reports.loss_compare import (RTOL, CompareError, LossComparison, Run, compare_losses,
                                  lossy_differences, numerics_differences, resumed_from, span,
                                  summary_line)
 

@@ -1,6 +1,6 @@
 """Render the config reference (docs/config.md) from the schema's field docstrings.
 
-    python -m launch.config_reference > docs/config.md
+    python -m launch.commands.config_reference > docs/config.md
 
 A test regenerates it and compares, so the page cannot drift from the schema
 (``hybrid/planning/config.py`` and ``run_config.py``).
@@ -14,7 +14,7 @@ import inspect
 from pathlib import Path
 
 from hybrid.planning import config as schema
-from launch.app import CONF_DIR
+from launch.commands.app import CONF_DIR
 
 SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
             ("train", schema.TrainConfig), ("data", schema.DataConfig),
@@ -41,7 +41,7 @@ def composed_defaults() -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from launch.app import register_schemas
+    from launch.commands.app import register_schemas
 
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -57,7 +57,7 @@ def _show(value: object) -> str:
 def render() -> str:
     lines = ["# Config reference", "",
              "Generated from `hybrid/planning/config.py` (and `run_config.py`) by "
-             "`python -m launch.config_reference`; every key "
+             "`python -m launch.commands.config_reference`; every key "
              "is typed, so a misspelt key or a wrong type fails when Hydra composes the config.",
              "Override any key on the command line: `hybrid-train parallel.tp=2 train.steps=50`.",
              "Defaults are those of the main job (`conf/config.yaml` composed with no overrides).",

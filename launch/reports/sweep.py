@@ -1,8 +1,8 @@
 """The end of a ``hybrid-train -m`` sweep: wait for the cells submitted to Slurm, then write
-the sweep's report (``launch.sweep_report``: sweep.csv, sweep.md, sweep.png).
+the sweep's report (``launch.reports.sweep_report``: sweep.csv, sweep.md, sweep.png).
 
 With ``launcher=slurm`` every cell of a multirun is its own job, submitted without waiting
-(``launch.slurm``), so that the cluster runs them side by side; this Hydra callback then waits
+(``launch.launchers.slurm``), so that the cluster runs them side by side; this Hydra callback then waits
 for them all and prints one line per cell. The sweep exits 1 when a cell failed.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from launch.slurm import SWEEP_JOBS, job_failure, wait_for
-from launch.sweep_report import record_cell, varying, write_report
+from launch.launchers.slurm import SWEEP_JOBS, job_failure, wait_for
+from launch.reports.sweep_report import record_cell, varying, write_report
 
 
 def cell_line(cell: dict, settings: str, outcomes: list, failure: str | None) -> str:
@@ -49,7 +49,7 @@ class SweepReport(Callback):
     """Registered in ``conf/config.yaml``; runs at the end of every multirun."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from launch.sweep_report import cell_rows
+        from launch.reports.sweep_report import cell_rows
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wait_for_slurm_cells(sweep_dir)
