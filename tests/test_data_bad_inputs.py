@@ -49,7 +49,8 @@ def data(tmp_path_factory) -> dict:
     good = make(folder, "good", TEXT)
     sets = {"good": good, "gpt2": make(folder, "gpt2", TEXT[:20000], "--tokenizer", "gpt2"),
             "five": make(folder, "five", "\n\n".join(["a short document"] * 5))}
-    for damage in ("no_bin", "no_idx", "short_bin", "magic", "version", "uint16_vocab70000"):
+    for damage in ("no_bin", "no_idx", "short_bin", "magic", "version", "uint16_vocab70000",
+                   "pointer"):
         copy = folder / damage
         for suffix in (".bin", ".idx", ".meta.json"):
             shutil.copy(f"{good}{suffix}", f"{copy}{suffix}")
@@ -60,6 +61,10 @@ def data(tmp_path_factory) -> dict:
         handle.truncate(handle.seek(0, 2) - 2)
     _patch(f"{sets['magic']}.idx", 0, b"TNTIDX\x00\x00\x00")
     _patch(f"{sets['version']}.idx", 9, bytes([2]))
+    sequences = int.from_bytes(Path(f"{good}.idx").read_bytes()[18:26], "little")
+    last_pointer = 34 + 4 * sequences + 8 * (sequences - 1)  # the header is 34 bytes
+    _patch(f"{sets['pointer']}.idx", last_pointer, (10**12).to_bytes(8, "little"))
+    sets["last"] = sequences - 1
     meta_path = Path(f"{sets['uint16_vocab70000']}.meta.json")
     meta = json.loads(meta_path.read_text())
     meta["tokenizer"]["vocab_size"] = 70000
@@ -78,6 +83,8 @@ TRAIN_CASES = [
     ("missing .idx", ["data.path={no_idx}"], "no_idx.idx does not exist"),
     (".bin size", ["data.path={short_bin}"], "short_bin.bin has"),
     ("magic", ["data.path={magic}"], "is not a Megatron index"),
+    ("pointer past the end", ["data.path={pointer}"],
+     "{pointer}.idx: sequence {last} points to byte 1000000000000 of {pointer}.bin ("),
     ("version", ["data.path={version}"], "is MMIDIDX version 2; hybrid and megatron-core read"),
     ("dtype", ["data.path={uint16_vocab70000}", "model.vocab=70000"],
      "stores uint16 tokens but was tokenized with bytes (vocabulary 70000)"),
