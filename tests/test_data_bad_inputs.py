@@ -97,8 +97,10 @@ TRAIN_CASES = [
     ("two parts", ["data.path={good}", "data.split=[9,1]"], "must be three non-negative numbers"),
     ("negative part", ["data.path={good}", "data.split=[9,-1,1]"], "must be three non-negative"),
     ("no train part", ["data.path={good}", "data.split=[0,1,1]"], "with a positive train part"),
-    ("empty split", ["data.path={five}"],
-     "gives the valid split of {five} none of its 5 documents"),
+    ("empty split", ["data.path={five}", "eval.every=1"],
+     "data.split=[969,30,1] leaves the validation part of {five} empty: its 5 documents split "
+     "train 5, validation 0, test 0; use data.split=[4,1,0], or evaluate nothing "
+     "(eval.every=0 eval.at_end=false)"),
     ("two tokenizers", ["data.blend=[1,{good},1,{gpt2}]", "model.vocab=50257"],
      "data.blend mixes data sets made with different tokenizers"),
     ("path and blend", ["data.path={good}", "data.blend=[1,{good}]"],
