@@ -207,3 +207,21 @@ def test_compressed_text_reads_as_the_text(tmp_path, mode):
             for name in ("a.txt", "a.txt.gz", "a.txt.zst")}
     assert read["a.txt.gz"] == read["a.txt.zst"] == read["a.txt"]
     assert len(read["a.txt"]) == (1 if mode == "file" else text.count(b"\n\n") + 1)
+
+
+def test_a_zstd_frame_with_a_long_window_is_read(tmp_path):
+    """``zstd --long=30`` writes frames that zstandard's default decoder refuses (128 MiB)."""
+    from hybrid.data.documents import chunk_documents
+    from hybrid.data.readers import read_chunks
+
+    data = "".join(json.dumps({"text": doc}) + "\n" for doc in documents(50) if doc).encode()
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=30)
+    with open(tmp_path / "long.jsonl.zst", "wb") as handle:
+        with zstandard.ZstdCompressor(compression_params=params).stream_writer(handle) as out:
+            out.write(data)  # streamed: the frame keeps its 1 GiB window
+    assert zstandard.get_frame_parameters((tmp_path / "long.jsonl.zst").read_bytes()
+                                          ).window_size == 1 << 30
+    options = ReadOptions()
+    texts = [t for c in read_chunks([tmp_path / "long.jsonl.zst"], options)
+             for t in chunk_documents(c, options).texts]
+    assert texts == [doc for doc in documents(50) if doc]
