@@ -114,6 +114,7 @@ def _damaged(folder: Path, inputs: dict[str, Path]) -> dict[str, Path]:
         "key.jsonl.gz": gzip.compress("".join(other).encode()),
         "key.jsonl.zst": zstandard.ZstdCompressor().compress("".join(other).encode()),
         "docs.parquet.gz": gzip.compress(inputs["docs.parquet"].read_bytes()),
+        "surrogate.jsonl.gz": gzip.compress(b'{"content": "fine"}\n{"content": "a \\ud800"}\n'),
     }
     for name, data in files.items():
         (folder / name).write_bytes(data)
@@ -138,6 +139,8 @@ CASES = [
     ("null.parquet", "null.parquet: row index 1 has no 'content' (null)"),
     ("docs.parquet.gz", "docs.parquet.gz is a gzip-compressed Parquet file; Parquet compresses "
                         "its own pages: decompress it with gzip first"),
+    ("surrogate.jsonl.gz", "surrogate.jsonl.gz:2: 'content' holds the lone surrogate '\\ud800', "
+                           "which is not text; fix the line, or pass --encoding-errors replace"),
 ]
 
 
@@ -225,3 +228,13 @@ def test_a_zstd_frame_with_a_long_window_is_read(tmp_path):
     texts = [t for c in read_chunks([tmp_path / "long.jsonl.zst"], options)
              for t in chunk_documents(c, options).texts]
     assert texts == [doc for doc in documents(50) if doc]
+
+
+def test_a_lone_surrogate_may_be_replaced_and_is_counted():
+    from hybrid.data.documents import Chunk, chunk_documents
+
+    chunk = Chunk("x.jsonl", 1, "jsonl", b'{"text": "a \\ud800 b"}\n')
+    for as_bytes in (False, True):
+        found = chunk_documents(chunk, ReadOptions(encoding_errors="replace", as_bytes=as_bytes))
+        assert found.texts == (["a \ufffd b".encode()] if as_bytes else ["a \ufffd b"])
+        assert found.replaced == 1

@@ -32,6 +32,7 @@ ENCODING_ERRORS = ("strict", "replace")
 _BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
 _LEADING_BLANK_LINES = re.compile(rb"(?:[ \t\r\f\v]*\n)+")
 _REPLACEMENT = "\ufffd".encode("utf-8")
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class InputError(UserError):
@@ -177,9 +178,25 @@ def _jsonl_documents(chunk: Chunk, options: ReadOptions) -> Documents:
         if not value:
             found.empty += 1
             continue
-        found.texts.append(value.encode("utf-8") if options.as_bytes else value)
-        found.replaced += replaced
+        value, encoded, lone = _without_surrogates(value, where, key, options)
+        found.texts.append(encoded if options.as_bytes else value)
+        found.replaced += replaced + lone
     return found
+
+
+def _without_surrogates(value: str, where: str, key: str, options: ReadOptions
+                        ) -> tuple[str, bytes, int]:
+    """(text, its UTF-8, surrogates replaced): JSON's ``\\ud800`` escape decodes to a lone
+    surrogate, which no UTF-8 (and no tokenizer) holds."""
+    try:
+        return value, value.encode("utf-8"), 0
+    except UnicodeEncodeError as err:
+        if options.encoding_errors != "replace":
+            raise InputError(f"{where}: {key!r} holds the lone surrogate "
+                             f"{value[err.start]!r}, which is not text; fix the line, or pass "
+                             f"--encoding-errors replace to read it as U+FFFD (counted)") from None
+    value, count = _SURROGATES.subn("\ufffd", value)
+    return value, value.encode("utf-8"), count
 
 
 def _decode(piece: bytes, chunk: Chunk, options: ReadOptions, start: int) -> tuple[str, int]:

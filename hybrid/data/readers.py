@@ -214,22 +214,22 @@ def _parquet_chunks(source: Input, column: str) -> Iterator[Chunk]:
     to back, and where each row ends."""
     pa = _import("pyarrow", source.path)
     try:
-        parquet = _open_parquet(source, column)
-        rows, size = max(1, parquet.metadata.num_rows), source.path.stat().st_size
-        pieces, ends, first, row, reported = [], [np.zeros(1, np.int64)], 0, 0, 0
-        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
-            payload, batch_ends = _column_bytes(source, batch.column(0), column, row)
-            ends.append(batch_ends + ends[-1][-1])
-            pieces.append(payload)
-            row += batch.num_rows
-            if ends[-1][-1] >= CHUNK_BYTES or row == rows:
-                done = size * row // rows
+        with _open_parquet(source, column) as parquet:
+            rows, size = max(1, parquet.metadata.num_rows), source.path.stat().st_size
+            pieces, ends, first, row, reported = [], [np.zeros(1, np.int64)], 0, 0, 0
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
+                payload, batch_ends = _column_bytes(source, batch.column(0), column, row)
+                ends.append(batch_ends + ends[-1][-1])
+                pieces.append(payload)
+                row += batch.num_rows
+                if ends[-1][-1] >= CHUNK_BYTES or row == rows:
+                    done = size * row // rows if row < rows else size
+                    yield Chunk(str(source.path), first, "parquet", b"".join(pieces),
+                                offsets=np.concatenate(ends), progress=done - reported)
+                    pieces, ends, first, reported = [], [np.zeros(1, np.int64)], row, done
+            if pieces:  # rows beyond what the footer counts: still every one of them
                 yield Chunk(str(source.path), first, "parquet", b"".join(pieces),
-                            offsets=np.concatenate(ends), progress=done - reported)
-                pieces, ends, first, reported = [], [np.zeros(1, np.int64)], row, done
-        if pieces:
-            yield Chunk(str(source.path), first, "parquet", b"".join(pieces),
-                        offsets=np.concatenate(ends), progress=size - reported)
+                            offsets=np.concatenate(ends), progress=size - reported)
     except pa.ArrowException as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputError(f"{source.path}: a damaged Parquet file ({reason}); download or "
@@ -237,21 +237,29 @@ def _parquet_chunks(source: Input, column: str) -> Iterator[Chunk]:
 
 
 def _open_parquet(source: Input, column: str):
-    import pyarrow as pa
+    """The open Parquet file (``InputError``, closed, without a text column ``column``)."""
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(str(source.path))
     schema = parquet.schema_arrow
+    if column not in schema.names or not _is_text(schema.field(column).type):
+        parquet.close()
     if column not in schema.names:
         raise InputError(f"{source.path}: no column {column!r} (found: "
                          f"{', '.join(schema.names)}); pass --json-key COLUMN")
     kind = schema.field(column).type
-    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
-            pa.types.is_large_binary, pa.types.is_string_view, pa.types.is_binary_view)
-    if not any(test(kind) for test in text):
+    if not _is_text(kind):
         raise InputError(f"{source.path}: column {column!r} holds {kind}, not text; pass "
                          f"--json-key naming a string column")
     return parquet
+
+
+def _is_text(kind) -> bool:
+    import pyarrow as pa
+
+    return any(test(kind) for test in (
+        pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+        pa.types.is_large_binary, pa.types.is_string_view, pa.types.is_binary_view))
 
 
 def _column_bytes(source: Input, values, column: str, first_row: int
