@@ -3,6 +3,7 @@ starts (``hybrid-train``) or with nothing written (``hybrid-data``)."""
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,8 @@ def data(tmp_path_factory) -> dict:
     good = make(folder, "good", TEXT)
     sets = {"good": good, "gpt2": make(folder, "gpt2", TEXT[:20000], "--tokenizer", "gpt2"),
             "five": make(folder, "five", "\n\n".join(["a short document"] * 5))}
-    for damage in ("no_bin", "no_idx", "short_bin", "magic", "version", "uint16_vocab70000"):
+    for damage in ("no_bin", "no_idx", "short_bin", "magic", "version", "uint16_vocab70000",
+                   "pointer"):
         copy = folder / damage
         for suffix in (".bin", ".idx", ".meta.json"):
             shutil.copy(f"{good}{suffix}", f"{copy}{suffix}")
@@ -59,6 +61,10 @@ def data(tmp_path_factory) -> dict:
         handle.truncate(handle.seek(0, 2) - 2)
     _patch(f"{sets['magic']}.idx", 0, b"TNTIDX\x00\x00\x00")
     _patch(f"{sets['version']}.idx", 9, bytes([2]))
+    sequences = int.from_bytes(Path(f"{good}.idx").read_bytes()[18:26], "little")
+    last_pointer = 34 + 4 * sequences + 8 * (sequences - 1)  # the header is 34 bytes
+    _patch(f"{sets['pointer']}.idx", last_pointer, (10**12).to_bytes(8, "little"))
+    sets["last"] = sequences - 1
     meta_path = Path(f"{sets['uint16_vocab70000']}.meta.json")
     meta = json.loads(meta_path.read_text())
     meta["tokenizer"]["vocab_size"] = 70000
@@ -77,6 +83,8 @@ TRAIN_CASES = [
     ("missing .idx", ["data.path={no_idx}"], "no_idx.idx does not exist"),
     (".bin size", ["data.path={short_bin}"], "short_bin.bin has"),
     ("magic", ["data.path={magic}"], "is not a Megatron index"),
+    ("pointer past the end", ["data.path={pointer}"],
+     "{pointer}.idx: sequence {last} points to byte 1000000000000 of {pointer}.bin ("),
     ("version", ["data.path={version}"], "is MMIDIDX version 2; hybrid and megatron-core read"),
     ("dtype", ["data.path={uint16_vocab70000}", "model.vocab=70000"],
      "stores uint16 tokens but was tokenized with bytes (vocabulary 70000)"),
@@ -89,8 +97,10 @@ TRAIN_CASES = [
     ("two parts", ["data.path={good}", "data.split=[9,1]"], "must be three non-negative numbers"),
     ("negative part", ["data.path={good}", "data.split=[9,-1,1]"], "must be three non-negative"),
     ("no train part", ["data.path={good}", "data.split=[0,1,1]"], "with a positive train part"),
-    ("empty split", ["data.path={five}"],
-     "gives the valid split of {five} none of its 5 documents"),
+    ("empty split", ["data.path={five}", "eval.every=1"],
+     "data.split=[969,30,1] leaves the validation part of {five} empty: its 5 documents split "
+     "train 5, validation 0, test 0; use data.split=[4,1,0], or evaluate nothing "
+     "(eval.every=0 eval.at_end=false)"),
     ("two tokenizers", ["data.blend=[1,{good},1,{gpt2}]", "model.vocab=50257"],
      "data.blend mixes data sets made with different tokenizers"),
     ("path and blend", ["data.path={good}", "data.blend=[1,{good}]"],
@@ -133,7 +143,10 @@ def _files(folder: Path) -> dict:
     (folder / "not_text.jsonl").write_text('{"text": ["a", "list"]}\n')
     (folder / "latin1.txt").write_bytes("line one\nline two\ncaf\u00e9\n".encode("latin-1"))
     (folder / "exists.bin").write_bytes(b"old")
-    return {"dir": folder, "wide": _wide_tokenizer(folder / "wide.json")}
+    elf = folder / "program"  # a real executable: the kind of file a glob like 'src/**/*' meets
+    shutil.copy(os.path.realpath(shutil.which("true")), elf)
+    assert elf.read_bytes().startswith(b"\x7fELF")
+    return {"dir": folder, "wide": _wide_tokenizer(folder / "wide.json"), "elf": elf}
 
 
 DATA_CASES = [
@@ -142,8 +155,8 @@ DATA_CASES = [
      "other_key.jsonl:1: no key 'text' (found: body); pass --json-key KEY"),
     ("not a string", ["{dir}/not_text.jsonl", "{dir}/out"], "'text' holds a list, not a string"),
     ("not UTF-8", ["{dir}/latin1.txt", "{dir}/out", "--tokenizer", "gpt2"],
-     "latin1.txt:3: byte b'\\xe9' is not UTF-8; convert the file to UTF-8, or pass "
-     "--encoding-errors replace"),
+     "latin1.txt:3 (byte offset 21): byte b'\\xe9' is not UTF-8; convert the file to UTF-8, "
+     "or pass --encoding-errors replace"),
     ("output is input", ["{dir}/ok.txt", "{dir}/ok.txt"], "is the input file"),
     ("existing output", ["{dir}/ok.txt", "{dir}/exists.bin"], "exists; choose another path or "
                                                                "pass --force"),
@@ -160,7 +173,23 @@ DATA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, args, needle", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+# Refusals that issue 43 added; each is also checked in-process in the fast tier
+# (tests/test_tokenizers.py, tests/test_data_cli.py).
+SLOW_DATA_CASES = [
+    ("not UTF-8, bytes", ["{dir}/latin1.txt", "{dir}/out"],
+     "latin1.txt:3 (byte offset 21): byte b'\\xe9' is not UTF-8; convert the file to UTF-8"),
+    ("not UTF-8, blank-lines", ["{dir}/latin1.txt", "{dir}/out", "--documents", "blank-lines"],
+     "latin1.txt:3 (byte offset 21): byte b'\\xe9' is not UTF-8"),
+    ("an executable", ["{elf}", "{dir}/out", "--format", "indexed"],
+     "is not UTF-8 and the file holds NUL bytes: it is binary, not text; pass only text files"),
+    ("read-only folder", ["{dir}/ok.txt", "/proc/out.bin"],
+     "cannot write /proc/out.bin in the folder /proc ("),
+]
+
+
+@pytest.mark.parametrize("name, args, needle", [
+    *(pytest.param(*case, id=case[0]) for case in DATA_CASES),
+    *(pytest.param(*case, id=case[0], marks=pytest.mark.slow) for case in SLOW_DATA_CASES)])
 def test_bad_hybrid_data_input_is_one_line_and_writes_nothing(name, args, needle, tmp_path):
     paths = _files(tmp_path / "in")
     before = sorted(p.name for p in tmp_path.rglob("*"))
@@ -170,11 +199,15 @@ def test_bad_hybrid_data_input_is_one_line_and_writes_nothing(name, args, needle
     assert (paths["dir"] / "exists.bin").read_bytes() == b"old"
 
 
-def test_undecodable_bytes_may_be_replaced_and_are_counted(tmp_path):
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
+def test_undecodable_bytes_may_be_replaced_and_are_counted(tmp_path, tokenizer):
     paths = _files(tmp_path / "in")
     done = run([DATA, paths["dir"] / "latin1.txt", tmp_path / "out.bin",
-                "--tokenizer", "gpt2", "--encoding-errors", "replace"])
+                "--tokenizer", tokenizer, "--encoding-errors", "replace"])
     assert done.returncode == 0, done.stderr
     assert "replaced 1 byte that was not UTF-8 with U+FFFD" in done.stdout
     meta = json.loads((tmp_path / "out.bin.meta.json").read_text())
     assert meta["replaced_bytes"] == 1
+    if tokenizer == "bytes":  # the byte tokenizer reads the replaced text's UTF-8 bytes
+        tokens = (tmp_path / "out.bin").read_bytes()[::2]
+        assert tokens == "line one\nline two\ncaf\ufffd\n".encode("utf-8")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import hybrid.data.documents
+import hybrid.data.readers
 from hybrid.data.prepare import Request, prepare_data
 from hybrid.planning.config import DataConfig, ModelConfig, TrainConfig
 from hybrid.data import make_dataset, validate_data
@@ -70,7 +70,7 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     source, output = tmp_path / "in.txt", tmp_path / "tokens.bin"
     source.write_text(TEXT)
     output.write_bytes(b"old")
-    monkeypatch.setattr(hybrid.data.documents, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(hybrid.data.readers, "CHUNK_BYTES", 64)
 
     def fail_fsync(fd):
         raise KeyboardInterrupt  # as if Ctrl-C arrived after part of the data was written
@@ -92,3 +92,39 @@ def test_empty_input_and_missing_output_folder_are_user_errors(tmp_path):
     source.write_text(TEXT)
     result = _run(source, tmp_path / "missing" / "t.bin")
     assert result.returncode == 2 and "output folder" in result.stderr
+
+
+def test_an_output_folder_that_takes_no_files_is_named_not_a_temporary_file(tmp_path):
+    """/proc takes no new file, even from root (chmod would not stop the tests' root)."""
+    from hybrid.data.prepare import OutputError
+
+    source = tmp_path / "in.txt"
+    source.write_text(TEXT)
+    with pytest.raises(OutputError) as refused:
+        prepare_data(Request(inputs=[str(source)], output="/proc/tokens.bin", progress=False))
+    message = str(refused.value)
+    assert message.startswith("cannot write /proc/tokens.bin in the folder /proc (")
+    assert "choose a folder you can write to" in message and ".tmp" not in message
+
+
+def test_workers_beyond_the_cores_are_capped_with_a_warning(monkeypatch, capsys):
+    import launch.data
+
+    monkeypatch.setattr(launch.data, "usable_cores", lambda: 3)
+    assert launch.data._workers(2) == 2 and capsys.readouterr().err == ""
+    assert launch.data._workers(1000) == 3
+    assert capsys.readouterr().err == ("warning: --workers 1000 is more than the 3 cores this "
+                                       "process may use; tokenizing with 3 workers\n")
+
+
+@pytest.mark.slow
+def test_workers_beyond_the_cores_through_the_command(tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text(TEXT)
+    one = _run(source, tmp_path / "one.bin", "--quiet")
+    many = _run(source, tmp_path / "many.bin", "--quiet", "--workers", "1000")
+    assert one.returncode == 0 and many.returncode == 0, many.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert many.stderr == (f"warning: --workers 1000 is more than the {cores} cores this "
+                           f"process may use; tokenizing with {cores} workers\n")
+    assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "many.bin").read_bytes()

@@ -113,3 +113,40 @@ def test_a_blend_keeps_its_weights_within_1_percent_over_10000_samples(tmp_path)
     assert abs((sources == 0).mean() - 0.7) < 0.01 and abs((sources == 1).mean() - 0.3) < 0.01
     first = samples[0]
     assert first.shape == (33,) and first.dtype == np.int64 and first.max() < 256
+
+
+def _damage(prefix: Path, field: str, entry: int, value: int) -> None:
+    """Overwrite entry ``entry`` of the index's ``field`` (pointers or documents)."""
+    from hybrid.data.indexed import HEADER
+
+    sequences = read_index(str(prefix)).documents
+    at = {"pointers": HEADER.size + 4 * sequences,
+          "documents": HEADER.size + 12 * sequences}[field] + 8 * entry
+    with open(f"{prefix}.idx", "r+b") as handle:
+        handle.seek(at)
+        handle.write(np.int64(value).tobytes())
+
+
+@pytest.mark.parametrize("field, entry, value, needle", [
+    ("pointers", 3, 10**9, "sequence 3 points to byte 1000000000 of"),
+    ("pointers", 1, 0, "sequence 1 points to byte 0 of"),
+    ("pointers", 2, 2, "sequence 2 points to byte 2 of"),
+    ("documents", 2, 9, "its document boundaries do not rise from 0 to its 4 sequences"),
+])
+def test_an_index_pointing_outside_its_data_is_refused(tmp_path, monkeypatch, field, entry,
+                                                        value, needle):
+    """The lengths still add up to the .bin's size; only a pointer (or a boundary) is wrong,
+    which megatron would follow unchecked when that document is read."""
+    import hybrid.data.indexed
+    from hybrid.data.dataset import DataError
+
+    monkeypatch.setattr(hybrid.data.indexed, "SCAN_ENTRIES", 2)  # the scan's steps too
+    done = subprocess.run([HYBRID_DATA, write_jsonl(tmp_path / "in.jsonl", DOCUMENTS),
+                           tmp_path / "data", "--format", "indexed", "--quiet"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert read_index(str(tmp_path / "data")).documents == 4
+    _damage(tmp_path / "data", field, entry, value)
+    with pytest.raises(DataError, match="data.idx: ") as refused:
+        read_index(str(tmp_path / "data"))
+    assert needle in str(refused.value) and "\n" not in str(refused.value)

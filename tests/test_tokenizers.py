@@ -141,3 +141,24 @@ def test_workers_change_nothing_but_the_speed(tmp_path):
     for suffix in (".bin", ".idx", ".tokenizer.json"):
         assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"two{suffix}").read_bytes()
     assert read_meta(str(tmp_path / "two"))["documents"] == 5 * len(TOPICS)
+
+
+@pytest.mark.parametrize("documents", ["file", "blank-lines"])
+def test_the_byte_tokenizer_refuses_what_is_not_utf8(tmp_path, documents):
+    """docs/data.md: text that is not UTF-8 is refused, whatever the tokenizer; an executable
+    is named as binary."""
+    from hybrid.data.documents import InputError, ReadOptions
+    from hybrid.data.prepare import Request, prepare_data
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("plain line\n\ncaf\u00e9 au lait\n".encode("latin-1"))
+    program = tmp_path / "program"
+    program.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(8) + bytes(range(256)) * 4)
+    for path, needle in ((latin1, "latin1.txt:3 (byte offset 15): byte b'\\xe9' is not UTF-8; "
+                                  "convert the file to UTF-8, or pass --encoding-errors replace"),
+                         (program, "is not UTF-8 and the file holds NUL bytes: it is binary")):
+        with pytest.raises(InputError) as refused:
+            prepare_data(Request(inputs=[str(path)], output=str(tmp_path / "out"),
+                                 read=ReadOptions(documents=documents), progress=False))
+        assert needle in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.txt", "program"]

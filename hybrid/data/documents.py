@@ -1,17 +1,17 @@
-"""The documents of ``hybrid-data``'s inputs: text files and JSON Lines, read in chunks.
+"""The documents of ``hybrid-data``'s inputs, from chunks that ``hybrid.data.readers`` cuts.
 
-- Text (any file not named ``*.jsonl``/``*.json``, or ``--input-format text``): with
-  ``--documents file`` (the default) each file is one document; with ``--documents
-  blank-lines`` a document is a run of non-blank lines, and one or more blank (or
-  whitespace-only) lines separate documents.
-- JSON Lines (``*.jsonl``/``*.json``, or ``--input-format jsonl``): one JSON object per line,
-  the document in ``--json-key`` (default ``text``); empty lines are skipped.
+- Text (``--documents file``, the default: each file is one document; ``--documents
+  blank-lines``: a document is a run of non-blank lines, and one or more blank or
+  whitespace-only lines separate documents).
+- JSON Lines: one JSON object per line, the document under ``--json-key`` (default ``text``);
+  empty lines are skipped.
+- Parquet: one document per row of the column ``--json-key`` names.
 
-Text must be UTF-8. Undecodable bytes are refused, naming the file and line, unless
-``--encoding-errors replace``: then each becomes U+FFFD and the report counts them. Empty
-documents are skipped and counted. A chunk is about ``CHUNK_BYTES`` of whole documents (a
-whole file with ``--documents file``), so any worker tokenizes any chunk on its own and an
-error names the file and line it came from.
+Text must be UTF-8, whatever the tokenizer (the byte tokenizer too: an executable or a
+Latin-1 file is not silently read as text). Undecodable bytes are refused, naming the file,
+line and byte offset, unless ``--encoding-errors replace``: then each becomes U+FFFD and the
+report counts them. Empty documents are skipped and counted. A chunk holds whole documents,
+so any worker reads any chunk on its own and an error names where it came from.
 """
 
 from __future__ import annotations
@@ -22,18 +22,17 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 from hybrid.errors import UserError
 
-CHUNK_BYTES = 1 << 20
 DOCUMENT_MODES = ("file", "blank-lines")
-INPUT_FORMATS = ("auto", "text", "jsonl")
+INPUT_FORMATS = ("auto", "text", "jsonl", "parquet")
 ENCODING_ERRORS = ("strict", "replace")
-JSONL_SUFFIXES = (".jsonl", ".json")
 _BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
 _LEADING_BLANK_LINES = re.compile(rb"(?:[ \t\r\f\v]*\n)+")
 _REPLACEMENT = "\ufffd".encode("utf-8")
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class InputError(UserError):
@@ -42,13 +41,21 @@ class InputError(UserError):
 
 @dataclass(frozen=True)
 class Chunk:
-    """Whole documents of one input: ``payload`` starts at line ``first_line`` of ``path``."""
+    """Whole documents of one input: ``payload`` starts at line ``first_line`` of ``path``
+    (Parquet: at row index ``first_line``), byte ``offset`` of its (decompressed) text."""
 
     path: str
     first_line: int
     kind: str
-    """file (one document), blank-lines or jsonl."""
+    """file (one document), blank-lines, jsonl or parquet."""
     payload: bytes
+    offset: int = 0
+    codec: str = ""
+    """The file's compression (gzip, zstd), or "" for none."""
+    offsets: Optional[Any] = None
+    """Parquet: where each row's bytes start and end in ``payload`` (numpy int64, rows + 1)."""
+    progress: int = 0
+    """Bytes of the input file this chunk accounts for (the progress bar's)."""
 
 
 @dataclass(frozen=True)
@@ -96,54 +103,29 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     return list(unique.values())
 
 
-def kind_of(path: Path, options: ReadOptions) -> str:
-    if options.input_format == "jsonl" or (options.input_format == "auto"
-                                           and path.suffix.lower() in JSONL_SUFFIXES):
-        return "jsonl"
-    return options.documents
-
-
-def read_chunks(paths: list[Path], options: ReadOptions) -> Iterator[Chunk]:
-    """The inputs as chunks of whole documents, in order."""
-    for path in paths:
-        kind = kind_of(path, options)
-        if kind == "file":
-            yield Chunk(str(path), 1, kind, path.read_bytes())
-            continue
-        yield from _line_chunks(path, kind)
-
-
-def _line_chunks(path: Path, kind: str) -> Iterator[Chunk]:
-    lines: list[bytes] = []
-    size, first, number = 0, 1, 0
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            lines.append(line)
-            size += len(line)
-            # a chunk ends at a line boundary (JSONL) or after a blank line (text)
-            if size >= CHUNK_BYTES and (kind == "jsonl" or not line.strip()):
-                yield Chunk(str(path), first, kind, b"".join(lines))
-                lines, size, first = [], 0, number + 1
-    if lines:
-        yield Chunk(str(path), first, kind, b"".join(lines))
-
-
 def chunk_documents(chunk: Chunk, options: ReadOptions) -> Documents:
     """The documents of ``chunk`` (``InputError`` naming its file and line)."""
     if chunk.kind == "jsonl":
         return _jsonl_documents(chunk, options)
+    if chunk.kind == "parquet":
+        return _row_documents(chunk, options)
     found = Documents(texts=[])
-    for offset, piece in _pieces(chunk):
+    for start, piece in _pieces(chunk):
         if not piece.strip():
             found.empty += chunk.kind == "file"  # blank lines between documents are no document
             continue
-        if options.as_bytes:
-            found.texts.append(piece)
-            continue
-        text, replaced = _decode(piece, chunk, options, offset=offset)
-        found.texts.append(text)
-        found.replaced += replaced
+        _add(found, piece, _decode(piece, chunk, options, start), options)
     return found
+
+
+def _add(found: Documents, piece: bytes, decoded: tuple[str, int], options: ReadOptions) -> None:
+    """One document, as text or (the byte tokenizer) as its UTF-8 bytes."""
+    text, replaced = decoded
+    if options.as_bytes:
+        found.texts.append(text.encode("utf-8") if replaced else piece)
+    else:
+        found.texts.append(text)
+    found.replaced += replaced
 
 
 def _pieces(chunk: Chunk) -> Iterator[tuple[int, bytes]]:
@@ -159,14 +141,28 @@ def _pieces(chunk: Chunk) -> Iterator[tuple[int, bytes]]:
     yield start, chunk.payload[start:].rstrip(b"\r\n")
 
 
+def _row_documents(chunk: Chunk, options: ReadOptions) -> Documents:
+    """A Parquet chunk's rows: each one document, as a JSONL line's string would be."""
+    found = Documents(texts=[])
+    ends = chunk.offsets.tolist()
+    for start, end in zip(ends[:-1], ends[1:]):
+        if start == end:
+            found.empty += 1
+            continue
+        piece = chunk.payload[start:end]
+        _add(found, piece, _decode(piece, chunk, options, start), options)
+    return found
+
+
 def _jsonl_documents(chunk: Chunk, options: ReadOptions) -> Documents:
     found = Documents(texts=[])
-    key = options.json_key
+    key, start = options.json_key, 0
     for number, line in enumerate(chunk.payload.split(b"\n"), start=chunk.first_line):
+        line_start, start = start, start + len(line) + 1
         if not line.strip():
             continue
         where = f"{chunk.path}:{number}"
-        text, replaced = _decode(line, chunk, options, line_number=number)
+        text, replaced = _decode(line, chunk, options, line_start)
         try:
             record = json.loads(text)
         except ValueError as err:
@@ -182,22 +178,51 @@ def _jsonl_documents(chunk: Chunk, options: ReadOptions) -> Documents:
         if not value:
             found.empty += 1
             continue
-        found.texts.append(value.encode("utf-8") if options.as_bytes else value)
-        found.replaced += replaced
+        value, encoded, lone = _without_surrogates(value, where, key, options)
+        found.texts.append(encoded if options.as_bytes else value)
+        found.replaced += replaced + lone
     return found
 
 
-def _decode(piece: bytes, chunk: Chunk, options: ReadOptions, offset: int = 0,
-            line_number: int = 0) -> tuple[str, int]:
-    """(text, bytes replaced by U+FFFD)."""
+def _without_surrogates(value: str, where: str, key: str, options: ReadOptions
+                        ) -> tuple[str, bytes, int]:
+    """(text, its UTF-8, surrogates replaced): JSON's ``\\ud800`` escape decodes to a lone
+    surrogate, which no UTF-8 (and no tokenizer) holds."""
+    try:
+        return value, value.encode("utf-8"), 0
+    except UnicodeEncodeError as err:
+        if options.encoding_errors != "replace":
+            raise InputError(f"{where}: {key!r} holds the lone surrogate "
+                             f"{value[err.start]!r}, which is not text; fix the line, or pass "
+                             f"--encoding-errors replace to read it as U+FFFD (counted)") from None
+    value, count = _SURROGATES.subn("\ufffd", value)
+    return value, value.encode("utf-8"), count
+
+
+def _decode(piece: bytes, chunk: Chunk, options: ReadOptions, start: int) -> tuple[str, int]:
+    """(text, bytes replaced by U+FFFD) of ``piece``, found at ``start`` of the payload."""
     if options.encoding_errors == "replace":
         text = piece.decode("utf-8", errors="replace")
         return text, text.count("\ufffd") - piece.count(_REPLACEMENT)
     try:
         return piece.decode("utf-8"), 0
     except UnicodeDecodeError as err:
-        line = line_number or chunk.first_line + chunk.payload.count(b"\n", 0,
-                                                                     offset + err.start)
-        raise InputError(f"{chunk.path}:{line}: byte {piece[err.start:err.start + 1]!r} is "
-                         f"not UTF-8; convert the file to UTF-8, or pass --encoding-errors "
-                         f"replace to read each bad byte as U+FFFD (counted)") from None
+        byte = piece[err.start:err.start + 1]
+        where = _where(chunk, start + err.start)
+        if piece.startswith(b"\x7fELF") or piece.find(b"\x00", 0, 4096) >= 0:
+            raise InputError(f"{where}: byte {byte!r} is not UTF-8 and the file holds NUL "
+                             f"bytes: it is binary, not text; pass only text files (e.g. "
+                             f"'src/**/*.py', not 'src/**/*')") from None
+        raise InputError(f"{where}: byte {byte!r} is not UTF-8; convert the file to UTF-8, or "
+                         f"pass --encoding-errors replace to read each bad byte as U+FFFD "
+                         f"(counted)") from None
+
+
+def _where(chunk: Chunk, at: int) -> str:
+    """Where byte ``at`` of ``chunk``'s payload is: file and line (and byte offset), or row."""
+    if chunk.kind == "parquet":
+        row = chunk.first_line + int((chunk.offsets <= at).sum()) - 1
+        return f"{chunk.path}: row index {row}"
+    line = chunk.first_line + chunk.payload.count(b"\n", 0, at)
+    of = " of the decompressed text" if chunk.codec else ""
+    return f"{chunk.path}:{line} (byte offset {chunk.offset + at}{of})"

@@ -37,6 +37,8 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 """megatron-core's ``DType`` codes."""
 INTEGER_CODES = (1, 2, 3, 4, 5, 8)
+SCAN_ENTRIES = 1 << 22
+"""Index entries checked per step (bounded memory on an index of any size)."""
 MAKE_ONE = ("make the pair with `hybrid-data --format indexed INPUT... PREFIX` (or Megatron's "
             "preprocess_data.py)")
 
@@ -101,7 +103,45 @@ def read_index(prefix: str) -> IndexInfo:
         raise DataError(f"{bin_path} has {size} bytes but {idx} indexes {tokens} {dtype} tokens "
                         f"({tokens * dtype.itemsize} bytes): the pair does not belong together "
                         f"or one is truncated; {MAKE_ONE}")
+    _check_pointers(idx, bin_path, dtype, sequences, boundaries, size)
     return IndexInfo(prefix=prefix, dtype=dtype, documents=boundaries - 1, tokens=tokens)
+
+
+def _check_pointers(idx: str, bin_path: str, dtype: np.dtype, sequences: int, boundaries: int,
+                    size: int) -> None:
+    """Every sequence where the ones before it end, inside the ``.bin``, and the document
+    boundaries rising from 0 to the last sequence: a damaged pointer would otherwise train
+    until its document is read (megatron reads where the pointer says, unchecked)."""
+    maps = _index_arrays(idx, sequences, boundaries)
+    end = 0  # where the sequences read so far end, in bytes
+    for start in range(0, sequences, SCAN_ENTRIES):
+        lengths = maps["lengths"][start:start + SCAN_ENTRIES].astype(np.int64) * dtype.itemsize
+        pointers = np.asarray(maps["pointers"][start:start + SCAN_ENTRIES])
+        expected = end + np.concatenate(([0], np.cumsum(lengths[:-1])))
+        wrong = np.flatnonzero((pointers != expected) | (lengths < 0))
+        if len(wrong):
+            at = int(wrong[0])
+            raise DataError(f"{idx}: sequence {start + at} points to byte {int(pointers[at])} "
+                            f"of {bin_path} ({size} bytes), where the sequences before it end "
+                            f"at byte {int(expected[at])}: the index is damaged or belongs to "
+                            f"other data; {MAKE_ONE}")
+        end = int(expected[-1] + lengths[-1])
+    documents = maps["documents"]
+    falling = any((np.diff(documents[start:start + SCAN_ENTRIES + 1]) < 0).any()
+                  for start in range(0, boundaries, SCAN_ENTRIES))
+    if documents[0] != 0 or documents[-1] != sequences or falling:
+        raise DataError(f"{idx}: its document boundaries do not rise from 0 to its {sequences} "
+                        f"sequences: the index is damaged; {MAKE_ONE}")
+
+
+def _index_arrays(idx: str, sequences: int, boundaries: int) -> dict[str, np.memmap]:
+    """The index's three arrays, mapped read-only."""
+    lengths_at = HEADER.size
+    pointers_at = lengths_at + 4 * sequences
+    documents_at = pointers_at + 8 * sequences
+    return {"lengths": np.memmap(idx, np.int32, "r", lengths_at, (sequences,)),
+            "pointers": np.memmap(idx, np.int64, "r", pointers_at, (sequences,)),
+            "documents": np.memmap(idx, np.int64, "r", documents_at, (boundaries,))}
 
 
 def write_index(handle: BinaryIO, dtype: np.dtype | type, lengths: np.ndarray) -> None:

@@ -53,6 +53,9 @@ class IndexedSpec:
     cache_dir: str
     vocab_size: Optional[int] = None
     eod: Optional[int] = None
+    built: tuple[bool, bool, bool] = (True, True, True)
+    """The parts of the split the run reads; megatron builds (and may open) only these, so a
+    part that nothing reads may be empty (megatron loops forever on an empty part)."""
 
 
 class _DatasetTokenizer:
@@ -68,7 +71,7 @@ class _DatasetTokenizer:
 def _config(spec: IndexedSpec, cache_dir: str, defer: bool):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    return GPTDatasetConfig(
+    config = GPTDatasetConfig(
         random_seed=spec.seed, sequence_length=spec.seq_len,
         blend=(list(spec.prefixes), None if spec.weights is None else list(spec.weights)),
         split=",".join(format(part, "f") for part in spec.split),
@@ -76,6 +79,11 @@ def _config(spec: IndexedSpec, cache_dir: str, defer: bool):
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # hybrid's attention is causal by itself
         defer_npy_index_mmap=defer)
+    # A part left out is None in megatron's split matrix, as a part of weight 0 is; the others
+    # keep their bookends, so every document stays in the part the split gives it.
+    config.split_matrix = [bounds if built else None
+                           for bounds, built in zip(config.split_matrix, spec.built)]
+    return config
 
 
 def _build(spec: IndexedSpec, cache_dir: str, defer: bool) -> list:

@@ -15,6 +15,7 @@ was.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -28,14 +29,42 @@ from typing import Iterator, Optional
 import numpy as np
 
 from hybrid.data.documents import (Chunk, InputError, ReadOptions, chunk_documents,
-                                   expand_inputs, read_chunks)
+                                   expand_inputs)
 from hybrid.data.indexed import optimal_dtype, write_index
 from hybrid.data.metadata import META_SUFFIX, TOKENIZER_SUFFIX
+from hybrid.data.readers import read_chunks
 from hybrid.data.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_from_json
+from hybrid.errors import UserError
 from hybrid.files import AtomicFiles
 
 FORMATS = ("tokens", "indexed")
 DTYPES = {"tokens": ("uint16", "uint32"), "indexed": ("uint16", "int32")}
+
+
+class OutputError(UserError):
+    """The output cannot be written where it was asked for; the message names the folder."""
+
+
+@contextlib.contextmanager
+def writing(output: str) -> Iterator[None]:
+    """Turn an ``OSError`` of writing ``output`` (a read-only or full disk, a folder that
+    takes no files) into one line naming the output and its folder, not a temporary file."""
+    try:
+        yield
+    except OSError as err:
+        folder = os.path.dirname(os.path.abspath(output))
+        raise OutputError(f"cannot write {output} in the folder {folder} "
+                          f"({err.strerror or err}); choose a folder you can write to, with "
+                          f"room for the output") from None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container or taskset sets
+    it), which is what bounds worker processes."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,7 @@ class Request:
     """None: the smallest that holds the vocabulary (uint16 below 65536 ids for tokens,
     megatron-core's choice for indexed)."""
     workers: int = 1
+    """Processes tokenizing; more than ``usable_cores()`` is capped to it."""
     read: ReadOptions = field(default_factory=ReadOptions)
     force: bool = False
     progress: bool = True
@@ -127,17 +157,19 @@ def prepare_data(request: Request) -> Report:
     read = ReadOptions(**{**request.read.__dict__, "as_bytes": tokenizer.wants_bytes})
     report = Report(dtype=dtype, info=info, outputs=files)
     with AtomicFiles(files) as out, ExitStack() as stack:
-        lengths = _write_tokens(out.handle(files[0]), inputs, read, request, tokenizer,
-                                dtype, report, stack)
+        with writing(request.output):
+            handle = out.handle(files[0])
+        lengths = _write_tokens(handle, inputs, read, request, tokenizer, dtype, report, stack)
         if report.tokens == 0:
             raise InputError(f"the inputs hold no text ({report.empty} empty documents); "
                              f"check --json-key and --documents")
-        if request.format == "indexed":
-            write_index(out.handle(files[1]), np.dtype(dtype), lengths)
-        if tokenizer_json is not None:
-            out.handle(files[-2]).write(tokenizer_json.encode("utf-8"))
-        out.handle(files[-1]).write(_record(request, inputs, report).encode("utf-8"))
-        out.commit(stale=_stale(request.output, tokenizer_json is not None))
+        with writing(request.output):
+            if request.format == "indexed":
+                write_index(out.handle(files[1]), np.dtype(dtype), lengths)
+            if tokenizer_json is not None:
+                out.handle(files[-2]).write(tokenizer_json.encode("utf-8"))
+            out.handle(files[-1]).write(_record(request, inputs, report).encode("utf-8"))
+            out.commit(stale=_stale(request.output, tokenizer_json is not None))
     report.seconds = time.perf_counter() - started
     return report
 
@@ -152,14 +184,16 @@ def _write_tokens(handle, inputs, read, request, tokenizer, dtype, report,
                                    disable=None if request.progress else True, leave=False))
     lengths: list[np.ndarray] = []
     chunks = read_chunks(inputs, read)
-    if request.workers > 1:
-        results = _encode_in_workers(chunks, request.workers, stack, read, tokenizer.info,
+    workers = min(request.workers, usable_cores())
+    if workers > 1:
+        results = _encode_in_workers(chunks, workers, stack, read, tokenizer.info,
                                      tokenizer.to_json(), dtype)
     else:
         encoder = _Encoder(read, tokenizer, dtype)
         results = (_encode(chunk, encoder) for chunk in chunks)
     for result in results:
-        result.tokens.tofile(handle)
+        with writing(request.output):
+            result.tokens.tofile(handle)
         lengths.append(result.lengths)
         report.documents += len(result.lengths)
         report.tokens += len(result.tokens)
@@ -194,7 +228,8 @@ class _Encoder:
 def _encode(chunk: Chunk, encoder: _Encoder) -> _Encoded:
     found = chunk_documents(chunk, encoder.read)
     lengths, tokens = encoder.tokenizer.encode(found.texts)
-    return _Encoded(lengths, tokens.astype(encoder.dtype), found.empty, found.replaced, len(chunk.payload))
+    return _Encoded(lengths, tokens.astype(encoder.dtype), found.empty, found.replaced,
+                    chunk.progress)
 
 
 _WORKER: dict = {}  # the pool worker's encoder (its process only; set by _start_worker)

@@ -19,8 +19,9 @@ from hybrid.data.metadata import check_same_tokenizer, check_vocab, recorded_tok
 from hybrid.data.megatron import IndexedSpec, open_split
 from hybrid.data.synthetic import HeldOutMarkov, MarkovDataset
 from hybrid.data.token_file import TokenFileDataset, check_token_file, max_token
-from hybrid.planning.data_sources import (SPLITS, blend_of, data_problem, evaluates,
-                                          split_documents, split_fractions)
+from hybrid.planning.data_sources import (SPLIT_NAMES, SPLITS, blend_of, data_problem,
+                                          evaluates, read_parts, show_list, split_documents,
+                                          split_fractions, working_split)
 
 DATA_CACHE = "data_cache"
 """The run directory's folder for megatron's index caches when ``data.cache_dir`` is unset."""
@@ -73,12 +74,12 @@ def indexed_spec(plan: Any) -> IndexedSpec:
     for the run, the validation split for one evaluation, the test split for one batch."""
     cfg = plan.cfg
     blend = blend_of(cfg.data)
-    batch = cfg.train.global_batch
-    valid = eval_samples(cfg) if evaluates(cfg.eval) else batch
+    built = read_parts(cfg.eval)
+    sizes = (cfg.train.steps * cfg.train.global_batch, eval_samples(cfg), 0)
     return IndexedSpec(prefixes=plan.data_prefixes, weights=blend.weights,
                        split=split_fractions(cfg.data.split), seq_len=cfg.model.seq_len,
-                       seed=cfg.seed, sizes=(cfg.train.steps * batch, valid, batch),
-                       cache_dir=plan.data_cache_dir, vocab_size=cfg.model.vocab)
+                       seed=cfg.seed, sizes=tuple(n if b else 0 for n, b in zip(sizes, built)),
+                       cache_dir=plan.data_cache_dir, vocab_size=cfg.model.vocab, built=built)
 
 
 def resolve_prefixes(data_cfg: Any) -> tuple[str, ...]:
@@ -89,13 +90,15 @@ def resolve_prefixes(data_cfg: Any) -> tuple[str, ...]:
     return tuple(os.path.abspath(os.path.expanduser(p)) for p in blend_of(data_cfg).prefixes)
 
 
-def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any) -> Optional[int]:
+def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any,
+                  eval_cfg: Any = None) -> Optional[int]:
     """Check the data before any worker starts; the number of samples of a synthetic or token
     file source (None for an indexed one, whose samples megatron counts when it builds).
 
     Raises ``DataError`` with one line for a missing or mis-sized file, a file shorter than
     one global batch, token ids >= ``model.vocab``, a recorded vocabulary larger than
-    ``model.vocab``, a blend of differently tokenized data sets, or a split with no document.
+    ``model.vocab``, a blend of differently tokenized data sets, or a split that leaves a part
+    the run reads (``read_parts(eval_cfg)``) without a document.
     """
     if data_cfg.source == "indexed" and data_cfg.example is not None:
         if model_cfg.vocab < 256:  # the built-in corpora are byte-level
@@ -103,7 +106,7 @@ def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any) -> Optional[int
                             f"model.vocab={model_cfg.vocab}; set model.vocab=256 or more")
         return None
     if data_cfg.source == "indexed":
-        _check_indexed(data_cfg, model_cfg)
+        _check_indexed(data_cfg, model_cfg, read_parts(eval_cfg))
         return None
     dataset = make_dataset(data_cfg, model_cfg, seed=0)
     if len(dataset) < train_cfg.global_batch:
@@ -114,7 +117,7 @@ def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any) -> Optional[int
     return len(dataset)
 
 
-def _check_indexed(data_cfg: Any, model_cfg: Any) -> None:
+def _check_indexed(data_cfg: Any, model_cfg: Any, read: tuple[bool, bool, bool]) -> None:
     field = "data.path" if data_cfg.blend is None else "data.blend"
     infos, records = {}, {}
     for prefix in blend_of(data_cfg).prefixes:
@@ -128,8 +131,8 @@ def _check_indexed(data_cfg: Any, model_cfg: Any) -> None:
                                 f"model.vocab={model_cfg.vocab}; set model.vocab={largest + 1} "
                                 f"or more (the tokenizer's vocabulary size)")
     check_same_tokenizer(records)
-    for prefix, info in infos.items():
-        _check_split(data_cfg.split, prefix, info.documents)
+    _check_split(data_cfg.split, {prefix: info.documents for prefix, info in infos.items()},
+                 read)
 
 
 def _check_dtype_holds(prefix: str, info: Any, recorded: Any) -> None:
@@ -141,15 +144,24 @@ def _check_dtype_holds(prefix: str, info: Any, recorded: Any) -> None:
                         f"that holds the vocabulary)")
 
 
-def _check_split(split: Any, prefix: str, documents: int) -> None:
-    """Every split with a part gets a document (megatron would loop forever on one without)."""
-    counts = split_documents(split, documents)
-    for name, fraction, count in zip(SPLITS, split_fractions(split), counts):
-        if fraction > 0 and count == 0:
-            shown = "[" + ",".join(f"{float(p):g}" for p in split) + "]"
-            raise DataError(f"data.split={shown} gives the {name} split of {prefix} none of "
-                            f"its {documents} documents; use more documents, or a split whose "
-                            f"{name} part is 0 or larger")
+def _check_split(split: Any, documents: dict[str, int], read: tuple[bool, bool, bool]) -> None:
+    """Every part the run reads gets a document of every data set (megatron would loop
+    forever on an empty one); the parts nothing reads are not built and may be empty."""
+    for prefix, count in documents.items():
+        parts = split_documents(split, count)
+        empty = [name for name, wanted, part in zip(SPLITS, read, parts) if wanted and not part]
+        if not empty:
+            continue
+        name = SPLIT_NAMES[empty[0]]
+        counts = ", ".join(f"{SPLIT_NAMES[n]} {part}" for n, part in zip(SPLITS, parts))
+        better = working_split(list(documents.values()), read)
+        fix = f"use data.split={show_list(list(better))}" if better else \
+            "use more documents (a train and a validation part need 2 or more)"
+        if empty[0] == "valid":
+            fix += ", or evaluate nothing (eval.every=0 eval.at_end=false)"
+        documents_split = "1 document splits" if count == 1 else f"{count} documents split"
+        raise DataError(f"data.split={show_list(list(split))} leaves the {name} part of "
+                        f"{prefix} empty: its {documents_split} {counts}; {fix}")
 
 
 def _too_few_samples_error(data_cfg: Any, model_cfg: Any, samples: int,

@@ -17,6 +17,7 @@ SOURCES = ("synthetic", "tokens", "indexed")
 EXAMPLES = ("python-docs",)
 """Built-in corpora for data.example (``hybrid.data.examples``)."""
 SPLITS = ("train", "valid", "test")
+SPLIT_NAMES = {"train": "train", "valid": "validation", "test": "test"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,28 @@ def evaluates(eval_cfg: Any) -> bool:
     return eval_cfg.every > 0 or eval_cfg.at_end
 
 
+def read_parts(eval_cfg: Any) -> tuple[bool, bool, bool]:
+    """Which parts of ``data.split`` a run reads: train always, validation when it evaluates
+    (``eval_cfg`` None: assume it does), test never (hybrid has no test pass: the part only
+    keeps its documents out of the other two). A part nothing reads is not built, so an empty
+    one refuses nothing."""
+    return True, eval_cfg is None or evaluates(eval_cfg), False
+
+
+def working_split(documents: list[int], read: tuple[bool, bool, bool]
+                  ) -> Optional[tuple[int, int, int]]:
+    """A ``data.split`` that gives every part in ``read`` a document of each data set of
+    ``documents`` (their counts), or None when they are too few."""
+    candidate = (min(documents) - 1, 1, 0) if read[1] else (1, 0, 0)
+    if candidate[0] < 1:
+        return None
+    for count in documents:
+        parts = split_documents(candidate, count)
+        if any(wanted and part == 0 for wanted, part in zip(read, parts)):
+            return None
+    return candidate
+
+
 def eval_problem(eval_cfg: Any, data: Any) -> Optional[str]:
     """The problem of the ``eval`` settings with this data (one line), or None."""
     every, batches = eval_cfg.every, eval_cfg.batches
@@ -69,7 +92,7 @@ def eval_problem(eval_cfg: Any, data: Any) -> Optional[str]:
                 f"(its data.split's validation part) or eval.every=0")
     if data.source == "indexed" and not split_problem(data.split) and \
             split_fractions(data.split)[1] == 0:
-        return (f"{asked} needs validation data, and data.split={_show(data.split)} has no "
+        return (f"{asked} needs validation data, and data.split={show_list(data.split)} has no "
                 f"validation part; give it one, e.g. data.split=[969,30,1], or eval.every=0")
     return None
 
@@ -85,7 +108,7 @@ def _blend_problem(data: Any) -> Optional[str]:
         return None
     items = list(data.blend)
     if not items or len(items) % 2:
-        return (f"data.blend={_show(items)} has {len(items)} items; it alternates weight "
+        return (f"data.blend={show_list(items)} has {len(items)} items; it alternates weight "
                 f"and prefix: data.blend=[0.7,PREFIX_A,0.3,PREFIX_B]")
     for weight, prefix in zip(items[0::2], items[1::2]):
         if _weight(weight) is None:
@@ -101,7 +124,7 @@ def split_problem(split: Any) -> Optional[str]:
     """The problem of a ``data.split`` (three non-negative numbers, train part positive)."""
     parts = [_number(part) for part in split] if isinstance(split, (list, tuple)) else []
     if len(parts) != 3 or any(p is None or p < 0 for p in parts) or parts[0] == 0:
-        return (f"data.split={_show(split)} must be three non-negative numbers (train, "
+        return (f"data.split={show_list(split)} must be three non-negative numbers (train, "
                 f"validation, test parts by document) with a positive train part, e.g. "
                 f"data.split=[969,30,1]")
     return None
@@ -152,7 +175,7 @@ def _weight(value: Any) -> Optional[float]:
     return number if number is not None and number > 0 else None
 
 
-def _show(items: Any) -> str:
+def show_list(items: Any) -> str:
     """A list as the override that gives it (``[969,30,1]``, not ``[969.0,30.0,1.0]``)."""
     if isinstance(items, (list, tuple)):
         return "[" + ",".join(f"{item:g}" if isinstance(item, float) else str(item)

@@ -1,4 +1,4 @@
-"""``hybrid-data``: text or JSONL in, tokens out for ``data.source=tokens`` or ``indexed``.
+"""``hybrid-data``: text, JSONL or Parquet in, tokens out for ``data.source=tokens`` or ``indexed``.
 
 ::
 
@@ -6,6 +6,7 @@
                 [--documents file|blank-lines] [--json-key text] [--workers N] [--force]
     hybrid-data train-tokenizer INPUT... OUT --vocab-size N
 
+Inputs may be gzip- or zstd-compressed (``corpus.jsonl.zst``; ``hybrid.data.readers``).
 The first tokenizes (``hybrid.data.prepare``); the second learns a byte-level BPE from the
 inputs with HF ``tokenizers`` and writes ``OUT/tokenizer.json`` for ``--tokenizer OUT``.
 Needs numpy and ``tokenizers``, not torch. Bad input is one line on stderr and exit status 2,
@@ -21,8 +22,9 @@ import sys
 from typing import Optional, Sequence
 
 from hybrid.data.documents import (DOCUMENT_MODES, ENCODING_ERRORS, INPUT_FORMATS, InputError,
-                                   ReadOptions, chunk_documents, expand_inputs, read_chunks)
-from hybrid.data.prepare import FORMATS, Report, Request, prepare_data
+                                   ReadOptions, chunk_documents, expand_inputs)
+from hybrid.data.prepare import FORMATS, Report, Request, prepare_data, usable_cores, writing
+from hybrid.data.readers import read_chunks
 from hybrid.errors import USER_ERROR_EXIT, UserError
 
 TRAIN_TOKENIZER = "train-tokenizer"
@@ -34,10 +36,12 @@ def _reading_options(parser: argparse.ArgumentParser) -> None:
                         help="text inputs: one document per file (default), or documents "
                              "separated by blank lines")
     parser.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
-                        help="auto (default): *.jsonl and *.json are JSON Lines, anything "
-                             "else text")
+                        help="auto (default): *.parquet is Parquet, *.jsonl and *.json are "
+                             "JSON Lines, anything else text; each may end in .gz or .zst "
+                             "(compressed)")
     parser.add_argument("--json-key", default="text",
-                        help="JSONL inputs: the key holding each document (default: text)")
+                        help="JSONL inputs: the key holding each document; Parquet inputs: "
+                             "the column (default: text)")
     parser.add_argument("--encoding-errors", default="strict", choices=ENCODING_ERRORS,
                         help="text that is not UTF-8: refuse (default), or replace each bad "
                              "byte with U+FFFD and count them")
@@ -47,7 +51,8 @@ def _reading_options(parser: argparse.ArgumentParser) -> None:
 def _tokenize_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid-data",
-        description="Tokenize text or JSONL files into a token file (data.source=tokens) or "
+        description="Tokenize text, JSONL or Parquet files (JSONL and text may be gzip- "
+                    "or zstd-compressed) into a token file (data.source=tokens) or "
                     "Megatron's indexed PREFIX.bin/.idx (data.source=indexed). "
                     f"See also: hybrid-data {TRAIN_TOKENIZER} --help.")
     parser.add_argument("paths", nargs="+", metavar="INPUT... OUTPUT",
@@ -64,7 +69,8 @@ def _tokenize_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None,
                         help="token type (default: the smallest that holds the vocabulary)")
     parser.add_argument("--workers", type=int, default=1,
-                        help="processes tokenizing in parallel, one core each (default 1)")
+                        help="processes tokenizing in parallel, one core each (default 1; at "
+                             "most the cores this process may use)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     _reading_options(parser)
     return parser
@@ -103,9 +109,20 @@ def tokenize(argv: Sequence[str]) -> None:
     inputs, output = _split_paths(parser, args.paths)
     report = prepare_data(Request(
         inputs=inputs, output=output, tokenizer=args.tokenizer, eod=args.eod,
-        format=args.format, dtype=args.dtype, workers=args.workers, read=_read_options(args),
-        force=args.force, progress=not args.quiet))
+        format=args.format, dtype=args.dtype, workers=_workers(args.workers),
+        read=_read_options(args), force=args.force, progress=not args.quiet))
     _print_report(report, args.format, output)
+
+
+def _workers(asked: int) -> int:
+    """``--workers``, capped at the cores there are (more only share them, and each costs a
+    process and its memory), with a warning when capped."""
+    cores = usable_cores()
+    if asked > cores:
+        print(f"warning: --workers {asked} is more than the {cores} cores this process may "
+              f"use; tokenizing with {cores} workers", file=sys.stderr)
+        return cores
+    return asked
 
 
 def _print_report(report: Report, fmt: str, output: str) -> None:
@@ -146,8 +163,8 @@ def train_tokenizer(argv: Sequence[str]) -> None:
     texts = (text for chunk in read_chunks(paths, options)
              for text in chunk_documents(chunk, options).texts)
     tokenizer = train_byte_level_bpe(texts, args.vocab_size, args.min_frequency)
-    os.makedirs(out, exist_ok=True)
-    with AtomicFiles([target]) as files:
+    with writing(target), AtomicFiles([target]) as files:
+        os.makedirs(out, exist_ok=True)
         files.handle(target).write(tokenizer.to_str().encode("utf-8"))
         files.commit()
     print(f"wrote a byte-level BPE of {tokenizer.get_vocab_size()} ids "

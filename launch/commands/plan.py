@@ -87,7 +87,7 @@ def write_run_files(job, run_dir: Path) -> None:
     from hybrid.data import validate_data
     from launch.commands.run_data import with_run_data
 
-    validate_data(job.cfg.data, job.cfg.model, job.cfg.train)
+    validate_data(job.cfg.data, job.cfg.model, job.cfg.train, job.cfg.eval)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         job = with_run_data(job, run_dir)

@@ -139,7 +139,7 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
-    validate_data(cfg.data, cfg.model, cfg.train)
+    validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     directory, resume, init = resolve_checkpointing(cfg, run_dir)
