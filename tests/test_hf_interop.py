@@ -1,8 +1,11 @@
-"""HF GPT-2 in and out through ``hybrid-ckpt``: a round trip changes no tensor, an imported
-model in hybrid's 1-process GPT gives HF's logits and loss, and bad sources are one line."""
+"""HF GPT-2 in and out through ``hybrid-ckpt``: a round trip changes no tensor (and writes a
+folder with the usual modes), an imported model in hybrid's 1-process GPT gives HF's logits and
+loss, and bad sources and outputs are one line."""
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +54,12 @@ def test_import_then_export_changes_no_tensor(kind, hf_dirs, tmp_path):
         tmp_path / "out" / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[name], after[name]) for name in before)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode)
+             for path in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert modes.pop("out") == 0o777 & ~umask  # as mkdir makes it (mkdtemp's 0700 stayed)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
     model, info = load_hf(tmp_path / "out")
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -195,3 +204,17 @@ def test_a_source_that_disagrees_with_itself_is_one_line_at_import(change, needl
     assert len(done.stderr.strip().splitlines()) == 1 and needle in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's /sys")
+@pytest.mark.parametrize("form", ["torch", "hf"])
+def test_an_export_that_cannot_be_written_is_one_line(form, imported):
+    """sysfs refuses to create a file or a folder even for root (tests run as root, whom a
+    chmod does not stop)."""
+    out = "/sys/kernel/hybrid-export"
+    done = run(CKPT, "export", imported, out, "--format", form)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"cannot write {out}: " in done.stderr and \
+        "choose an output path on a writable file system" in done.stderr
+    assert not os.path.exists(out) and done.stdout == ""

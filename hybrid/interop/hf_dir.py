@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -76,15 +75,23 @@ def read_hf_weights(path: str) -> dict:
 def write_hf_dir(out: str, tensors: dict, config: dict,
                  tokenizer_json: Optional[str] = None, eod_token: Optional[str] = None,
                  max_length: Optional[int] = None) -> None:
-    """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end."""
+    """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end.
+    The folder and its files get the modes ``mkdir`` and ``open`` give (0777 and 0666 less
+    the umask)."""
     save_file = _safetensors().save_file
     target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise ConversionError(f"{out} exists and is not a folder; choose another folder")
     if target.exists() and any(target.iterdir()):
         raise ConversionError(f"{out} exists and is not empty; choose another folder")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed export of this pid's
     try:
+        staging.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the renamed folder
         save_file(tensors, str(staging / WEIGHTS[0]), metadata={"format": "pt"})
+        # safetensors creates its file 0600; give it a new file's mode, as the others get
+        os.chmod(staging / WEIGHTS[0], staging.stat().st_mode & 0o666)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / TOKENIZER_FILE).write_text(tokenizer_json)
