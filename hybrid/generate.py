@@ -4,11 +4,18 @@ The model runs in this process (one rank: a 1-process gloo group on an in-memory
 socket), in fp32. Each new token is chosen from the logits of the real vocabulary at the last
 position: greedy (``temperature=0``, the first maximum, as ``torch.argmax`` and HF's greedy
 ``generate``), or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
-most likely (0: all), with a generator seeded by ``seed``. The whole context is recomputed for
-every token (no cache: the models hybrid trains are small); beyond ``model.seq_len`` it slides,
-keeping the last ``seq_len`` tokens. Generation stops after ``max_new_tokens`` or at the
-end-of-document token (``stop_at_eod``). The prompt is encoded and the output decoded with the
-tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's.
+most likely (0: all), with a generator seeded by ``seed``; the softmax is taken in float64 of
+the logits less their maximum, so any finite temperature > 0 gives probabilities (a tiny one
+tends to greedy, a huge one to uniform). The whole context is recomputed for every token (no
+cache: the models hybrid trains are small); beyond ``model.seq_len`` it slides, keeping the
+last ``seq_len`` tokens. Generation stops after ``max_new_tokens`` or at the end-of-document
+token (``stop_at_eod``); ``new_tokens`` yields each id as it is chosen, and ``TextPieces``
+turns them into text as it becomes final. The prompt is encoded and the output decoded with
+the tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's. A
+checkpoint is checked as a resume checks it (every file's size and CRC-32) before it is read.
+
+torch is imported where the model runs, so ``hybrid-generate`` starts (and answers a bad
+setting or a Ctrl-C) before torch is loaded.
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from hybrid.data.tokenizer import ByteTokenizer, TokenizerInfo, tokenizer_from_json
 from hybrid.errors import UserError
 from hybrid.planning.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GenerateError(UserError):
@@ -49,6 +57,7 @@ def load_source(source: str) -> Source:
 
         model, weights, record, tokenizer_json = hf_model(str(path))
         return Source(model, weights, record, tokenizer_json, str(path))
+    from hybrid.checkpoint.dcp_io import verify_files_here
     from hybrid.checkpoint.store import check_files, read_manifest, resolve_resume
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
     from hybrid.interop.convert import model_config_of
@@ -56,6 +65,7 @@ def load_source(source: str) -> Source:
     checkpoint = resolve_resume(source, path, field="source")
     manifest = read_manifest(checkpoint)
     check_files(checkpoint, manifest)
+    verify_files_here(checkpoint, manifest)  # as resume and export: no text from damaged weights
     record, tokenizer_json = checkpoint_tokenizer(checkpoint, manifest)
     return Source(model_config_of(manifest), read_model_weights(checkpoint), record,
                   tokenizer_json, str(checkpoint))
@@ -110,30 +120,65 @@ def one_process_model(source: Source) -> Iterator[torch.nn.Module]:
             dist.destroy_process_group()
 
 
-@torch.no_grad()
-def generate(model, prompt: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
-             seed: int, eod: Optional[int], stop_at_eod: bool = True) -> list[int]:
-    """The ids that follow ``prompt`` (see the module doc)."""
+def new_tokens(model, prompt: list[int], *, max_new_tokens: int, temperature: float,
+               top_k: int, seed: int, eod: Optional[int], stop_at_eod: bool = True
+               ) -> Iterator[int]:
+    """Each id that follows ``prompt``, as soon as it is chosen (see the module doc)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     ids, window = list(prompt), model.cfg.seq_len
-    new: list[int] = []
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], dtype=torch.int64)
-        logits = model.logits(context)[0, -1].float()
+        with torch.no_grad():
+            logits = model.logits(torch.tensor([ids[-window:]], dtype=torch.int64))[0, -1]
         token = int(logits.argmax()) if temperature == 0 else \
             _sample(logits, temperature, top_k, generator)
         ids.append(token)
-        new.append(token)
+        yield token
         if stop_at_eod and token == eod:
-            break
-    return new
+            return
+
+
+def generate(model, prompt: list[int], **settings) -> list[int]:
+    """The ids that follow ``prompt`` (``new_tokens``' settings), all at once."""
+    return list(new_tokens(model, prompt, **settings))
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int,
             generator: torch.Generator) -> int:
-    scaled = logits / temperature
+    import torch
+
+    # the largest scaled logit is 0, so no temperature overflows exp(): no inf, no NaN
+    scaled = (logits.double() - logits.max()) / temperature
     if 0 < top_k < scaled.numel():
         cutoff = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextPieces:
+    """The text of the ids chosen so far, handed out in pieces as it becomes final.
+
+    Trailing U+FFFD are held back: a byte-level token can carry part of a character that the
+    next tokens complete (a byte that stays invalid comes out with the next whole character).
+    For the tokenizers hybrid-data makes (bytes, byte-level BPE) the text before them never
+    changes, so the pieces put together are the decoding of all the ids."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode, self._ids, self._shown = decode, [], ""
+
+    def add(self, token: int) -> str:
+        """The text that ``token`` makes final (often "", or more than its own)."""
+        self._ids.append(token)
+        return self._take(self._decode(self._ids).rstrip("\ufffd"))
+
+    def rest(self) -> str:
+        """Whatever is still held back (at the end: bytes that make no character)."""
+        return self._take(self._decode(self._ids))
+
+    def _take(self, text: str) -> str:
+        if len(text) <= len(self._shown):
+            return ""
+        piece, self._shown = text[len(self._shown):], text
+        return piece

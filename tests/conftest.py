@@ -55,3 +55,26 @@ def reference(reference_runs) -> dict[str, list[float]]:
     out = {name: losses_of(run_dir) for name, run_dir in reference_runs.items()}
     assert all(len(losses) == STEPS for losses in out.values())
     return out
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2(tmp_path_factory) -> Path:
+    """A tiny random HF GPT-2 directory with its tokenizer (``hf_models.make_hf_dir``: tied,
+    seed 0). Tests read it, never write (copy it to change it)."""
+    from hf_models import make_hf_dir
+
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "tied", tied=True)
+
+
+@pytest.fixture(scope="session")
+def hf_imported(hf_gpt2, tmp_path_factory) -> Path:
+    """``hf_gpt2`` through ``hybrid-ckpt import``: a model-only checkpoint that carries the
+    tokenizer. Tests read it, never write (copy it to damage it)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("imported") / "tied"
+    done = subprocess.run([str(Path(sys.executable).parent / "hybrid-ckpt"), "import",
+                           str(hf_gpt2), str(out)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out

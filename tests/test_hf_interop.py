@@ -1,7 +1,11 @@
-"""HF GPT-2 in and out through ``hybrid-ckpt``: a round trip changes no tensor, an imported
-model in hybrid's 1-process GPT gives HF's logits and loss, and bad sources are one line."""
+"""HF GPT-2 in and out through ``hybrid-ckpt``: a round trip changes no tensor (and writes a
+folder with the usual modes), an imported model in hybrid's 1-process GPT gives HF's logits and
+loss, and bad sources and outputs are one line."""
 
 import json
+import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,17 +28,15 @@ def run(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+def hf_dirs(hf_gpt2, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("hf")
-    return {"tied": make_hf_dir(folder / "tied", tied=True),
+    return {"tied": hf_gpt2,
             "untied": make_hf_dir(folder / "untied", tied=False, seed=1, tokenizer=False)}
 
 
 @pytest.fixture(scope="module")
-def imported(hf_dirs, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("imported") / "tied"
-    assert run(CKPT, "import", hf_dirs["tied"], out).returncode == 0
-    return out
+def imported(hf_imported) -> Path:
+    return hf_imported
 
 
 @pytest.mark.slow
@@ -52,6 +54,12 @@ def test_import_then_export_changes_no_tensor(kind, hf_dirs, tmp_path):
         tmp_path / "out" / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[name], after[name]) for name in before)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode)
+             for path in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert modes.pop("out") == 0o777 & ~umask  # as mkdir makes it (mkdtemp's 0700 stayed)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
     model, info = load_hf(tmp_path / "out")
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -146,3 +154,67 @@ def test_init_from_is_checked_before_launch(overrides, needle, imported, tmp_pat
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert needle in done.stderr
     assert not (tmp_path / "run" / "workers").exists()
+
+
+def _changed(source: Path, folder: Path, change) -> Path:
+    """A copy of the HF directory ``source`` with ``change(copy)`` applied."""
+    copy = shutil.copytree(source, folder)
+    change(copy)
+    return copy
+
+
+def _config(**changes):
+    def change(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return change
+
+
+def _empty_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    empty = Tokenizer(models.BPE(vocab={}, merges=[]))
+    empty.add_special_tokens(["<|endoftext|>"])
+    empty.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, needle", [
+    (_config(n_embd=64), "transformer.wte.weight has shape [300, 32], config.json implies "
+                         "[300, 64]"),
+    (_config(n_inner=64), "transformer.h.0.mlp.c_fc.weight has shape [32, 128], config.json "
+                          "implies [32, 64]"),
+    (_config(n_positions=64), "transformer.wpe.weight has shape [32, 32], config.json implies "
+                              "[64, 32]"),
+    (_empty_tokenizer, "tokenizer.json has an empty vocabulary (special tokens only: 1), so "
+                       "no text encodes to any token"),
+    (lambda d: (d / "tokenizer.json").write_text("{not json"),
+     "tokenizer.json is not an HF tokenizer"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{not json"),
+     "tokenizer_config.json is not a JSON object"),
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:99]),
+     "model.safetensors cannot be read"),
+], ids=["n_embd", "n_inner", "n_positions", "empty vocabulary", "bad tokenizer",
+        "bad tokenizer config", "truncated weights"])
+def test_a_source_that_disagrees_with_itself_is_one_line_at_import(change, needle, hf_gpt2,
+                                                                   tmp_path):
+    source = _changed(hf_gpt2, tmp_path / "hf", change)
+    done = run(CKPT, "import", source, tmp_path / "out")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and needle in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's /sys")
+@pytest.mark.parametrize("form", ["torch", "hf"])
+def test_an_export_that_cannot_be_written_is_one_line(form, imported):
+    """sysfs refuses to create a file or a folder even for root (tests run as root, whom a
+    chmod does not stop)."""
+    out = "/sys/kernel/hybrid-export"
+    done = run(CKPT, "export", imported, out, "--format", form)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"cannot write {out}: " in done.stderr and \
+        "choose an output path on a writable file system" in done.stderr
+    assert not os.path.exists(out) and done.stdout == ""

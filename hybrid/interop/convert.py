@@ -47,15 +47,17 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
 
 def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[str]]:
     """(model config, hybrid weights with the real vocabulary, tokenizer record, tokenizer
-    JSON) of an HF GPT-2 directory (its config checked before any tensor is read)."""
+    JSON) of an HF GPT-2 directory (its config checked before any tensor is read, every
+    tensor's shape against the config, then the tokenizer against the model)."""
     config = read_config(hf_dir)
     model = ModelConfig(**model_fields(config, hf_dir), vocab_pad_multiple=1)
     weights = from_hf(read_hf_weights(hf_dir), model)
-    found = hf_tokenizer(hf_dir)
+    found = hf_tokenizer(hf_dir, model.vocab)
     if found is None:
         return model, weights, None, None
-    tokenizer_json, eos = found
-    return model, weights, _record(tokenizer_json, eos, hf_dir, config), tokenizer_json
+    tokenizer, tokenizer_json, eos = found
+    return model, weights, _record(tokenizer, tokenizer_json, eos, hf_dir, config), \
+        tokenizer_json
 
 
 def import_hf(hf_dir: str, out: str) -> Path:
@@ -72,12 +74,10 @@ def import_hf(hf_dir: str, out: str) -> Path:
                                     tokenizer=record, tokenizer_json=tokenizer_json)
 
 
-def _record(tokenizer_json: str, eos: Optional[str], hf_dir: str, config: dict) -> dict:
+def _record(tokenizer, tokenizer_json: str, eos: Optional[str], hf_dir: str,
+            config: dict) -> dict:
     """The tokenizer record of an HF directory's ``tokenizer.json`` (``TokenizerInfo``'s
     fields; end of document: its eos token, else config.json's eos_token_id)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(tokenizer_json)
     eod = tokenizer.token_to_id(eos) if eos else config.get("eos_token_id")
     return {"kind": "hf", "source": str(hf_dir),
             "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), "eod": eod,

@@ -15,7 +15,8 @@ optionally tied embeddings), so the conversion is a renaming plus four re-layout
   would silently untie it).
 
 Names here are hybrid's global parameter names (``hybrid.planning.params``); every tensor of
-either side must be used, or the conversion fails with one line.
+either side must be used, or the conversion fails with one line, and on import every HF tensor
+must have the shape its config.json implies (the parameter spec's, re-laid out).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from hybrid.interop.hf_dir import ConversionError
+from hybrid.planning.params import model_param_specs
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: a bad config fails at once
     import torch
@@ -97,7 +99,28 @@ def from_hf(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Ten
             raise ConversionError("tie_word_embeddings is true but lm_head.weight differs from "
                                   "transformer.wte.weight; set tie_word_embeddings=false")
     pairs = name_pairs(model.layers, model.tie_embeddings)
+    _check_shapes(tensors, pairs, model)
     return _convert(tensors, [(theirs, ours, how) for ours, theirs, how in pairs], model, False)
+
+
+def _check_shapes(tensors: dict, pairs: list, model: Any) -> None:
+    """Every HF tensor of ``pairs`` has the shape ``model`` (from config.json) gives it."""
+    specs = model_param_specs(model)
+    for ours, theirs, how in pairs:
+        if theirs not in tensors:
+            continue  # _convert names what is missing
+        shape = specs[ours].shape
+        if how in ("transpose", "qkv_weight"):  # Conv1D stores [in, out]
+            shape = shape[::-1]
+        elif how == "vocab":
+            shape = (model.vocab, *shape[1:])
+        found = tuple(tensors[theirs].shape)
+        if found != shape:
+            raise ConversionError(
+                f"{theirs} has shape {list(found)}, config.json implies {list(shape)} "
+                f"(n_embd={model.hidden}, n_inner={model.ffn}, n_positions={model.seq_len}, "
+                f"vocab_size={model.vocab}); the config and the weights disagree: use the "
+                f"config.json saved with these weights")
 
 
 def _convert(source: dict, pairs: list, model: Any, to_hf: bool) -> dict[str, torch.Tensor]:

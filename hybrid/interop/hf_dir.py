@@ -4,7 +4,9 @@
 Reading takes ``config.json`` and ``model.safetensors`` (or a ``pytorch_model.bin``, loaded
 with ``torch.load(weights_only=True)``, which refuses a pickle that carries code); sharded
 checkpoints are refused. A local directory never reaches the network. ``hf_config`` checks a
-directory without importing torch, so a bad one is refused at once.
+directory without importing torch, so a bad one is refused at once; a damaged weights file, a
+``tokenizer.json`` that is not one or cannot encode text (an empty vocabulary, ids past the
+model's vocabulary) are refused in one line too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -55,7 +56,14 @@ def read_hf_weights(path: str) -> dict:
 
     folder = Path(path).expanduser()
     if (folder / WEIGHTS[0]).is_file():
-        return _safetensors().load_file(str(folder / WEIGHTS[0]))
+        load_file = _safetensors().load_file
+        from safetensors import SafetensorError
+
+        try:
+            return load_file(str(folder / WEIGHTS[0]))
+        except SafetensorError as err:
+            raise ConversionError(f"{folder / WEIGHTS[0]} cannot be read ({err}): it is "
+                                  f"damaged or not safetensors; copy the model again") from None
     try:
         return torch.load(folder / WEIGHTS[1], map_location="cpu", weights_only=True)
     except Exception as err:  # an UnpicklingError names what it refused
@@ -67,15 +75,23 @@ def read_hf_weights(path: str) -> dict:
 def write_hf_dir(out: str, tensors: dict, config: dict,
                  tokenizer_json: Optional[str] = None, eod_token: Optional[str] = None,
                  max_length: Optional[int] = None) -> None:
-    """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end."""
+    """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end.
+    The folder and its files get the modes ``mkdir`` and ``open`` give (0777 and 0666 less
+    the umask)."""
     save_file = _safetensors().save_file
     target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise ConversionError(f"{out} exists and is not a folder; choose another folder")
     if target.exists() and any(target.iterdir()):
         raise ConversionError(f"{out} exists and is not empty; choose another folder")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed export of this pid's
     try:
+        staging.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the renamed folder
         save_file(tensors, str(staging / WEIGHTS[0]), metadata={"format": "pt"})
+        # safetensors creates its file 0600; give it a new file's mode, as the others get
+        os.chmod(staging / WEIGHTS[0], staging.stat().st_mode & 0o666)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / TOKENIZER_FILE).write_text(tokenizer_json)
@@ -89,18 +105,50 @@ def write_hf_dir(out: str, tensors: dict, config: dict,
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def hf_tokenizer(path: str) -> Optional[tuple[str, Optional[str]]]:
-    """(tokenizer JSON, end-of-document token) of an HF directory, None without a
-    ``tokenizer.json``."""
+def hf_tokenizer(path: str, model_vocab: int):
+    """(tokenizer, its JSON, end-of-document token) of an HF directory, None without a
+    ``tokenizer.json``; ``ConversionError`` for one that cannot encode text for the model."""
+    from tokenizers import Tokenizer
+
     folder = Path(path)
-    if not (folder / TOKENIZER_FILE).is_file():
+    file = folder / TOKENIZER_FILE
+    if not file.is_file():
         return None
-    eos = None
-    config = folder / "tokenizer_config.json"
-    if config.is_file():
+    text = file.read_text()
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as err:  # the library raises a bare Exception for a malformed file
+        raise ConversionError(f"{file} is not an HF tokenizer ({err}); give the model's own "
+                              f"tokenizer.json, or remove it to import the weights alone"
+                              ) from None
+    _check_vocabulary(tokenizer, file, model_vocab)
+    return tokenizer, text, _eos_token(folder / "tokenizer_config.json")
+
+
+def _check_vocabulary(tokenizer, file: Path, model_vocab: int) -> None:
+    """Text encodes to ids the model has: a vocabulary beyond its special tokens, no id past
+    config.json's ``vocab_size``."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    if tokenizer.get_vocab_size(with_added_tokens=False) == 0:
+        raise ConversionError(f"{file} has an empty vocabulary (special tokens only: "
+                              f"{len(ids)}), so no text encodes to any token; give the model's own "
+                              f"tokenizer.json, or remove it to import the weights alone")
+    if max(ids) >= model_vocab:
+        raise ConversionError(f"{file} has ids up to {max(ids)}, past config.json's "
+                              f"vocab_size={model_vocab} (those tokens have no embedding); "
+                              f"give the model's own tokenizer.json")
+
+
+def _eos_token(config: Path) -> Optional[str]:
+    """``tokenizer_config.json``'s ``eos_token`` (a string or ``{"content": ...}``), if any."""
+    if not config.is_file():
+        return None
+    try:
         eos = json.loads(config.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-    return (folder / TOKENIZER_FILE).read_text(), eos
+    except (ValueError, AttributeError):
+        raise ConversionError(f"{config} is not a JSON object; fix it, or remove it (the "
+                              f"end of document is then config.json's eos_token_id)") from None
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 def _safetensors():

@@ -9,7 +9,9 @@
 ``PATH`` is a checkpoint directory (``.../checkpoints/step_00000005``) or a run directory (its
 newest complete checkpoint). ``export`` needs no process group: it reads the model tensors of
 any layout's checkpoint whole, and ``hybrid.model.load_global_weights`` puts them into the
-1-process model (or any layout's shards). The file is written to a temporary name and renamed.
+1-process model (or any layout's shards). The file (or the HF folder) is written to a temporary
+name and renamed, with a new file's (folder's) mode; an output that cannot be written is one
+line naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
-from hybrid.files import atomic_write
+from hybrid.files import AtomicFiles
 from hybrid.checkpoint.store import (WEIGHTS_KIND, CheckpointError, check_files, read_manifest,
                                      resolve_resume)
 
@@ -92,8 +94,9 @@ def export_model(path: Path, output: str) -> int:
     from hybrid.checkpoint.weights import read_model_weights
 
     weights = read_model_weights(path)
-    with atomic_write(output) as tmp:  # whole or not at all, with a plain file's mode
-        torch.save(weights, tmp)
+    with AtomicFiles([output]) as files:  # whole or not at all, with a plain file's mode
+        torch.save(weights, files.handle(output))  # a file object: an OSError, not torch's
+        files.commit()
     return sum(t.numel() for t in weights.values())
 
 
@@ -113,19 +116,27 @@ def _export(args: argparse.Namespace) -> None:
         raise CheckpointError(f"the folder of {args.output} does not exist; create it or "
                               f"choose another output path")
     out = os.path.abspath(args.output)
-    if args.format == "torch":
-        count = export_model(path, args.output)
-        print(f"wrote {count:,} parameters of {path} (step {manifest['step']}) to {out}")
-        return
+    try:
+        written, tail = _write_export(path, manifest, args.output, args.format)
+    except OSError as err:  # a read-only file system, no permission, a full disk
+        raise CheckpointError(f"cannot write {out}: {err.strerror or err}; choose an output "
+                              f"path on a writable file system") from None
+    print(f"wrote {written} of {path} (step {manifest['step']}) to {out}{tail}")
+    if args.format == "hf":
+        print(f"use: transformers.GPT2LMHeadModel.from_pretrained({out!r})")
+
+
+def _write_export(path: Path, manifest: dict, output: str, format: str) -> tuple[str, str]:
+    """Write the export; (what was written, what goes with it), in words."""
+    if format == "torch":
+        return f"{export_model(path, output):,} parameters", ""
     from hybrid.interop.convert import export_hf
 
-    done = export_hf(path, manifest, args.output)
+    done = export_hf(path, manifest, output)
     tokenizer = f", with its tokenizer ({done['tokenizer']})" if done["tokenizer"] else (
         " (the byte-level tokenizer has no HF form: decode the ids as bytes)"
         if done["bytes_tokenizer"] else " (the run recorded no tokenizer)")
-    print(f"wrote an HF GPT-2 of {done['parameters']:,} parameters of {path} (step "
-          f"{manifest['step']}) to {out}{tokenizer}")
-    print(f"use: transformers.GPT2LMHeadModel.from_pretrained({out!r})")
+    return f"an HF GPT-2 of {done['parameters']:,} parameters", tokenizer
 
 
 def _import(args: argparse.Namespace) -> None:

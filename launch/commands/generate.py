@@ -6,9 +6,11 @@
                     [seed=1234] [stop_at_eod=true] [show_ids=false]
 
 ``SOURCE``: a checkpoint directory (``step_*``), a run directory (its newest checkpoint) or a
-local HF GPT-2 directory. Overrides are ``key=value`` as in the other commands; an unknown key
-or a value of the wrong type is one line and exit status 2. ``temperature=0`` is greedy.
-The generation itself is ``hybrid.generate``.
+local HF GPT-2 directory. Overrides are ``key=value`` as in the other commands; an unknown key,
+a value of the wrong type or out of range is one line and exit status 2. ``temperature=0`` is
+greedy. The text is printed as it comes (the prompt once the model is ready, then each new
+piece, flushed); Ctrl-C stops it in one line with exit status 130, the text so far kept on
+stdout. The generation itself is ``hybrid.generate``.
 """
 
 from __future__ import annotations
@@ -16,14 +18,20 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
 from hybrid.generate import GenerateError
+from launch.console import INTERRUPTED_EXIT
 
 USAGE = ('usage: hybrid-generate SOURCE prompt="..." [max_new_tokens=N] [temperature=T] '
          '[top_k=K] [seed=S] [stop_at_eod=true|false] [show_ids=true|false]')
+MAX_NEW_TOKENS = 10_000
+"""Every new token recomputes the whole context (no cache): a typo such as
+``max_new_tokens=1000000000`` would run for days, so it is refused before the model loads."""
+MAX_SEED = 2**64 - 1
+"""torch's generator seed is 64-bit unsigned (it remaps a negative one, refuses a larger)."""
 
 
 @dataclass
@@ -33,11 +41,13 @@ class GenerateConfig:
     prompt: str = ""
     """The text to continue (encoded with the source's tokenizer)."""
     max_new_tokens: int = 32
+    """At most ``MAX_NEW_TOKENS``."""
     temperature: float = 0.8
     """0: greedy (the most likely token every time)."""
     top_k: int = 50
     """Sample among the k most likely tokens (0: all)."""
     seed: int = 1234
+    """0 .. 2**64 - 1."""
     stop_at_eod: bool = True
     """Stop at the end-of-document token."""
     show_ids: bool = False
@@ -79,46 +89,89 @@ def _checked(cfg: GenerateConfig) -> GenerateConfig:
         raise GenerateError(f"no SOURCE given; {USAGE}")
     if not cfg.prompt:
         raise GenerateError('the prompt is empty; pass prompt="some text" to continue')
-    if cfg.max_new_tokens < 1:
-        raise GenerateError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if not 1 <= cfg.max_new_tokens <= MAX_NEW_TOKENS:
+        raise GenerateError(f"max_new_tokens={cfg.max_new_tokens} must be in "
+                            f"1..{MAX_NEW_TOKENS:,} (each token recomputes the whole context); "
+                            f"choose one in that range")
     if not cfg.temperature >= 0 or cfg.temperature == float("inf"):
         raise GenerateError(f"temperature={cfg.temperature} must be a finite number >= 0 "
                             f"(0: greedy)")
     if cfg.top_k < 0:
         raise GenerateError(f"top_k={cfg.top_k} must be >= 0 (0: every token)")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise GenerateError(f"seed={cfg.seed} must be an integer in 0..{MAX_SEED:,} (torch's "
+                            f"64-bit generator seed); choose one in that range")
     return cfg
 
 
-def run(cfg: GenerateConfig) -> tuple[list[int], list[int], str]:
-    """(prompt ids, new ids, new text)."""
-    from hybrid.generate import generate, load_source, one_process_model, text_tokenizer
+@dataclass
+class Shown:
+    """What is on stdout so far: the prompt (once the model is ready), then the new ids."""
+
+    prompt: bool = False
+    new: list[int] = field(default_factory=list)
+
+
+def run(cfg: GenerateConfig, shown: Shown) -> list[int]:
+    """Generate, printing the text as it comes; the prompt's ids (the new ones: ``shown``)."""
+    from hybrid.generate import (TextPieces, load_source, new_tokens, one_process_model,
+                                 text_tokenizer)
 
     source = load_source(cfg.source)
     tokenizer = text_tokenizer(source)
-    prompt = tokenizer.encode_text(cfg.prompt)
+    prompt = _encoded(cfg.prompt, tokenizer, source)
+    with one_process_model(source) as model:
+        _say(cfg.prompt)
+        shown.prompt = True
+        pieces = TextPieces(tokenizer.decode)
+        for token in new_tokens(model, prompt, max_new_tokens=cfg.max_new_tokens,
+                                temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
+                                eod=tokenizer.info.eod, stop_at_eod=cfg.stop_at_eod):
+            shown.new.append(token)
+            _say(pieces.add(token))
+        _say(pieces.rest() + "\n")
+    return prompt
+
+
+def _encoded(text: str, tokenizer, source) -> list[int]:
+    """The prompt's ids: at least one, at most the model's ``seq_len``."""
+    prompt = tokenizer.encode_text(text)
+    if not prompt:
+        raise GenerateError(f"the prompt {text[:40]!r} encodes to no tokens with the tokenizer "
+                            f"of {source.where} (vocabulary {tokenizer.info.vocab_size}); give "
+                            f"a prompt it can spell, or a model whose tokenizer covers it")
     if len(prompt) > source.model.seq_len:
         raise GenerateError(f"the prompt is {len(prompt)} tokens, longer than the model's "
                             f"seq_len={source.model.seq_len}; shorten it")
-    with one_process_model(source) as model:
-        new = generate(model, prompt, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
-                       eod=tokenizer.info.eod, stop_at_eod=cfg.stop_at_eod)
-    return prompt, new, tokenizer.decode(new)
+    return prompt
+
+
+def _say(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     # megatron-core warns on import that Transformer Engine and Apex are absent: expected here
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+    shown = Shown()
     try:
         cfg = parse(sys.argv[1:] if argv is None else argv)
-        prompt, new, text = run(cfg)
+        prompt = run(cfg, shown)
     except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    print(cfg.prompt + text)
+    except KeyboardInterrupt:
+        if shown.prompt:
+            print(flush=True)  # end the text's line; what was printed stays
+        print("interrupted: " + (f"generation stopped after {len(shown.new)} new tokens"
+                                 if shown.prompt else "stopped before generation began") +
+              " (Ctrl-C)", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
     if cfg.show_ids:
         print(f"prompt ids: {prompt}")
-        print(f"new ids: {new}")
+        print(f"new ids: {shown.new}")
 
 
 if __name__ == "__main__":
