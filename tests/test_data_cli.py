@@ -108,11 +108,11 @@ def test_an_output_folder_that_takes_no_files_is_named_not_a_temporary_file(tmp_
 
 
 def test_workers_beyond_the_cores_are_capped_with_a_warning(monkeypatch, capsys):
-    import launch.data
+    import launch.commands.data
 
-    monkeypatch.setattr(launch.data, "usable_cores", lambda: 3)
-    assert launch.data._workers(2) == 2 and capsys.readouterr().err == ""
-    assert launch.data._workers(1000) == 3
+    monkeypatch.setattr(launch.commands.data, "usable_cores", lambda: 3)
+    assert launch.commands.data._workers(2) == 2 and capsys.readouterr().err == ""
+    assert launch.commands.data._workers(1000) == 3
     assert capsys.readouterr().err == ("warning: --workers 1000 is more than the 3 cores this "
                                        "process may use; tokenizing with 3 workers\n")
 

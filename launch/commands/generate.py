@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
 from hybrid.generate import GenerateError
-from launch.console import INTERRUPTED_EXIT
+from launch.commands.console import INTERRUPTED_EXIT
 
 USAGE = ('usage: hybrid-generate SOURCE prompt="..." [max_new_tokens=N] [temperature=T] '
          '[top_k=K] [seed=S] [stop_at_eod=true|false] [show_ids=true|false]')
