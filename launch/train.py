@@ -29,6 +29,8 @@ from hybrid.checkpoint.store import (
     read_manifest, resolve_resume,
 )
 from hybrid.data import validate_data
+from hybrid.data.eval_split import check_eval_split
+from hybrid.data.sources import resolve_prefixes
 from hybrid.data.fingerprint import changed_file, data_files, fingerprint, order_changes
 from hybrid.errors import UserError
 from hybrid.files import RunDirError, write_error, write_text
@@ -164,6 +166,7 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
     validate_data(cfg.data, cfg.model, cfg.train)
+    check_eval_split(cfg, resolve_prefixes(cfg.data))  # before megatron builds its indices
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     directory, resume, init = resolve_checkpointing(cfg, run_dir)
@@ -174,6 +177,8 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     if cfg.checkpoint.every > 0:
         check_checkpoint_dir(Path(directory), named=cfg.checkpoint.dir is not None)
     plan = with_run_data(plan, run_dir)
+    if cfg.data.example is not None:  # a built-in corpus's files are written just now
+        check_eval_split(cfg, plan.data_prefixes)
     check_resumed_data(plan)
     save_run_files(plan, run_dir)
     return plan, launcher

@@ -129,6 +129,7 @@ TABLE = [
     make(launcher={"nnodes": 2, "rdzv_endpoint": "node0"}),
     make(data={"source": "files"}),
     make(data={"source": "tokens", "path": "t.bin"}, eval={"every": 5}),
+    make(data={"source": "indexed", "path": "p", "split": [1, 0, 0]}, eval={"at_end": True}),
     make(data={"source": "indexed", "path": "p", "split": [9, 1]}),
     make(data={"source": "indexed", "example": "python-docs", "path": "p"}),
     make(data={"source": "synthetic", "blend": [1, "a"]}),

@@ -55,7 +55,7 @@ def open_eval_dataset(plan: Any) -> Optional[TokenDataset]:
     indexed source's validation split, or the synthetic chain's held-out walks; read in
     order, ``eval.batches`` global batches of it, the same ones at every evaluation."""
     cfg = plan.cfg
-    if not evaluates(cfg.eval):
+    if not evaluates(cfg.eval, cfg.data):
         return None
     if cfg.data.source == "indexed":
         return open_split(indexed_spec(plan), "valid")
@@ -74,7 +74,7 @@ def indexed_spec(plan: Any) -> IndexedSpec:
     cfg = plan.cfg
     blend = blend_of(cfg.data)
     batch = cfg.train.global_batch
-    valid = eval_samples(cfg) if evaluates(cfg.eval) else batch
+    valid = eval_samples(cfg) if evaluates(cfg.eval, cfg.data) else batch
     return IndexedSpec(prefixes=plan.data_prefixes, weights=blend.weights,
                        split=split_fractions(cfg.data.split), seq_len=cfg.model.seq_len,
                        seed=cfg.seed, sizes=(cfg.train.steps * batch, valid, batch),
