@@ -127,3 +127,22 @@ def test_hybrid_train_refuses_a_huge_eval_batches_at_once(tmp_path):
     line = _refused(tmp_path, "eval.batches=100000000")
     assert line.startswith("eval.batches=100000000 x train.global_batch=16 = 1,600,000,000 ")
     assert time.monotonic() - started < 30  # no data is built: one composition and a check
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_data_indexed_with_a_validation_split_reports_its_validation_loss_unasked(tmp_path):
+    """docs/data.md's case: data=indexed with a validation part and no eval.* setting."""
+    import json
+
+    prefix = write_pair(tmp_path / "corpus", 300, 1)
+    run_dir = tmp_path / "run"
+    done = subprocess.run([TRAIN, "model=tiny", "parallel=single", "train.steps=3",
+                           "train.global_batch=8", "train.timeline_step=0", "data=indexed",
+                           f"data.path={prefix}", "data.split=[80,20,0]",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3]  # at the end
+    assert records[-1]["eval_tokens"] == 4 * 8 * 32
