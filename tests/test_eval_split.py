@@ -108,6 +108,7 @@ def _refused(tmp_path, *overrides: str) -> str:
     return lines[0].removeprefix("error: ")
 
 
+@pytest.mark.slow
 def test_hybrid_train_refuses_more_batches_than_the_validation_split_holds(tmp_path):
     """2,000 batches re-read a small validation split ~70 times; refused in one line naming
     the most that fit, before megatron builds an index."""
@@ -121,6 +122,7 @@ def test_hybrid_train_refuses_more_batches_than_the_validation_split_holds(tmp_p
                          f"once; choose eval.batches <= {most}")
 
 
+@pytest.mark.slow
 def test_hybrid_train_refuses_a_huge_eval_batches_at_once(tmp_path):
     """1e8 batches sat 6.5 minutes silent before any worker (megatron's index build)."""
     started = time.monotonic()

@@ -92,6 +92,7 @@ def test_the_bound_is_never_above_the_simulated_step():
     assert checked > 100
 
 
+@pytest.mark.slow
 def test_the_printed_run_the_best_line_composes_to_the_config_searched():
     """#43: the line left out the model, batch and precision searched for, so pasting it ran
     something else. Parsed as a shell would, hybrid-train's composition of it is the config

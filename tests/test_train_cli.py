@@ -96,6 +96,7 @@ UNWRITABLE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, expected", UNWRITABLE, ids=["proc", "file", "run-dir"])
 def test_a_directory_that_cannot_be_made_is_one_line_before_launch(override, expected,
                                                                     tmp_path):
