@@ -27,7 +27,7 @@ from hybrid.groups import ParallelGroups
 from hybrid.model import lm_loss
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, lowered_schedule
-from hybrid.planning.data_sources import evaluates
+from hybrid.planning.data_sources import eval_cadence, evaluates
 from hybrid.planning.job import JobPlan
 
 EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens", "eval_s")
@@ -54,8 +54,8 @@ class Evaluator:
                                       placement=layout.stage_placement, forward_only=True)
 
     def due(self, step: int) -> bool:
-        every, last = self.cfg.eval.every, self.cfg.train.steps
-        return bool(every and step % every == 0) or (self.cfg.eval.at_end and step == last)
+        every, at_end = eval_cadence(self.cfg.eval, self.cfg.data)
+        return bool(every and step % every == 0) or (at_end and step == self.cfg.train.steps)
 
     def evaluate(self, autocast) -> dict:
         """The validation loss of the model as it is now (identical on every rank)."""
@@ -92,7 +92,7 @@ def make_evaluator(plan: JobPlan, groups: ParallelGroups, chunks: dict,
                    dataset: Optional[TokenDataset], progress=None,
                    weights=None) -> Optional[Evaluator]:
     """The run's evaluator, or None when it does not evaluate."""
-    if not evaluates(plan.cfg.eval):
+    if not evaluates(plan.cfg.eval, plan.cfg.data):
         return None
     if dataset is None:
         from hybrid.data import open_eval_dataset

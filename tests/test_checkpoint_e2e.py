@@ -213,6 +213,13 @@ def _truncated_copy(source: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _without_metadata(source: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy" / "step_00000005"
+    shutil.copytree(step_dir(source, 5), copy)
+    (copy / ".metadata").unlink()
+    return copy
+
+
 def _model_mismatch(source: Path, tmp_path: Path) -> Path:
     return step_dir(source, 5)
 
@@ -222,6 +229,9 @@ BAD = [
     ("partial", lambda source, tmp: (tmp / "step_00000003").mkdir() or tmp / "step_00000003",
      [], "is not a complete checkpoint"),
     ("empty run", lambda source, tmp: tmp, [], "holds no complete checkpoint"),
+    ("no metadata", _without_metadata, [],
+     "is damaged: it lacks DCP's .metadata, the index of its tensors (its hybrid.json is "
+     "there)"),
     ("shape", _model_mismatch, ["model.hidden=64"],
      "model.hidden: the checkpoint step_00000005 has hidden=32, the config hidden=64"),
     ("truncated", _truncated_copy, [], "is truncated or damaged"),

@@ -53,6 +53,23 @@ def test_resume_from_a_bad_path_names_it(tmp_path, target, needle):
         resolve_resume(str(tmp_path / target), tmp_path / "checkpoints")
 
 
+def test_a_checkpoint_without_dcp_metadata_names_that_file_not_its_manifest(tmp_path):
+    """#43: a deleted ``.metadata`` was reported as a missing hybrid.json (which is there)."""
+    path = make_checkpoint(tmp_path / "run" / "checkpoints", 4)
+    (path / ".metadata").unlink()
+    damaged = "is damaged: it lacks DCP's .metadata, the index of its tensors (its hybrid.json " \
+              "is there)"
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(str(path), path.parent)
+    assert str(err.value) == (f"checkpoint.resume_from={path} {damaged}; resume from an older "
+                              f"step_* directory")
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(str(tmp_path / "run"), path.parent)
+    assert str(err.value) == (f"checkpoint.resume_from={tmp_path / 'run'} holds no complete "
+                              f"checkpoint: its newest, step_00000004, {damaged}; give an older "
+                              f"step_* directory or a run directory that saved one")
+
+
 def test_prune_removes_interrupted_saves_and_keeps_the_newest(tmp_path):
     for step in (1, 2, 3, 4):
         make_checkpoint(tmp_path, step)

@@ -156,3 +156,62 @@ def test_real_runs_same_config_report_0_difference_and_tied_embeddings_part_at_s
     assert f"{tied}: parts from {base} at step 1 (loss " in done.stdout
     assert f"note: {tied} differs from {base} in what it computes (model.tie_embeddings: " \
            f"False vs True)" in done.stdout
+
+
+# The main job's 120-step case (#43): 2x2x2 and cp2 against one process, steps 1-16 alike,
+# relative 2.5e-4 at step 17. Float drift: rounding differences from 1e-7 growing 1.55x a
+# step (the main job's 2x2x2 run grows by 2.7-5x a step at most near step 17). A divergence:
+# 1e-7 until step 16, then the same 2.5e-4 at once.
+BASE = [5.6 - 0.02 * step for step in range(1, 31)]
+DRIFT = [loss * (1 + 1e-7 * 1.55 ** (step - 1)) for step, loss in enumerate(BASE, 1)]
+JUMPED = [loss * (1 + (1e-7 if step < 17 else 2.5e-4 * 1.1 ** (step - 17)))
+          for step, loss in enumerate(BASE, 1)]
+
+
+def test_float_drift_is_told_from_a_divergence_by_how_the_difference_got_there():
+    drift, jumped = compare_losses(BASE, DRIFT), compare_losses(BASE, JUMPED)
+    assert drift.same and drift.parted_at is None
+    assert drift.drifts_from.step == 17
+    assert drift.drifts_from.rel_diff == pytest.approx(1e-7 * 1.55 ** 16, rel=1e-6)
+    assert summary_line("cp2", "single", drift).startswith(
+        "cp2: drifts from single beyond tolerance from step 17 (relative difference 0.000111, "
+        "grown there a step at a time, at most 10x the largest before: float drift, not a "
+        "divergence; largest ")
+    assert not jumped.same and jumped.parted_at.step == 17 and jumped.drifts_from is None
+    assert summary_line("cp2", "single", jumped) == (
+        f"cp2: parts from single at step 17 (loss {BASE[16]:.9g} vs {JUMPED[16]:.9g}, relative "
+        f"difference 0.00025 > rtol 0.0001)")
+    # a divergence after the drift has crossed the tolerance still parts, at the jump
+    late = DRIFT[:19] + [loss * 1.05 for loss in BASE[19:]]
+    assert compare_losses(BASE, late).parted_at.step == 20
+    # the jump factor is the user's: 1 parts at any growth beyond tolerance
+    assert compare_losses(BASE, DRIFT, jump=1).parted_at.step == 17
+    assert compare_losses(BASE, DRIFT[:20], rtol=1e-2).drifts_from is None
+
+
+def test_the_command_prints_its_tolerance_and_exits_0_on_drift_1_on_a_jump(tmp_path):
+    base = write_run(tmp_path / "single", BASE, SINGLE)
+    drift = write_run(tmp_path / "cp2", DRIFT, SINGLE)
+    jumped = write_run(tmp_path / "dp2", JUMPED, SINGLE)
+    done = compare(base, drift)
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    assert ("tolerance: a step is alike within relative 0.0001 of the baseline (--rtol, --atol); "
+            "beyond it, a relative difference over 10x the largest before it is a divergence "
+            "(--jump), one that grew there is float drift") in lines
+    assert any(line.startswith(f"{drift}: drifts from {base} beyond tolerance from step 17")
+               for line in lines)
+    assert [line.split()[0] for line in lines if "<- drifts here" in line] == ["17"]
+    done = compare(base, jumped, "--rtol", "1e-5", "--atol", "1e-6", "--jump", "20")
+    assert done.returncode == 1
+    assert ("tolerance: a step is alike within max(rtol 1e-05 x |loss|, atol 1e-06) of the "
+            "baseline (--rtol, --atol); beyond it, a relative difference over 20x the largest "
+            "before it is a divergence (--jump), one that grew there is float drift") \
+        in done.stdout.splitlines()
+    data = json.loads(compare(base, drift, jumped, "--format", "json").stdout)
+    assert data["jump"] == 10 and [(r["same"], r["parted_at"], r["drifts_from"])
+                                   for r in data["runs"]] == [(True, None, 17), (False, 17, None)]
+    assert compare(base, drift, "--jump", "1").returncode == 1
+    bad = compare(base, drift, "--jump", "0.5")
+    assert bad.returncode == 2 and bad.stderr == ("error: --jump 0.5 must be a finite number >= 1 "
+                                                  "(1: any growth beyond tolerance parts)\n")

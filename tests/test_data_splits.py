@@ -94,7 +94,9 @@ def test_megatron_builds_only_the_parts_the_run_reads(sets, tmp_path):
         return indexed_spec(SimpleNamespace(cfg=cfg, data_prefixes=(sets[200],),
                                             data_cache_dir=str(tmp_path)))
 
-    assert read_parts(EVAL) == (True, True, False) and read_parts(QUIET)[1:] == (False, False)
+    data = DataConfig(source="indexed", path=sets[200])
+    assert read_parts(EVAL, data) == (True, True, False)
+    assert read_parts(QUIET, data)[1:] == (False, False)
     assert spec(EVAL).built == (True, True, False) and spec(EVAL).sizes[2] == 0
     assert spec(QUIET).built == (True, False, False) and spec(QUIET).sizes[1:] == (0, 0)
 

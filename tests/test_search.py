@@ -90,3 +90,44 @@ def test_the_bound_is_never_above_the_simulated_step():
             assert bound <= simulated * (1 + 1e-12), (cfg.parallel, bound, simulated)
             checked += 1
     assert checked > 100
+
+
+@pytest.mark.slow
+def test_the_printed_run_the_best_line_composes_to_the_config_searched():
+    """#43: the line left out the model, batch and precision searched for, so pasting it ran
+    something else. Parsed as a shell would, hybrid-train's composition of it is the config
+    the search priced for its best layout, field for field."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from hybrid.planning.config import to_dict
+    from hybrid.planning.cost.search import settings_of
+    from launch.commands.app import CONF_DIR, register_schemas, to_dataclass
+
+    given = ["model=gpt3-1.3b", "model.seq_len=1024", "train.global_batch=64",
+             "train.precision=bf16", "cost.device=a100-80gb", "data=indexed",
+             "data.blend=[0.5,a,0.5,b]", "parallel.dp=2", "launcher.nnodes=2"]
+    plan = str(Path(sys.executable).parent / "hybrid-plan")
+    done = subprocess.run([plan, *given, "search.world=16", "search.top=2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = next(l for l in done.stdout.splitlines() if l.startswith("run the best: "))
+    command = shlex.split(line.removeprefix("run the best: "))
+    assert command[0] == "hybrid-train" and "'data.blend=[0.5,a,0.5,b]'" in line
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        trained = to_dataclass(compose(config_name="config", overrides=command[1:]), Config)
+    json_done = subprocess.run([plan, *given, "search.world=16", "search.top=2", "format=json"],
+                               capture_output=True, text=True, timeout=120)
+    best = json.loads(json_done.stdout)["candidates"][0]["settings"]
+    searched = next(c for c in candidates(compose_plan_config(given).job(), 16)
+                    if settings_of(c) == best)
+    assert to_dict(trained) == to_dict(searched)
+    assert (trained.model.layers, trained.model.seq_len, trained.train.global_batch,
+            trained.train.precision, trained.parallel.dp * trained.parallel.tp
+            * trained.parallel.pp * trained.parallel.cp) == (24, 1024, 64, "bf16", 16)

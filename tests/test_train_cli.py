@@ -83,6 +83,36 @@ def test_bad_config_exits_2_with_one_line_and_starts_no_worker(overrides, needle
     assert not (tmp_path / "config.json").exists()
 
 
+UNWRITABLE = [
+    ("checkpoint.dir=/proc/hybrid-no/ck",
+     "checkpoint.dir=/proc/hybrid-no/ck cannot be created or written: No such file or "
+     "directory (/proc/hybrid-no); choose another with checkpoint.dir=..."),
+    ("checkpoint.dir={tmp}/a-file/ck",
+     "checkpoint.dir={tmp}/a-file/ck cannot be created or written: Not a directory; choose "
+     "another with checkpoint.dir=..."),
+    ("hydra.run.dir=/proc/hybrid-no/run",
+     "cannot write the run directory: [Errno 2] No such file or directory: '/proc/hybrid-no'; "
+     "choose another with hydra.run.dir=..."),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, expected", UNWRITABLE, ids=["proc", "file", "run-dir"])
+def test_a_directory_that_cannot_be_made_is_one_line_before_launch(override, expected,
+                                                                    tmp_path):
+    """#43: a checkpoint directory under /proc ended in mkdir's traceback on rank 0 after
+    the workers started; now it is refused before launch, and the probe leaves nothing."""
+    (tmp_path / "a-file").write_text("not a directory")
+    run_dir = tmp_path / "run"
+    override = override.format(tmp=tmp_path)
+    done = subprocess.run([TRAIN, "model=tiny", "data=synthetic", "checkpoint.every=1",
+                           f"hydra.run.dir={run_dir}", override],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip().splitlines() == [f"error: {expected.format(tmp=tmp_path)}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no run, no probe
+
+
 def _fork_servers() -> set[int]:
     """multiprocessing fork servers on this machine (of any process)."""
     found = set()

@@ -131,8 +131,8 @@ def resolve_resume(value: Optional[str], checkpoint_dir: Path, *,
                               f"a run directory")
     if _NAME.match(path.name):
         if not is_complete(path):
-            raise CheckpointError(f"{field} is not a complete checkpoint (an interrupted save "
-                                  f"has no {MANIFEST}); resume from an older step_* directory")
+            raise CheckpointError(f"{field} {_incomplete(path)}; resume from an older step_* "
+                                  f"directory")
         return path
     if holds_checkpoint(path):  # a checkpoint copied under another name is still one
         return path
@@ -140,9 +140,34 @@ def resolve_resume(value: Optional[str], checkpoint_dir: Path, *,
         newest = newest_complete(candidate)
         if newest is not None:
             return newest
+    damaged = _newest_step_dir(path)
+    if damaged is not None:
+        raise CheckpointError(f"{field} holds no complete checkpoint: its newest, "
+                              f"{damaged.name}, {_incomplete(damaged)}; give an older step_* "
+                              f"directory or a run directory that saved one")
     raise CheckpointError(f"{field} holds no complete checkpoint (no step_* directory with "
                           f"{MANIFEST}); give a checkpoint directory or a run directory that "
                           f"saved one")
+
+
+def _incomplete(path: Path) -> str:
+    """Why ``step_*`` directory ``path`` is no complete checkpoint, naming the missing file:
+    the manifest (written last, so an interrupted save or a copy cut short) or DCP's
+    ``.metadata`` beside a manifest (a damaged one)."""
+    if not (path / MANIFEST).is_file():
+        return f"is not a complete checkpoint (an interrupted save has no {MANIFEST})"
+    return (f"is damaged: it lacks DCP's {DCP_METADATA}, the index of its tensors (its "
+            f"{MANIFEST} is there)")
+
+
+def _newest_step_dir(path: Path) -> Optional[Path]:
+    """The newest ``step_*`` directory in ``path/checkpoints`` or ``path``, complete or not."""
+    for candidate in (path / "checkpoints", path):
+        steps = sorted(entry for entry in candidate.glob("step_*")
+                       if _NAME.match(entry.name) and entry.is_dir())
+        if steps:
+            return steps[-1]
+    return None
 
 
 def check_files(path: Path, manifest: dict) -> None:

@@ -56,7 +56,7 @@ def open_eval_dataset(plan: Any) -> Optional[TokenDataset]:
     indexed source's validation split, or the synthetic chain's held-out walks; read in
     order, ``eval.batches`` global batches of it, the same ones at every evaluation."""
     cfg = plan.cfg
-    if not evaluates(cfg.eval):
+    if not evaluates(cfg.eval, cfg.data):
         return None
     if cfg.data.source == "indexed":
         return open_split(indexed_spec(plan), "valid")
@@ -74,7 +74,7 @@ def indexed_spec(plan: Any) -> IndexedSpec:
     for the run, the validation split for one evaluation, the test split for one batch."""
     cfg = plan.cfg
     blend = blend_of(cfg.data)
-    built = read_parts(cfg.eval)
+    built = read_parts(cfg.eval, cfg.data)
     sizes = (cfg.train.steps * cfg.train.global_batch, eval_samples(cfg), 0)
     return IndexedSpec(prefixes=plan.data_prefixes, weights=blend.weights,
                        split=split_fractions(cfg.data.split), seq_len=cfg.model.seq_len,
@@ -106,7 +106,7 @@ def validate_data(data_cfg: Any, model_cfg: Any, train_cfg: Any,
                             f"model.vocab={model_cfg.vocab}; set model.vocab=256 or more")
         return None
     if data_cfg.source == "indexed":
-        _check_indexed(data_cfg, model_cfg, read_parts(eval_cfg))
+        _check_indexed(data_cfg, model_cfg, read_parts(eval_cfg, data_cfg))
         return None
     dataset = make_dataset(data_cfg, model_cfg, seed=0)
     if len(dataset) < train_cfg.global_batch:

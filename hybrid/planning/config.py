@@ -191,14 +191,21 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    every: int = 0
+    every: Optional[int] = None
     """Evaluate the validation loss after every N-th optimizer step (0 = never): the
-    validation split of data=indexed, or data=synthetic's held-out sequences."""
+    validation split of data=indexed, or data=synthetic's held-out sequences. Unset (null,
+    the schema's default; data=python-docs sets 20): every 20 steps when the data has a
+    validation split (data=indexed whose data.split has a validation part: Megatron-LM too
+    evaluates whenever it has validation data), never otherwise."""
     batches: int = 4
     """Global batches (of train.global_batch samples) per evaluation: the same ones every
-    time, so evaluations compare."""
-    at_end: bool = False
-    """Also evaluate after the last step (when it is not already an every-th step)."""
+    time, so evaluations compare. At most what the validation data holds (an indexed
+    validation split read once, data=synthetic's data.samples held-out walks), checked before
+    launch."""
+    at_end: Optional[bool] = None
+    """Also evaluate after the last step (when it is not already an every-th step). Unset
+    (null, the schema's default): when the run evaluates every N steps on a validation
+    split."""
 
 
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")

@@ -50,17 +50,47 @@ def data_problem(data: Any) -> Optional[str]:
     return _blend_problem(data) or split_problem(data.split)
 
 
-def evaluates(eval_cfg: Any) -> bool:
+AUTO_EVAL_EVERY = 20
+"""``eval.every`` when it is left unset (null) and the data has a validation split: what the
+main job evaluates at; Megatron-LM likewise evaluates whenever it has validation data."""
+EVAL_SAMPLES_LIMIT = 2**20
+"""The most samples one evaluation may read (``eval.batches x train.global_batch``): beyond any
+validation split a run evaluates on (Megatron-LM's default is 100 batches), and refused at once
+where the files are not read yet (megatron would spend minutes building the indices)."""
+
+
+def has_validation_split(data: Any) -> bool:
+    """Whether the data comes with a validation split: data=indexed whose ``data.split`` has a
+    validation part (data=synthetic's held-out walks are there only when asked for)."""
+    return (data.source == "indexed" and not split_problem(data.split)
+            and split_fractions(data.split)[1] > 0)
+
+
+def eval_cadence(eval_cfg: Any, data: Any) -> tuple[int, bool]:
+    """(``eval.every``, ``eval.at_end``) as the run evaluates: a value set is kept; one left
+    unset (null, the default) is on when the data has a validation split (every
+    ``AUTO_EVAL_EVERY`` steps, and at the end when it evaluates every N steps)."""
+    every = eval_cfg.every
+    if every is None:
+        every = AUTO_EVAL_EVERY if has_validation_split(data) else 0
+    at_end = eval_cfg.at_end
+    if at_end is None:
+        at_end = bool(every) and has_validation_split(data)
+    return every, at_end
+
+
+def evaluates(eval_cfg: Any, data: Any) -> bool:
     """Whether the run evaluates at all."""
-    return eval_cfg.every > 0 or eval_cfg.at_end
+    every, at_end = eval_cadence(eval_cfg, data)
+    return every > 0 or at_end
 
 
-def read_parts(eval_cfg: Any) -> tuple[bool, bool, bool]:
+def read_parts(eval_cfg: Any, data: Any) -> tuple[bool, bool, bool]:
     """Which parts of ``data.split`` a run reads: train always, validation when it evaluates
     (``eval_cfg`` None: assume it does), test never (hybrid has no test pass: the part only
     keeps its documents out of the other two). A part nothing reads is not built, so an empty
     one refuses nothing."""
-    return True, eval_cfg is None or evaluates(eval_cfg), False
+    return True, eval_cfg is None or evaluates(eval_cfg, data), False
 
 
 def working_split(documents: list[int], read: tuple[bool, bool, bool]
@@ -78,22 +108,51 @@ def working_split(documents: list[int], read: tuple[bool, bool, bool]
 
 
 def eval_problem(eval_cfg: Any, data: Any) -> Optional[str]:
-    """The problem of the ``eval`` settings with this data (one line), or None."""
+    """The problem of the ``eval`` settings with this data (one line), or None. Only settings
+    given ask for validation data: left unset they evaluate where there is some."""
     every, batches = eval_cfg.every, eval_cfg.batches
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                              or every < 0):
         return f"eval.every={every!r} must be an integer >= 0 (0: never)"
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         return f"eval.batches={batches!r} must be an integer >= 1"
-    if not evaluates(eval_cfg):
+    if not evaluates(eval_cfg, data):
         return None
-    asked = f"eval.every={every}" if every else "eval.at_end=true"
+    asked, off = [], []  # what asked for an evaluation, and the overrides that do not
+    if every:
+        asked, off = [f"eval.every={every}"], ["eval.every=0"]
+    if eval_cfg.at_end:
+        asked, off = asked + ["eval.at_end=true"], off + ["eval.at_end=false"]
+    asked, off = " and ".join(asked), " ".join(off)
     if data.source == "tokens":
-        return (f"{asked} needs validation data, and data=tokens has none; use data=indexed "
-                f"(its data.split's validation part) or eval.every=0")
+        return (f"{asked} needs validation data, and data=tokens has none; use "
+                f"data=indexed (its data.split's validation part) or {off}")
     if data.source == "indexed" and not split_problem(data.split) and \
-            split_fractions(data.split)[1] == 0:
-        return (f"{asked} needs validation data, and data.split={show_list(data.split)} has no "
-                f"validation part; give it one, e.g. data.split=[969,30,1], or eval.every=0")
+            not has_validation_split(data):
+        return (f"{asked} needs validation data, and data.split="
+                f"{show_list(data.split)} has no validation part; give it one, e.g. "
+                f"data.split=[969,30,1], or {off}")
+    return None
+
+
+def eval_size_problem(eval_cfg: Any, data: Any, global_batch: Any) -> Optional[str]:
+    """``eval.batches`` beyond what an evaluation may read: ``EVAL_SAMPLES_LIMIT`` samples,
+    and for data=synthetic its held-out walks (as many as it trains on: ``data.samples``); an
+    indexed validation split is measured from its files (``hybrid.data.eval_split``)."""
+    if not evaluates(eval_cfg, data) or isinstance(global_batch, bool) or \
+            not isinstance(global_batch, int) or global_batch < 1:
+        return None  # the batch's own rule says so
+    samples, batches = eval_cfg.batches * global_batch, eval_cfg.batches
+    if data.source == "synthetic" and isinstance(data.samples, int) and \
+            samples > data.samples >= global_batch:
+        return (f"eval.batches={batches} x train.global_batch={global_batch} = {samples:,} "
+                f"samples per evaluation, and data=synthetic holds out data.samples="
+                f"{data.samples:,} walks (as many as it trains on); choose eval.batches <= "
+                f"{data.samples // global_batch}")
+    if samples > EVAL_SAMPLES_LIMIT:
+        return (f"eval.batches={batches} x train.global_batch={global_batch} = {samples:,} "
+                f"samples per evaluation is beyond the limit of {EVAL_SAMPLES_LIMIT:,}; choose "
+                f"eval.batches <= {EVAL_SAMPLES_LIMIT // global_batch}")
     return None
 
 

@@ -14,7 +14,7 @@ import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
 from hybrid.planning.context import context_problem
-from hybrid.planning.data_sources import data_problem, eval_problem
+from hybrid.planning.data_sources import data_problem, eval_problem, eval_size_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError, valid_sizes
 from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
@@ -142,7 +142,8 @@ def _check_dp_options(cfg: Config) -> None:
 
 def _check_data(cfg: Config) -> None:
     """The data settings (``data_sources``); the files are checked by ``hybrid.data``."""
-    problem = data_problem(cfg.data) or eval_problem(cfg.eval, cfg.data)
+    problem = data_problem(cfg.data) or eval_problem(cfg.eval, cfg.data) or \
+        eval_size_problem(cfg.eval, cfg.data, cfg.train.global_batch)
     if problem:
         raise LayoutError(problem)
 

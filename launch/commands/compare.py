@@ -1,13 +1,16 @@
 """``hybrid-compare``: do runs of one config on different layouts train alike?
 
-    hybrid-compare BASE RUN [RUN ...] [--rtol 1e-4] [--atol 0] [--format text|json]
+    hybrid-compare BASE RUN [RUN ...] [--rtol 1e-4] [--atol 0] [--jump 10] [--format text|json]
 
 Each argument is a run directory of ``hybrid-train`` (or its ``metrics.jsonl``). The first is
 the baseline, usually the 1-process run; every other run's loss is compared with it step by
 step. A step stays within tolerance when ``|run - base| <= max(rtol * |base|, atol)``
 (pytest.approx's rule, which the layout tests use); the default is DESIGN's fp32 layout
-tolerance, relative 1e-4. Exit status: 0 when every run stays within tolerance, 1 when one
-parts from the baseline, 2 for input that cannot be compared (one line on stderr each). Runs
+tolerance, relative 1e-4. Beyond it, a step whose relative difference is more than ``--jump``
+(10) times the largest before it parts from the baseline (a real divergence jumps); one that
+grew there step by step is float drift, said as such (``launch.reports.loss_compare``). The tolerance
+is printed. Exit status: 0 when every run stays within tolerance or drifts, 1 when one parts
+from the baseline, 2 for input that cannot be compared (one line on stderr each). Runs
 of different lengths are compared over their common steps, and that is an error too (unless a
 run parts: that verdict stands), except for a run that resumed the other's checkpoint: it lacks
 only the steps before its first, and the common steps are the comparison.
@@ -27,9 +30,9 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence, Union
 
 from hybrid.errors import USER_ERROR_EXIT, UserError
-from launch.reports.loss_compare import (RTOL, CompareError, LossComparison, Run, compare_losses,
-                                 lossy_differences, numerics_differences, resumed_from, span,
-                                 summary_line)
+from launch.reports.loss_compare import (JUMP, RTOL, CompareError, LossComparison, Run,
+                                 compare_losses, lossy_differences, numerics_differences,
+                                 resumed_from, span, summary_line, tolerance_line)
 
 PARTED_EXIT = 1
 METRICS = "metrics.jsonl"
@@ -94,7 +97,8 @@ def format_table(base_name: str, name: str, c: LossComparison) -> str:
     lines = [f"{base_name} (baseline) vs {name}",
              f"{'step':>6}  {'baseline':>14}  {'run':>14}  {'abs diff':>9}  {'rel diff':>9}"]
     for d in c.steps:
-        mark = "  <- parts here" if d is c.parted_at else "" if d.within else "  beyond tolerance"
+        mark = ("  <- parts here" if d is c.parted_at else "  <- drifts here" if d is
+                c.drifts_from else "" if d.within else "  beyond tolerance")
         lines.append(f"{d.step:>6}  {d.base:>14.9g}  {d.run:>14.9g}  {d.abs_diff:>9.2e}  "
                      f"{d.rel_diff:>9.2e}{mark}")
     return "\n".join(lines)
@@ -152,6 +156,10 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help=f"relative tolerance per step (default {RTOL:g}: fp32 layouts)")
     parser.add_argument("--atol", type=float, default=0.0,
                         help="absolute tolerance per step (default 0)")
+    parser.add_argument("--jump", type=float, default=JUMP,
+                        help=f"beyond tolerance, a step parts when its relative difference is "
+                             f"over this many times the largest before it, else it is float "
+                             f"drift (default {JUMP:g})")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
@@ -159,6 +167,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     f"to compare with it")
     if not (args.rtol >= 0 and args.atol >= 0):  # also refuses nan
         _user_error(f"--rtol {args.rtol} and --atol {args.atol} must be numbers >= 0")
+    if not 1 <= args.jump < math.inf:
+        _user_error(f"--jump {args.jump} must be a finite number >= 1 (1: any growth beyond "
+                    f"tolerance parts)")
     return args
 
 
@@ -170,6 +181,7 @@ def _user_error(message: Union[str, Exception]) -> NoReturn:
 def _json(base: Run, results: list[tuple[Run, LossComparison]], args) -> str:
     runs = [{"run": run.name, "same": c.same, "summary": summary_line(run.name, base.name, c),
              "parted_at": c.parted_at.step if c.parted_at else None,
+             "drifts_from": c.drifts_from.step if c.drifts_from else None,
              "largest_rel_diff": c.largest.rel_diff, "largest_rel_diff_step": c.largest.step,
              "compared_steps": len(c.steps), "base_only_steps": list(c.base_only),
              "run_only_steps": list(c.run_only),
@@ -177,7 +189,7 @@ def _json(base: Run, results: list[tuple[Run, LossComparison]], args) -> str:
                                     if base.config and run.config else None),
              "steps": [asdict(d) for d in c.steps]} for run, c in results]
     return json.dumps({"baseline": base.name, "rtol": args.rtol, "atol": args.atol,
-                       "runs": runs}, indent=1)
+                       "jump": args.jump, "runs": runs}, indent=1)
 
 
 def _compare_all(args) -> tuple[Run, list[tuple[Run, LossComparison]]]:
@@ -187,7 +199,8 @@ def _compare_all(args) -> tuple[Run, list[tuple[Run, LossComparison]]]:
     results = []
     for run in runs:
         try:
-            c = compare_losses(base.losses, run.losses, rtol=args.rtol, atol=args.atol)
+            c = compare_losses(base.losses, run.losses, rtol=args.rtol, atol=args.atol,
+                               jump=args.jump)
         except CompareError as err:  # the pure function cannot name the runs
             raise CompareError(f"{run.name} and {base.name}: {err}") from None
         results.append((run, c))
@@ -204,6 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(_json(base, results, args))
     else:
         print("\n\n".join(format_table(base.name, run.name, c) for run, c in results) + "\n")
+        print(tolerance_line(args.rtol, args.atol, args.jump))
         for run, c in results:
             print(summary_line(run.name, base.name, c))
             for note in (config_note(base, run), resume_note(base, run, c)):

@@ -11,6 +11,7 @@ every layout of N devices instead (``hybrid.planning.cost.search``)::
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -136,36 +137,56 @@ def _search(cfg: PlanConfig, device) -> None:
     if not result["candidates"]:
         raise LayoutError(no_layout_line(result))
     result["assumes"] = assumption_line(device, cfg)
+    result["run_best"] = "hybrid-train " + " ".join(
+        shlex.quote(o) for o in cell_overrides(result["candidates"][0]["settings"]))
     print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result),
           flush=True)
     if cfg.search.run:
-        run_as_sweep(cfg, [overrides_of(c["settings"]) for c in result["candidates"]])
+        run_as_sweep(cfg, [c["settings"] for c in result["candidates"]])
 
 
 PLAN_ONLY_KEYS = ("search.", "format=", "full=", "out=")
+SEARCH_PLACES = ("launcher.nnodes", "launcher.nproc_per_node", "launcher.node_rank")
+"""What the search sets itself: its layouts are of one node's ranks."""
 
 
-def run_as_sweep(cfg: PlanConfig, cells: list[list[str]]) -> None:
-    """Train every cell with ``hybrid-train`` (the user's overrides, then the cell's), one
-    after another, recording how each ended; then write the sweep report."""
+def cell_overrides(settings: dict) -> list[str]:
+    """``hybrid-train``'s overrides for a searched layout: those ``hybrid-plan`` was given
+    (the model, batch, precision, data, ... the search was for; not its own keys, Hydra's or
+    what the layout sets), then the layout's. They compose to the config the search priced."""
     from hydra.core.hydra_config import HydraConfig
 
+    cell = overrides_of(settings)
+    taken = {_key(o) for o in cell} | set(SEARCH_PLACES)
+    return [o for o in HydraConfig.get().overrides.task
+            if not o.startswith(PLAN_ONLY_KEYS) and not _key(o).startswith("hydra.")
+            and _key(o) not in taken] + cell
+
+
+def _key(override: str) -> str:
+    """``+model.x=1`` -> ``model.x``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def run_as_sweep(cfg: PlanConfig, layouts: list[dict]) -> None:
+    """Train every searched layout with ``hybrid-train`` (the user's overrides, then the
+    layout's), one after another, recording how each ended; then write the sweep report."""
     from launch.reports.sweep_report import record_cell, write_report
 
-    shared = [o for o in HydraConfig.get().overrides.task if not o.startswith(PLAN_ONLY_KEYS)]
     sweep_dir = Path(cfg.search.dir or f"multirun/search-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     train = str(Path(sys.executable).parent / "hybrid-train")
-    for i, cell in enumerate(cells):
+    for i, settings in enumerate(layouts):
+        cell = cell_overrides(settings)
         run_dir = (sweep_dir / str(i)).resolve()
-        print(f"cell {i}: hybrid-train {' '.join(cell)}", flush=True)
-        done = subprocess.run([train, *shared, *cell, f"hydra.run.dir={run_dir}"],
+        print(f"cell {i}: hybrid-train {' '.join(overrides_of(settings))}", flush=True)
+        done = subprocess.run([train, *cell, f"hydra.run.dir={run_dir}"],
                               stderr=subprocess.PIPE, text=True)
         errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         reason = errors[-1].removeprefix("error: ") if errors else ""
         status = {0: "completed", 2: "skipped"}.get(done.returncode, "failed")
         if done.returncode not in (0, 2) and not reason:
             reason = f"hybrid-train exited {done.returncode}"
-        record_cell(run_dir, status, reason, shared + cell)
+        record_cell(run_dir, status, reason, cell)
     print(f"sweep report: {write_report(sweep_dir)}")
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 from hybrid.checkpoint.store import TOKENIZER_FILE
 from hybrid.data.dataset import DataError
+from hybrid.data.eval_split import check_eval_split
 from hybrid.data.examples import user_cache_dir, write_example
 from hybrid.data.megatron import build_caches
 from hybrid.data.metadata import read_meta, tokenizer_path
@@ -32,6 +33,7 @@ def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
         prefixes = (_built_example(data.example, chosen or user_cache_dir()),) \
             if data.example else resolve_prefixes(data)
         plan = plan.with_data(prefixes, str(cache))
+        check_eval_split(plan.cfg, prefixes)  # before megatron builds its indices
         started = time.monotonic()
         if build_caches(indexed_spec(plan)):
             print(f"data: built megatron-core's sample indices in {plan.data_cache_dir} "

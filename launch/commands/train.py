@@ -12,6 +12,7 @@ that plan; if any fails, all stop and the command exits 1 naming the rank.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import time
@@ -132,6 +133,30 @@ def resolve_checkpointing(cfg: Config, run_dir: Path
     return directory, None if path is None else str(path), None if init is None else str(init)
 
 
+def check_checkpoint_dir(directory: Path, named: bool = True) -> None:
+    """A run that saves checkpoints can create and write ``directory`` (``checkpoint.dir``):
+    probed by making it and a file in it, then removing whatever the probe made, so that a
+    run refused later leaves nothing behind (rank 0 makes it again at the first save)."""
+    made = [parent for parent in (directory, *directory.parents) if not parent.exists()]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".hybrid-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or str(err)
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(directory) \
+            else ""
+        what = f"checkpoint.dir={directory}" if named else \
+            f"the checkpoint directory {directory} (<run dir>/checkpoints)"
+        raise CheckpointError(f"{what} cannot be created or written: {reason}{where}; "
+                              f"choose another with checkpoint.dir=...") from None
+    finally:
+        for parent in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
 def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     """Every check that can be made before a worker starts, and the job's one plan; writes
     ``config.json`` and ``plan.json``."""
@@ -147,6 +172,8 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     plan = plan.for_run(checkpoint_dir=directory, resume_from=resume, init_from=init,
                         peak_flops=peak)
     check_run_dir(cfg, run_dir, resuming=resume is not None)
+    if cfg.checkpoint.every > 0:
+        check_checkpoint_dir(Path(directory), named=cfg.checkpoint.dir is not None)
     plan = with_run_data(plan, run_dir)
     check_resumed_data(plan)
     save_run_files(plan, run_dir)

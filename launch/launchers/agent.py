@@ -172,7 +172,8 @@ def _hangup_ignored() -> Iterator[None]:
     a closed terminal sends it to the whole process group, and a tracker that dies of it while
     workers still unregister their shared memory prints a traceback per segment. The launcher
     keeps its own handler (it stops the workers and says so in one line); an ignored signal
-    stays ignored in the helpers and the workers they fork."""
+    stays ignored in the helpers and the workers they fork, so each worker takes SIGHUP's
+    default back (``_call_entrypoint``)."""
     from multiprocessing import resource_tracker
 
     if threading.current_thread() is not threading.main_thread():
@@ -216,12 +217,17 @@ def _quiet_ranks(rendezvous: Rendezvous, nproc: int) -> dict:
 
 
 def _call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """Worker side: run ``entrypoint``; a SIGINT aimed at this worker alone is a failure.
+    """Worker side: run ``entrypoint``; a SIGINT aimed at this worker alone is a failure; a
+    SIGHUP ends it (as SIGTERM does).
 
     torch.multiprocessing treats KeyboardInterrupt in a worker as a clean exit (code 0, no
     return value), after which the agent would wait forever for that worker's result.
     """
     _die_with_launcher()
+    # Forked by a fork server deaf to SIGHUP (``_hangup_ignored``), a worker inherits that;
+    # but the agent stops the workers with the signal it got itself, and a worker that
+    # ignored SIGHUP lived until the SIGKILL after ``shutdown_timeout_s`` (10-12 s late).
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
         return entrypoint(*args)
     except KeyboardInterrupt as err:

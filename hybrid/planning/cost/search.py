@@ -268,7 +268,9 @@ def format_search(result: dict) -> str:
         lines.append(f"{which} within the model's measured error "
                      f"({result['error_fraction']:.0%}) of the best: it cannot rank them; "
                      f"measure them (search.run=true)")
-    if result["candidates"]:
+    if result.get("run_best"):  # the whole command, from hybrid-plan's own overrides
+        lines.append(f"run the best: {result['run_best']}")
+    elif result["candidates"]:
         lines.append("run the best: hybrid-train " + " ".join(
             overrides_of(result["candidates"][0]["settings"])))
     return "\n".join(lines)

@@ -82,26 +82,18 @@ def option_problem(options: DpOptions, dp: int) -> Optional[str]:
         return None
     (setting, spec), stage = chosen[0], options.zero
     if stage not in spec.shardings:
+        # name only the stages this reduction runs on: a stage another lossy reduction runs
+        # on would be refused in turn
+        runs_on = " or ".join(f"parallel.zero={s}" for s in sorted(spec.shardings, reverse=True))
         if _exact_only(stage):
             return (f"parallel.zero={stage} runs with exact reduction only, not "
-                    f"parallel.{setting}; use {_stages_for_lossy()}")
-        return (f"parallel.{setting} needs unsharded optimizer state: set parallel.zero="
-                f"{max(spec.shardings)}")
+                    f"parallel.{setting}; use {runs_on}, or drop parallel.{setting}")
+        if max(spec.shardings) == 0:
+            return f"parallel.{setting} needs unsharded optimizer state: set {runs_on}"
+        return (f"parallel.{setting} runs with parallel.zero <= {max(spec.shardings)}: set "
+                f"{runs_on}")
     return spec.problem(options, dp)
 
 
 def _exact_only(stage: int) -> bool:
     return all(spec.exact for spec in REDUCTIONS.values() if stage in spec.shardings)
-
-
-def _stages_for_lossy() -> str:
-    """``parallel.zero=1 (bf16) or parallel.zero=0``: the stages lossy reductions run on,
-    highest first, naming them where not every lossy reduction does."""
-    lossy = [spec for spec in REDUCTIONS.values() if not spec.exact]
-    parts = []
-    for stage in sorted(SHARDINGS, reverse=True):
-        runs = [spec.name for spec in lossy if stage in spec.shardings]
-        if runs:
-            parts.append(f"parallel.zero={stage}"
-                         + ("" if len(runs) == len(lossy) else f" ({', '.join(runs)})"))
-    return " or ".join(parts)
