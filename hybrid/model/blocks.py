@@ -1,4 +1,5 @@
-"""The three kinds of GPT block: embedding, transformer layer, head.
+"""The three kinds of GPT-2 block: embedding, transformer layer, head (the family ``gpt2``'s
+torch side, registered in ``hybrid.model.families``).
 
 Shapes (Megatron's, sequence first): tokens ``[b, s]`` int64; activations ``[s, b, h]``, or
 ``[s/tp, b, h]`` with sequence parallelism; logits ``[s, b, V/tp]``; under context parallelism
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from hybrid.comm import Group
 from hybrid.planning.config import ModelConfig
 from hybrid.model.context import context_attention, context_positions
+from hybrid.model.families import FamilyBlocks, register_blocks
 from hybrid.model.megatron_adapter import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -230,3 +232,7 @@ class HeadBlock(nn.Module):
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         weight = self.word_embeddings_weight if self.tied else None
         return self.output_layer(hidden, weight)
+
+
+register_blocks("gpt2", FamilyBlocks(embedding=EmbeddingBlock, layer=TransformerLayer,
+                                     head=HeadBlock))

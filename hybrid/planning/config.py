@@ -89,6 +89,12 @@ class ParallelConfig:
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for display."""
+    family: str = "gpt2"
+    """The model family (hybrid.planning.models; docs/models.md): gpt2, or one registered by
+    family_module."""
+    family_module: Optional[str] = None
+    """A module to import before the family is looked up (in the launcher and on every rank),
+    which registers model.family: for a family defined outside hybrid (on PYTHONPATH)."""
     layers: int = 4
     """Number of transformer layers."""
     hidden: int = 32
