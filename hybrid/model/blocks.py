@@ -133,15 +133,21 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(hidden).view(seq, batch, self.local_heads, 3, self.head_dim)
         # [s, b, n, hd] -> [b, n, s, hd], the layout scaled_dot_product_attention expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
-        if self.context.on:
-            context = context_attention(q, k, v, self.context.group, comm=self.context.comm)
-        elif self.recompute_core and torch.is_grad_enabled():
-            # Selective recompute: the attention core keeps nothing for backward but its
-            # inputs (which the QKV projection's output already holds) and runs again there.
-            context = checkpoint(_attention_core, q, k, v, use_reentrant=False)
-        else:
-            context = _attention_core(q, k, v)
-        return self.proj(context)
+        return self.proj(causal_attention(q, k, v, self.context, self.recompute_core))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: Context,
+                     recompute_core: bool) -> torch.Tensor:
+    """Causal attention of ``[b, n, s, hd]`` heads -> ``[s, b, n * hd]``: around the context
+    group's ring when it is on, else the fused kernel (recomputed in the backward under
+    selective recompute)."""
+    if context.on:
+        return context_attention(q, k, v, context.group, comm=context.comm)
+    if recompute_core and torch.is_grad_enabled():
+        # Selective recompute: the attention core keeps nothing for backward but its
+        # inputs (which the QKV projection's output already holds) and runs again there.
+        return checkpoint(_attention_core, q, k, v, use_reentrant=False)
+    return _attention_core(q, k, v)
 
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -206,6 +212,9 @@ class HeadBlock(nn.Module):
     gradient sync sums it with the embedding over ``groups.embedding``.
     """
 
+    make_norm = staticmethod(layer_norm)
+    """The final norm's constructor (a family's head may use another norm)."""
+
     def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool,
                  embedding: Optional[EmbeddingBlock] = None,
@@ -213,7 +222,7 @@ class HeadBlock(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied = cfg.tie_embeddings
-        self.final_norm = layer_norm(cfg)
+        self.final_norm = self.make_norm(cfg)
         if self.tied:
             if embedding is not None:
                 self.word_embeddings_weight = embedding.word_embeddings.weight

@@ -7,7 +7,7 @@ Adding a family: a module here (or anywhere, found by ``model.family_module``) d
 
 from hybrid.planning.models.registry import (BYTES, MODELS, ModelSpec, family_for_hf,
                                              model_families, model_spec, register_model)
-from hybrid.planning.models import gpt2  # noqa: F401  (registers "gpt2")
+from hybrid.planning.models import gpt2, llama  # noqa: F401  (register "gpt2", "llama")
 
 __all__ = ["BYTES", "MODELS", "ModelSpec", "family_for_hf", "model_families", "model_spec",
            "register_model"]

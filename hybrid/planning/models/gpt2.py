@@ -22,6 +22,7 @@ FLOPs per layer and micro-batch (forward, b sequences of s tokens, hidden h, MLP
 
 from __future__ import annotations
 
+from hybrid.planning.layout import LayoutError
 from hybrid.planning.models.checks import check_common_shape, common_tp_sizes
 from hybrid.planning.models.registry import BYTES, ModelSpec, register_model
 from hybrid.planning.param_spec import (ParamSpec, column_specs, head_specs, named, norm_specs,
@@ -114,6 +115,10 @@ class Gpt2(ModelSpec):
 
     def check_shape(self, m, tp):
         check_common_shape(m, tp, lambda: self.valid_tp_sizes(m))
+        if m.kv_heads is not None and m.kv_heads != m.heads:
+            raise LayoutError(f"model.kv_heads={m.kv_heads} asks for grouped-query attention, "
+                              f"which model.family={self.name} has not; set model.kv_heads=null "
+                              f"or model.family=llama")
 
     def valid_tp_sizes(self, m):
         return common_tp_sizes(m)
