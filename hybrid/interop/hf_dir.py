@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.errors import UserError
+from hybrid.planning.models import family_for_hf
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILE = "tokenizer.json"
@@ -38,9 +39,9 @@ def hf_config(path: str) -> dict:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as err:
         raise ConversionError(f"{folder / 'config.json'} is not JSON ({err})") from None
-    if config.get("model_type") != "gpt2":
+    if family_for_hf(config.get("model_type")) is None:
         raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2 "
-                              f"(model_type gpt2) converts")
+                              f"and Llama (model_type gpt2, llama) convert")
     if any(folder.glob("*.index.json")):
         raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
                               f"model.safetensors (save_pretrained(max_shard_size='100GB'))")

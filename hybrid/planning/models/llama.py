@@ -72,7 +72,7 @@ def llama_block_params(m, block_id: int, sp: bool) -> dict[str, ParamSpec]:
 class Llama(ModelSpec):
     name = "llama"
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
-    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", None, None
+    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama", "llama"
 
     def block_params(self, m, block_id, sequence_parallel):
         return llama_block_params(m, block_id, sequence_parallel)

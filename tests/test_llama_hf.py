@@ -1,0 +1,112 @@
+"""HF ``LlamaForCausalLM`` in and out through ``hybrid-ckpt``: a tiny random one (grouped-query
+attention, untied; and one tied), built and saved locally (nothing downloads), goes through
+import then export with every tensor equal, and the imported model gives HF's logits within
+1e-5 (fp32); configs hybrid cannot represent are one line, named."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid.testing import spawn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BIN = Path(sys.executable).parent
+CKPT = str(BIN / "hybrid-ckpt")
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, max_position_embeddings=32,
+             rms_norm_eps=1e-5)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=200)
+
+
+def make_llama_dir(path: Path, *, tied: bool, seed: int, **changes) -> Path:
+    """A random Llama saved with ``save_pretrained``: every parameter drawn (no unit norms
+    that would hide a misplaced tensor)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPE, tie_word_embeddings=tied, **changes)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("hf-llama")
+    return {"untied": make_llama_dir(folder / "untied", tied=False, seed=0),
+            "tied": make_llama_dir(folder / "tied", tied=True, seed=1)}
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_import_then_export_changes_no_tensor(kind, hf_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    done = run(CKPT, "import", hf_dirs[kind], tmp_path / "imported")
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
+    assert manifest["config"]["model"]["family"] == "llama"
+    done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
+    assert done.returncode == 0, done.stderr
+    before = load_file(hf_dirs[kind] / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    from transformers import LlamaForCausalLM
+
+    _, info = LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+
+
+def _hybrid_logits(rank, world, hf_dir, tokens):
+    from hybrid.generate import load_source, one_process_model
+
+    with one_process_model(load_source(hf_dir)) as model, torch.no_grad():
+        return model.logits(tokens)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_an_imported_llama_gives_hfs_logits(kind, hf_dirs):
+    from transformers import LlamaForCausalLM
+
+    tokens = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(4))
+    logits, = spawn(_hybrid_logits, 1, str(hf_dirs[kind]), tokens, timeout=150)
+    model = LlamaForCausalLM.from_pretrained(hf_dirs[kind]).eval()
+    with torch.no_grad():
+        hf_logits = model(tokens).logits
+    assert logits.shape == hf_logits.shape
+    assert (logits - hf_logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     "rope type 'llama3' (rope_scaling) cannot be converted: hybrid's rotary positions are "
+     "unscaled"),
+    ({"sliding_window": 16}, "sliding_window=16 cannot be converted: hybrid's attention is "
+                             "full causal attention"),
+    ({"attention_bias": True}, "attention_bias=True cannot be converted"),
+])
+def test_a_llama_hybrid_cannot_represent_is_one_line(changes, needle, tmp_path):
+    folder = tmp_path / "src"
+    folder.mkdir()
+    config = {"model_type": "llama", **SHAPE, **changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    done = run(CKPT, "import", folder, tmp_path / "out")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert needle in done.stderr and not (tmp_path / "out").exists()
