@@ -88,22 +88,57 @@ LAYOUTS = {
 }
 
 
+TIED_LAYOUTS = {
+    # V placement: rank 0 holds the embedding and the tied head
+    "pp2-zb-v-tied": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
+                      "parallel.schedule=zb-v"],
+}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    run_dir = tmp_path_factory.mktemp("llama-reference")
-    done = run_train(run_dir, "parallel=single")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [r["loss"] for r in checked_records(run_dir)]
+def reference(tmp_path_factory):
+    """The 1-process runs' losses, untied and tied (each made when first asked for)."""
+    runs = {}
+
+    def get(tied: bool) -> list[float]:
+        if tied not in runs:
+            run_dir = tmp_path_factory.mktemp(f"llama-reference-{tied}")
+            done = run_train(run_dir, "parallel=single", *(TIED if tied else []))
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[tied] = [r["loss"] for r in checked_records(run_dir)]
+        return runs[tied]
+    return get
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_losses_equal_the_1_process_run(name, reference, tmp_path):
-    done = run_train(tmp_path, *LAYOUTS[name])
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [r["loss"] for r in checked_records(tmp_path)]  # state bytes as predicted
+def assert_same_losses(losses: list[float], reference: list[float]) -> None:
     assert len(losses) == len(reference) == STEPS
     assert losses[0] == pytest.approx(reference[0], rel=1e-5)
     assert losses == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(TIED_LAYOUTS))
+def test_losses_equal_the_1_process_run(name, reference, tmp_path):
+    tied = name in TIED_LAYOUTS
+    done = run_train(tmp_path, *(TIED_LAYOUTS[name] + TIED if tied else LAYOUTS[name]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in checked_records(tmp_path)]  # state bytes as predicted
+    assert_same_losses(losses, reference(tied))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_checkpoint_saved_on_2x2x2_resumes_on_tp2_with_sequence_parallelism(reference,
+                                                                              tmp_path):
+    source, target = tmp_path / "source", tmp_path / "target"
+    done = run_train(source, *LAYOUTS["dp2-tp2-pp2-1f1b"], "checkpoint.every=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = source / "checkpoints" / "step_00000003"
+    done = run_train(target, *LAYOUTS["tp2-sp-kv2"], f"checkpoint.resume_from={step}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    resumed = {r["step"]: r["loss"] for r in checked_records(target)}
+    assert sorted(resumed) == [4, 5, 6]
+    assert list(resumed.values()) == pytest.approx(reference(False)[3:], rel=1e-4)

@@ -5,6 +5,7 @@ import then export with every tensor equal, and the imported model gives HF's lo
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,18 +31,27 @@ def run(*args) -> subprocess.CompletedProcess:
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=200)
 
 
-def make_llama_dir(path: Path, *, tied: bool, seed: int, **changes) -> Path:
+def make_llama_dir(path: Path, *, tied: bool, seed: int, tokenizer: bool = False) -> Path:
     """A random Llama saved with ``save_pretrained``: every parameter drawn (no unit norms
-    that would hide a misplaced tensor)."""
+    that would hide a misplaced tensor); ``tokenizer``: with the byte-level BPE of
+    ``hf_models`` (end of document: id 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPE, tie_word_embeddings=tied, **changes)
+    config = LlamaConfig(**SHAPE, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
     model.save_pretrained(path)
+    if tokenizer:
+        import pydoc_data.topics
+
+        from hybrid.data.tokenizer import train_byte_level_bpe
+
+        bpe = train_byte_level_bpe(list(pydoc_data.topics.topics.values()), SHAPE["vocab_size"])
+        bpe.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return path
 
 
@@ -49,7 +59,7 @@ def make_llama_dir(path: Path, *, tied: bool, seed: int, **changes) -> Path:
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("hf-llama")
     return {"untied": make_llama_dir(folder / "untied", tied=False, seed=0),
-            "tied": make_llama_dir(folder / "tied", tied=True, seed=1)}
+            "tied": make_llama_dir(folder / "tied", tied=True, seed=1, tokenizer=True)}
 
 
 @pytest.mark.parametrize("kind", ["untied", "tied"])
@@ -110,3 +120,32 @@ def test_a_llama_hybrid_cannot_represent_is_one_line(changes, needle, tmp_path):
     done = run(CKPT, "import", folder, tmp_path / "out")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert needle in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_llama_checkpoint_given_to_a_gpt2_config_is_one_line(hf_dirs, tmp_path):
+    assert run(CKPT, "import", hf_dirs["untied"], tmp_path / "imported").returncode == 0
+    done = run(BIN / "hybrid-train", "model=tiny", "data=synthetic", "model.vocab=300",
+               "model.layers=3", "model.ffn_hidden=64", "parallel=single",
+               f"checkpoint.init_from={tmp_path / 'imported'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert ("model.family: the checkpoint step_00000000 has family=llama, the config "
+            "family=gpt2") in done.stderr
+    assert not (tmp_path / "run" / "workers").exists()
+
+
+def test_greedy_generation_equals_hfs(hf_dirs):
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    prompt, source = "The assert statement", hf_dirs["tied"]
+    done = run(BIN / "hybrid-generate", source, f"prompt={prompt}", "max_new_tokens=20",
+               "temperature=0", "show_ids=true")
+    assert done.returncode == 0, done.stderr
+    ids = json.loads(re.search(r"new ids: (\[.*\])", done.stdout)[1])
+    prompt_ids = Tokenizer.from_file(str(source / "tokenizer.json")).encode(prompt).ids
+    input_ids = torch.tensor([prompt_ids])
+    model = LlamaForCausalLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=20, do_sample=False, eos_token_id=0, pad_token_id=0)
+    assert ids == out[0, len(prompt_ids):].tolist() and len(ids) > 1
