@@ -142,3 +142,19 @@ def test_a_checkpoint_saved_on_2x2x2_resumes_on_tp2_with_sequence_parallelism(re
     resumed = {r["step"]: r["loss"] for r in checked_records(target)}
     assert sorted(resumed) == [4, 5, 6]
     assert list(resumed.values()) == pytest.approx(reference(False)[3:], rel=1e-4)
+
+
+def test_hybrid_plan_searches_llama3_70b_on_64_h100s():
+    import json
+
+    done = subprocess.run([str(Path(sys.executable).parent / "hybrid-plan"), "model=llama3-70b",
+                           "search.world=64", "cost.device=h100-80gb", "format=json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranked = json.loads(done.stdout)["candidates"]
+    assert len(ranked) == 10
+    times = [c["predicted"]["step_time_s"] for c in ranked]
+    assert times == sorted(times) and times[0] > 0
+    for c in ranked:  # tp splits the 8 key/value groups; every layout fits an 80 GB device
+        assert 8 % c["settings"]["tp"] == 0
+        assert c["predicted"]["mem_bytes_per_rank"] < 80 * 2**30
