@@ -1,9 +1,9 @@
-"""``hybrid-ckpt``: look into a checkpoint, export its model, import an HF GPT-2.
+"""``hybrid-ckpt``: look into a checkpoint, export its model, import an HF GPT-2 or Llama.
 
     hybrid-ckpt show PATH                  # step, the layout it was saved from, model, tensors
     hybrid-ckpt export PATH OUT            # the full model, global names, one torch.save file
-    hybrid-ckpt export PATH OUT --format hf  # an HF GPT-2 directory (GPT2LMHeadModel loads it)
-    hybrid-ckpt import HF_DIR OUT          # an HF GPT-2 as OUT/step_00000000, for
+    hybrid-ckpt export PATH OUT --format hf  # an HF directory (transformers loads it)
+    hybrid-ckpt import HF_DIR OUT          # an HF GPT-2 or Llama as OUT/step_00000000, for
                                            # checkpoint.init_from=OUT (hybrid.interop)
 
 ``PATH`` is a checkpoint directory (``.../checkpoints/step_00000005``) or a run directory (its
@@ -33,13 +33,13 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     show = commands.add_parser("show", help="step, layout, model shape and tensors")
     show.add_argument("path", help="checkpoint directory (step_*) or run directory")
     export = commands.add_parser("export", help="the full model as one torch.save file, or "
-                                                 "an HF GPT-2 directory (--format hf)")
+                                                 "an HF GPT-2 or Llama directory (--format hf)")
     export.add_argument("path", help="checkpoint directory (step_*) or run directory")
     export.add_argument("output", help="file to write (model.pt), or folder for --format hf")
     export.add_argument("--format", default="torch", choices=("torch", "hf"),
                         help="torch (default): hybrid's global names in one file; hf: "
                              "model.safetensors + config.json (+ the data's tokenizer)")
-    imports = commands.add_parser("import", help="a local HF GPT-2 directory as a "
+    imports = commands.add_parser("import", help="a local HF GPT-2 or Llama directory as a "
                                                  "checkpoint, for checkpoint.init_from")
     imports.add_argument("path", help="HF model directory (config.json, model.safetensors)")
     imports.add_argument("output", help="folder to write; it gets OUT/step_00000000")
@@ -123,9 +123,9 @@ def _export(args: argparse.Namespace) -> None:
     tokenizer = f", with its tokenizer ({done['tokenizer']})" if done["tokenizer"] else (
         " (the byte-level tokenizer has no HF form: decode the ids as bytes)"
         if done["bytes_tokenizer"] else " (the run recorded no tokenizer)")
-    print(f"wrote an HF GPT-2 of {done['parameters']:,} parameters of {path} (step "
-          f"{manifest['step']}) to {out}{tokenizer}")
-    print(f"use: transformers.GPT2LMHeadModel.from_pretrained({out!r})")
+    print(f"wrote an HF {done['architecture']} of {done['parameters']:,} parameters of {path} "
+          f"(step {manifest['step']}) to {out}{tokenizer}")
+    print(f"use: transformers.{done['architecture']}.from_pretrained({out!r})")
 
 
 def _import(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""``hybrid-generate``: text from a hybrid checkpoint or an HF GPT-2 directory.
+"""``hybrid-generate``: text from a hybrid checkpoint or an HF GPT-2 or Llama directory.
 
 ::
 
@@ -6,9 +6,9 @@
                     [seed=1234] [stop_at_eod=true] [show_ids=false]
 
 ``SOURCE``: a checkpoint directory (``step_*``), a run directory (its newest checkpoint) or a
-local HF GPT-2 directory. Overrides are ``key=value`` as in the other commands; an unknown key
-or a value of the wrong type is one line and exit status 2. ``temperature=0`` is greedy.
-The generation itself is ``hybrid.generate``.
+local HF GPT-2 or Llama directory. Overrides are ``key=value`` as in the other commands; an
+unknown key or a value of the wrong type is one line and exit status 2. ``temperature=0`` is
+greedy. The generation itself is ``hybrid.generate``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ USAGE = ('usage: hybrid-generate SOURCE prompt="..." [max_new_tokens=N] [tempera
 @dataclass
 class GenerateConfig:
     source: str = ""
-    """A checkpoint or run directory, or a local HF GPT-2 directory."""
+    """A checkpoint or run directory, or a local HF GPT-2 or Llama directory."""
     prompt: str = ""
     """The text to continue (encoded with the source's tokenizer)."""
     max_new_tokens: int = 32

@@ -52,6 +52,7 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
     write_hf_dir(out, tensors, interop.hf_config(model, eod), tokenizer_json, eod_token,
                  model.seq_len)
     return {"parameters": sum(t.numel() for t in tensors.values()),
+            "architecture": interop.hf_config(model)["architectures"][0],
             "tokenizer": None if tokenizer_json is None else record.get("source"),
             "bytes_tokenizer": record is not None and record.get("kind") == "bytes"}
 

@@ -28,7 +28,8 @@ class ConversionError(UserError):
 
 
 def hf_config(path: str) -> dict:
-    """``config.json`` of the HF GPT-2 directory ``path``, after checking the directory."""
+    """``config.json`` of the HF directory ``path`` (of a registered family: GPT-2, Llama),
+    after checking the directory."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConversionError(f"{path} is not a folder; pass a local HF model directory (one "
