@@ -129,12 +129,13 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _import(args: argparse.Namespace) -> None:
-    from hybrid.interop.convert import import_hf
+    from hybrid.checkpoint.store import read_manifest
+    from hybrid.interop.convert import import_hf, model_config_of, shape_overrides
 
     path = import_hf(args.path, args.output)
     print(f"wrote {path} from {args.path}")
-    print(f"use: hybrid-train checkpoint.init_from={os.path.abspath(args.output)} with the "
-          f"model's shape (hybrid-ckpt show {os.path.abspath(args.output)} prints it)")
+    overrides = " ".join(shape_overrides(model_config_of(read_manifest(path))))
+    print(f"use: hybrid-train {overrides} checkpoint.init_from={os.path.abspath(args.output)}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -149,3 +149,15 @@ def test_greedy_generation_equals_hfs(hf_dirs):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=20, do_sample=False, eos_token_id=0, pad_token_id=0)
     assert ids == out[0, len(prompt_ids):].tolist() and len(ids) > 1
+
+
+def test_init_from_an_imported_llama_with_the_printed_overrides_trains(hf_dirs, tmp_path):
+    done = run(CKPT, "import", hf_dirs["untied"], tmp_path / "imported")
+    assert done.returncode == 0, done.stderr
+    use = re.search(r"use: hybrid-train (.*)", done.stdout)[1].split()
+    assert "model.family=llama" in use and "model.kv_heads=2" in use
+    done = run(BIN / "hybrid-train", *use, "data=synthetic", "parallel=single",
+               "parallel.tp=2", "train.steps=2", "train.global_batch=4", "train.micro_batch=2",
+               "train.timeline_step=0", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "started from the weights of" in done.stdout

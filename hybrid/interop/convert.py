@@ -88,6 +88,18 @@ def import_hf(hf_dir: str, out: str) -> Path:
                                     tokenizer=record, tokenizer_json=tokenizer_json)
 
 
+SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                   "seq_len", "tie_embeddings", "norm_eps", "rope_base")
+
+
+def shape_overrides(model: ModelConfig) -> list[str]:
+    """The ``model.*`` overrides that give a config ``model``'s shape: what
+    ``checkpoint.init_from`` of an imported model needs."""
+    return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
+            for name in SHAPE_OVERRIDES
+            if (value := getattr(model, name)) is not None]
+
+
 def _record(tokenizer_json: str, eos: Optional[str], hf_dir: str, config: dict) -> dict:
     """The tokenizer record of an HF directory's ``tokenizer.json`` (``TokenizerInfo``'s
     fields; end of document: its eos token, else config.json's eos_token_id)."""
