@@ -65,6 +65,7 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 500):
                            "in {1, 2, 4}"),
     (["parallel=single", "parallel.tp=4"], "parallel.tp=4 does not divide model.kv_heads=2; "
                                            "choose tp in {1, 2}"),
+    (["model.rope_base=0"], "model.rope_base=0.0 must be a finite number > 1"),
     (["model=tiny", "model.kv_heads=2"], "model.kv_heads=2 asks for grouped-query attention, "
                                          "which model.family=gpt2 has not"),
 ])

@@ -28,6 +28,8 @@ FLOPs per layer forward (b sequences of s tokens): ``2bsh(h + 2kd)`` (QKV) ``+ 2
 
 from __future__ import annotations
 
+import math
+
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.models.checks import (check_common_shape, common_tp_sizes, positive,
                                            tp_divides)
@@ -128,6 +130,9 @@ class Llama(ModelSpec):
             raise LayoutError(f"model.kv_heads={m.kv} does not divide model.heads={m.heads}; "
                               f"choose kv_heads in {{{_sizes(m.heads)}}}")
         tp_divides(tp, "model.kv_heads", m.kv, lambda: self.valid_tp_sizes(m))
+        if not math.isfinite(m.rope_base) or m.rope_base <= 1:
+            raise LayoutError(f"model.rope_base={m.rope_base} must be a finite number > 1 (the "
+                              f"rotary angles' base, HF's rope_theta: 10000 or 500000)")
         if (m.hidden // m.heads) % 2:
             raise LayoutError(f"model.hidden={m.hidden} / model.heads={m.heads} = "
                               f"{m.hidden // m.heads} is odd; rotary positions rotate pairs "
