@@ -1,12 +1,14 @@
-"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2 directory.
+"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2 or Llama directory.
 
 The model runs in this process (one rank: a 1-process gloo group on an in-memory store, no
 socket), in fp32. Each new token is chosen from the logits of the real vocabulary at the last
 position: greedy (``temperature=0``, the first maximum, as ``torch.argmax`` and HF's greedy
 ``generate``), or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
-most likely (0: all), with a generator seeded by ``seed``. The whole context is recomputed for
-every token (no cache: the models hybrid trains are small); beyond ``model.seq_len`` it slides,
-keeping the last ``seq_len`` tokens. Generation stops after ``max_new_tokens`` or at the
+most likely (0: all), with a generator seeded by ``seed``. Each layer keeps the keys and values
+of the tokens so far (``hybrid.model.kv_cache``), so a new token's forward computes only that
+token, while the ids fit ``model.seq_len``; beyond it the context slides, keeping the last
+``seq_len`` tokens, and each token recomputes that window (as does a family whose blocks take
+no cache). Generation stops after ``max_new_tokens`` or at the
 end-of-document token (``stop_at_eod``). The prompt is encoded and the output decoded with the
 tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's.
 """
@@ -112,14 +114,25 @@ def one_process_model(source: Source) -> Iterator[torch.nn.Module]:
 
 @torch.no_grad()
 def generate(model, prompt: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
-             seed: int, eod: Optional[int], stop_at_eod: bool = True) -> list[int]:
-    """The ids that follow ``prompt`` (see the module doc)."""
+             seed: int, eod: Optional[int], stop_at_eod: bool = True,
+             cache: bool = True) -> list[int]:
+    """The ids that follow ``prompt`` (see the module doc). ``cache``: keep each layer's keys
+    and values (``hybrid.model.kv_cache``) while the ids fit ``seq_len``, where the family's
+    blocks take one; past it, and without, each token's forward recomputes the window."""
+    from hybrid.model.families import family_blocks
+    from hybrid.model.kv_cache import KVCache
+
     generator = torch.Generator().manual_seed(seed)
     ids, window = list(prompt), model.cfg.seq_len
+    kv = KVCache(model.cfg.layers) if cache and family_blocks(model.cfg).cache else None
     new: list[int] = []
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], dtype=torch.int64)
-        logits = model.logits(context)[0, -1].float()
+        if kv is not None and len(ids) <= window:
+            fresh = torch.tensor([ids[kv.length:]], dtype=torch.int64)
+            logits = model.decode(fresh, kv)[0].float()
+        else:
+            context = torch.tensor([ids[-window:]], dtype=torch.int64)
+            logits = model.logits(context)[0, -1].float()
         token = int(logits.argmax()) if temperature == 0 else \
             _sample(logits, temperature, top_k, generator)
         ids.append(token)

@@ -24,6 +24,7 @@ from hybrid.comm import Group
 from hybrid.planning.config import ModelConfig
 from hybrid.model.context import context_attention, context_positions
 from hybrid.model.families import FamilyBlocks, register_blocks
+from hybrid.model.kv_cache import KVCache, LayerCache
 from hybrid.model.megatron_adapter import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,15 +87,16 @@ class EmbeddingBlock(nn.Module):
         self.position_embeddings = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden))
         normal_init(cfg.init_std, generator)(self.position_embeddings.data)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         seq = tokens.shape[1]
         hidden = self.word_embeddings(tokens.t())  # [s, b, h], all-reduced over TP
         if self.context.on:
             group = self.context.group
             where = context_positions(seq, group.size(), group.rank(), tokens.device)
             hidden = hidden + self.position_embeddings[where].unsqueeze(1)
-        else:
-            hidden = hidden + self.position_embeddings[:seq].unsqueeze(1)
+        else:  # generating with a cache, the tokens follow the cached ones
+            start = 0 if cache is None else cache.length
+            hidden = hidden + self.position_embeddings[start:start + seq].unsqueeze(1)
         if self.sequence_parallel:
             # After the add, so the position table's gradient is complete on every rank.
             hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
@@ -126,13 +128,15 @@ class SelfAttention(nn.Module):
                                       init_method=output_init(cfg, generator), bias=True,
                                       output_sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         seq, batch = hidden.shape[:2]
         qkv = self.qkv(hidden).view(seq, batch, self.local_heads, 3, self.head_dim)
         # [s, b, n, hd] -> [b, n, s, hd], the layout scaled_dot_product_attention expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
+        if cache is not None:
+            return self.proj(cache.attend(q, k, v))
         return self.proj(causal_attention(q, k, v, self.context, self.recompute_core))
 
 
@@ -191,15 +195,15 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = layer_norm(cfg)
         self.mlp = MLP(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             # Keep only the layer input; the backward re-runs the forward (and its TP
             # collectives, in the same order on every TP rank).
             return checkpoint(self._layer, hidden, use_reentrant=False)
-        return self._layer(hidden)
+        return self._layer(hidden, cache)
 
-    def _layer(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_norm(hidden))
+    def _layer(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_norm(hidden), cache)
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
@@ -244,4 +248,4 @@ class HeadBlock(nn.Module):
 
 
 register_blocks("gpt2", FamilyBlocks(embedding=EmbeddingBlock, layer=TransformerLayer,
-                                     head=HeadBlock))
+                                     head=HeadBlock, cache=True))

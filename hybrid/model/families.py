@@ -25,6 +25,9 @@ class FamilyBlocks:
     embedding: Callable
     layer: Callable
     head: Callable
+    cache: bool = False
+    """Whether the embedding and the layers take a ``cache`` (``hybrid.model.kv_cache``) in
+    their forward, for generation; else ``hybrid-generate`` recomputes the whole prefix."""
 
 
 BLOCKS: dict[str, FamilyBlocks] = {}

@@ -20,6 +20,7 @@ from hybrid.groups import ParallelGroups
 from hybrid.planning.layout import LayoutError
 from hybrid.model.blocks import Context
 from hybrid.model.families import family_blocks
+from hybrid.model.kv_cache import KVCache
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.inputs import validate_batch_across
 from hybrid.planning.params import block_param_specs
@@ -136,6 +137,19 @@ class GPT(nn.Module):
         for block in self.blocks:
             hidden = block(hidden)
         return lm_loss(hidden, labels, self.groups, self.cfg.vocab)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``[b, vocab]`` logits of the last of ``tokens`` ``[b, s]``, the tokens that follow
+        those in ``cache`` (empty: a prompt; else one token), which keeps their keys and
+        values (one process, families whose blocks take a cache: ``FamilyBlocks.cache``)."""
+        if self.groups.layout.tp != 1 or self.groups.layout.cp != 1:
+            raise LayoutError("GPT.decode runs on one process: use it at tp=1, cp=1")
+        hidden = self.blocks[0](tokens, cache=cache)
+        for block, layer_cache in zip(self.blocks[1:-1], cache.layers):
+            hidden = block(hidden, cache=layer_cache)
+        cache.length += tokens.shape[1]
+        return self.blocks[-1](hidden)[-1, :, :self.cfg.vocab]
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s, vocab]`` logits of the real vocabulary (one process: tp=1, where this

@@ -13,6 +13,8 @@ its gradient is partial over TP there, as GPT-2's LayerNorm's).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,7 @@ from hybrid.model.blocks import (Context, HeadBlock, causal_attention, normal_in
                                  output_init, word_embedding)
 from hybrid.model.context import context_positions
 from hybrid.model.families import FamilyBlocks, register_blocks
+from hybrid.model.kv_cache import KVCache, LayerCache
 from hybrid.model.mappings import (gather_from_sequence_parallel_region,
                                    scatter_to_sequence_parallel_region)
 from hybrid.model.megatron_adapter import ColumnParallelLinear, RowParallelLinear
@@ -62,7 +65,7 @@ class LlamaEmbedding(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.word_embeddings = word_embedding(cfg, tp_group, generator)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         hidden = self.word_embeddings(tokens.t())  # [s, b, h], all-reduced over TP
         if self.sequence_parallel:
             hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
@@ -93,7 +96,7 @@ class GroupedQueryAttention(nn.Module):
                                       init_method=output_init(cfg, generator), bias=False,
                                       output_sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         seq, batch = hidden.shape[:2]
@@ -102,18 +105,22 @@ class GroupedQueryAttention(nn.Module):
         # [s, b, heads, d] -> [b, heads, s, d], the layout scaled_dot_product_attention takes
         q = qkv[:, :, :, :per].reshape(seq, batch, g * per, d).permute(1, 2, 0, 3)
         k, v = (qkv[:, :, :, per + i].permute(1, 2, 0, 3) for i in (0, 1))
-        cos, sin = (t.to(q.dtype) for t in rotary_tables(self._positions(seq, q.device), d,
-                                                          self.rope_base))
+        positions = self._positions(seq, q.device, cache)
+        cos, sin = (t.to(q.dtype) for t in rotary_tables(positions, d, self.rope_base))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if per > 1:  # each key/value head serves its group's query heads
             k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
+        if cache is not None:
+            return self.proj(cache.attend(q, k, v))
         return self.proj(causal_attention(q, k, v, self.context, self.recompute_core))
 
-    def _positions(self, seq: int, device: torch.device) -> torch.Tensor:
+    def _positions(self, seq: int, device: torch.device,
+                   cache: Optional[LayerCache]) -> torch.Tensor:
         if self.context.on:
             group = self.context.group
             return context_positions(seq, group.size(), group.rank(), device)
-        return torch.arange(seq, device=device)
+        start = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        return torch.arange(start, start + seq, device=device)
 
 
 class SwiGLU(nn.Module):
@@ -153,13 +160,13 @@ class LlamaLayer(nn.Module):
         self.mlp = SwiGLU(cfg, tp_group, generator=generator,
                           sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._layer, hidden, use_reentrant=False)
-        return self._layer(hidden)
+        return self._layer(hidden, cache)
 
-    def _layer(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_norm(hidden))
+    def _layer(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_norm(hidden), cache)
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
@@ -170,4 +177,4 @@ class LlamaHead(HeadBlock):
 
 
 register_blocks("llama", FamilyBlocks(embedding=LlamaEmbedding, layer=LlamaLayer,
-                                      head=LlamaHead))
+                                      head=LlamaHead, cache=True))
