@@ -1,4 +1,4 @@
-"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2 directory.
+"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2 or Llama directory.
 
 The model runs in this process (one rank: a 1-process gloo group on an in-memory store, no
 socket), in fp32. Each new token is chosen from the logits of the real vocabulary at the last
@@ -6,10 +6,11 @@ position: greedy (``temperature=0``, the first maximum, as ``torch.argmax`` and 
 ``generate``), or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
 most likely (0: all), with a generator seeded by ``seed``; the softmax is taken in float64 of
 the logits less their maximum, so any finite temperature > 0 gives probabilities (a tiny one
-tends to greedy, a huge one to uniform). The whole context is recomputed for every token (no
-cache: the models hybrid trains are small); beyond ``model.seq_len`` it slides, keeping the
-last ``seq_len`` tokens. Generation stops after ``max_new_tokens`` or at the end-of-document
-token (``stop_at_eod``); ``new_tokens`` yields each id as it is chosen, and ``TextPieces``
+tends to greedy, a huge one to uniform). Each layer keeps the keys and values of the tokens
+so far (``hybrid.model.kv_cache``), so a new token's forward computes only that token, while
+the ids fit ``model.seq_len``; beyond it the context slides, keeping the last ``seq_len``
+tokens, and each token recomputes that window (as does a family whose blocks take no cache).
+Generation stops after ``max_new_tokens`` or at the end-of-document token (``stop_at_eod``); ``new_tokens`` yields each id as it is chosen, and ``TextPieces``
 turns them into text as it becomes final. The prompt is encoded and the output decoded with
 the tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's. A
 checkpoint is checked as a resume checks it (every file's size and CRC-32) before it is read.
@@ -121,22 +122,40 @@ def one_process_model(source: Source) -> Iterator[torch.nn.Module]:
 
 
 def new_tokens(model, prompt: list[int], *, max_new_tokens: int, temperature: float,
-               top_k: int, seed: int, eod: Optional[int], stop_at_eod: bool = True
-               ) -> Iterator[int]:
-    """Each id that follows ``prompt``, as soon as it is chosen (see the module doc)."""
+               top_k: int, seed: int, eod: Optional[int], stop_at_eod: bool = True,
+               cache: bool = True) -> Iterator[int]:
+    """Each id that follows ``prompt``, as soon as it is chosen (see the module doc).
+    ``cache``: keep each layer's keys and values while the ids fit ``seq_len``, where the
+    family's blocks take one; past it, and without, each token recomputes the window."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     ids, window = list(prompt), model.cfg.seq_len
+    kv = _cache_for(model) if cache else None
     for _ in range(max_new_tokens):
         with torch.no_grad():
-            logits = model.logits(torch.tensor([ids[-window:]], dtype=torch.int64))[0, -1]
+            if kv is not None and len(ids) <= window:
+                logits = model.decode(torch.tensor([ids[kv.length:]], dtype=torch.int64),
+                                      kv)[0].float()
+            else:
+                context = torch.tensor([ids[-window:]], dtype=torch.int64)
+                logits = model.logits(context)[0, -1].float()
         token = int(logits.argmax()) if temperature == 0 else \
             _sample(logits, temperature, top_k, generator)
         ids.append(token)
         yield token
         if stop_at_eod and token == eod:
             return
+
+
+def _cache_for(model):
+    """A key/value cache for ``model``'s layers, or None where its family's blocks take none."""
+    from hybrid.model.families import family_blocks
+    from hybrid.model.kv_cache import KVCache
+
+    if not hasattr(model, "decode") or not family_blocks(model.cfg).cache:
+        return None
+    return KVCache(model.cfg.layers)
 
 
 def generate(model, prompt: list[int], **settings) -> list[int]:

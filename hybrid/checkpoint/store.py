@@ -29,10 +29,11 @@ WEIGHTS_KIND = "weights"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8})$")
-MODEL_SHAPE_FIELDS = ("layers", "hidden", "heads", "ffn", "vocab", "padded_vocab", "seq_len",
-                      "tie_embeddings")
-"""What must match for a checkpoint to load into a model (``ffn`` and ``padded_vocab`` are the
-resolved sizes)."""
+MODEL_SHAPE_FIELDS = ("family", "layers", "hidden", "heads", "kv", "ffn", "vocab", "padded_vocab",
+                      "seq_len", "tie_embeddings")
+"""What must match for a checkpoint to load into a model (``kv``, ``ffn`` and ``padded_vocab``
+are the resolved sizes). A checkpoint from before model families records no ``family`` (it is
+a gpt2) and no ``kv`` (its heads)."""
 
 
 class CheckpointError(UserError):
@@ -188,11 +189,13 @@ def check_model_matches(manifest: dict, model_cfg, path: Path, padding: bool = T
     """The checkpoint's model shape equals the config's, field by field (``padding``: the
     padded vocabulary too; weights alone load into any padding)."""
     saved, wanted = manifest["model"], model_shape(model_cfg)
+    saved = {"family": "gpt2", "kv": saved.get("heads"), **saved}
     for name in MODEL_SHAPE_FIELDS:
         if name == "padded_vocab" and not padding:
             continue
         if saved.get(name) != wanted[name]:
-            key = {"ffn": "ffn_hidden", "padded_vocab": "vocab_pad_multiple"}.get(name, name)
+            key = {"ffn": "ffn_hidden", "padded_vocab": "vocab_pad_multiple",
+                   "kv": "kv_heads"}.get(name, name)
             raise CheckpointError(
                 f"model.{key}: the checkpoint {path.name} has {name}={saved.get(name)}, the "
                 f"config {name}={wanted[name]}; set model.{key} to match the checkpoint "

@@ -13,11 +13,21 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
+import importlib
+
 from hybrid.checkpoint.store import model_shape
-from hybrid.interop.gpt2 import from_hf, hf_config, model_fields, to_hf
 from hybrid.interop.hf_dir import (ConversionError, hf_config as read_config, hf_tokenizer,
                                    read_hf_weights, write_hf_dir)
 from hybrid.planning.config import ModelConfig
+from hybrid.planning.models import MODELS, family_for_hf, model_spec
+
+
+def name_map(spec):
+    """The module of family ``spec``'s HF name map and config (``hybrid/interop/gpt2.py``'s
+    functions: ``to_hf``, ``from_hf``, ``hf_config``, ``model_fields``)."""
+    if spec.hf_module is None:
+        raise ConversionError(f"model.family={spec.name} has no HF conversion")
+    return importlib.import_module(spec.hf_module)
 
 
 def model_config_of(manifest: dict) -> ModelConfig:
@@ -30,7 +40,8 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
 
     model = model_config_of(manifest)
-    tensors = to_hf(read_model_weights(path), model)
+    interop = name_map(model_spec(model))
+    tensors = interop.to_hf(read_model_weights(path), model)
     record, tokenizer_json = checkpoint_tokenizer(path, manifest)
     eod = None if record is None else record.get("eod")
     eod_token = None
@@ -38,9 +49,10 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
         from tokenizers import Tokenizer
 
         eod_token = Tokenizer.from_str(tokenizer_json).id_to_token(eod)
-    write_hf_dir(out, tensors, hf_config(model, eod), tokenizer_json, eod_token,
+    write_hf_dir(out, tensors, interop.hf_config(model, eod), tokenizer_json, eod_token,
                  model.seq_len)
     return {"parameters": sum(t.numel() for t in tensors.values()),
+            "architecture": interop.hf_config(model)["architectures"][0],
             "tokenizer": None if tokenizer_json is None else record.get("source"),
             "bytes_tokenizer": record is not None and record.get("kind") == "bytes"}
 
@@ -50,8 +62,12 @@ def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[s
     JSON) of an HF GPT-2 directory (its config checked before any tensor is read, every
     tensor's shape against the config, then the tokenizer against the model)."""
     config = read_config(hf_dir)
-    model = ModelConfig(**model_fields(config, hf_dir), vocab_pad_multiple=1)
-    weights = from_hf(read_hf_weights(hf_dir), model)
+    # An unknown model_type goes to GPT-2's map, whose refusal names it.
+    spec = family_for_hf(config.get("model_type")) or MODELS["gpt2"]
+    interop = name_map(spec)
+    model = ModelConfig(**interop.model_fields(config, hf_dir), family=spec.name,
+                        vocab_pad_multiple=1)
+    weights = interop.from_hf(read_hf_weights(hf_dir), model)
     found = hf_tokenizer(hf_dir, model.vocab)
     if found is None:
         return model, weights, None, None
@@ -72,6 +88,18 @@ def import_hf(hf_dir: str, out: str) -> Path:
     return write_weights_checkpoint(target, weights, model_shape=model_shape(model),
                                     config={"model": fields}, source=str(Path(hf_dir).resolve()),
                                     tokenizer=record, tokenizer_json=tokenizer_json)
+
+
+SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                   "seq_len", "tie_embeddings", "norm_eps", "rope_base")
+
+
+def shape_overrides(model: ModelConfig) -> list[str]:
+    """The ``model.*`` overrides that give a config ``model``'s shape: what
+    ``checkpoint.init_from`` of an imported model needs."""
+    return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
+            for name in SHAPE_OVERRIDES
+            if (value := getattr(model, name)) is not None]
 
 
 def _record(tokenizer, tokenizer_json: str, eos: Optional[str], hf_dir: str,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.errors import UserError
+from hybrid.planning.models import family_for_hf
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILE = "tokenizer.json"
@@ -28,7 +29,8 @@ class ConversionError(UserError):
 
 
 def hf_config(path: str) -> dict:
-    """``config.json`` of the HF GPT-2 directory ``path``, after checking the directory."""
+    """``config.json`` of the HF directory ``path`` (of a registered family: GPT-2, Llama),
+    after checking the directory."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConversionError(f"{path} is not a folder; pass a local HF model directory (one "
@@ -39,9 +41,9 @@ def hf_config(path: str) -> dict:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as err:
         raise ConversionError(f"{folder / 'config.json'} is not JSON ({err})") from None
-    if config.get("model_type") != "gpt2":
+    if family_for_hf(config.get("model_type")) is None:
         raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2 "
-                              f"(model_type gpt2) converts")
+                              f"and Llama (model_type gpt2, llama) convert")
     if any(folder.glob("*.index.json")):
         raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
                               f"model.safetensors (save_pretrained(max_shard_size='100GB'))")

@@ -1,4 +1,5 @@
-"""GPT blocks on megatron-core tensor-parallel layers, with layout-independent initialisation.
+"""Model blocks on megatron-core tensor-parallel layers, with layout-independent initialisation:
+GPT-2's (``blocks.py``) and any family's, found by ``model.family`` (``families.py``).
 
 Only ``hybrid.model.megatron_adapter`` imports megatron-core. Names are loaded on first use
 (PEP 562): importing the package costs nothing until a name is used. Parameter counts and
@@ -12,6 +13,7 @@ _EXPORTS = {
     "hybrid.model.gpt": ["GPT", "build_blocks", "num_blocks", "block_seed", "block_generator",
                          "lm_loss"],
     "hybrid.model.blocks": ["EmbeddingBlock", "TransformerLayer", "HeadBlock"],
+    "hybrid.model.families": ["FamilyBlocks", "register_blocks", "family_blocks"],
     "hybrid.model.cross_entropy": ["vocab_parallel_cross_entropy"],
     "hybrid.model.inputs": ["ModelInputError", "validate_batch", "validate_batch_across"],
     "hybrid.model.shards": ["gather_tp_param", "load_global_weights"],

@@ -1,4 +1,5 @@
-"""The three kinds of GPT block: embedding, transformer layer, head.
+"""The three kinds of GPT-2 block: embedding, transformer layer, head (the family ``gpt2``'s
+torch side, registered in ``hybrid.model.families``).
 
 Shapes (Megatron's, sequence first): tokens ``[b, s]`` int64; activations ``[s, b, h]``, or
 ``[s/tp, b, h]`` with sequence parallelism; logits ``[s, b, V/tp]``; under context parallelism
@@ -22,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from hybrid.comm import Group
 from hybrid.planning.config import ModelConfig
 from hybrid.model.context import context_attention, context_positions
+from hybrid.model.families import FamilyBlocks, register_blocks
+from hybrid.model.kv_cache import KVCache, LayerCache
 from hybrid.model.megatron_adapter import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -84,15 +87,16 @@ class EmbeddingBlock(nn.Module):
         self.position_embeddings = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden))
         normal_init(cfg.init_std, generator)(self.position_embeddings.data)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         seq = tokens.shape[1]
         hidden = self.word_embeddings(tokens.t())  # [s, b, h], all-reduced over TP
         if self.context.on:
             group = self.context.group
             where = context_positions(seq, group.size(), group.rank(), tokens.device)
             hidden = hidden + self.position_embeddings[where].unsqueeze(1)
-        else:
-            hidden = hidden + self.position_embeddings[:seq].unsqueeze(1)
+        else:  # generating with a cache, the tokens follow the cached ones
+            start = 0 if cache is None else cache.length
+            hidden = hidden + self.position_embeddings[start:start + seq].unsqueeze(1)
         if self.sequence_parallel:
             # After the add, so the position table's gradient is complete on every rank.
             hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
@@ -124,22 +128,30 @@ class SelfAttention(nn.Module):
                                       init_method=output_init(cfg, generator), bias=True,
                                       output_sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         seq, batch = hidden.shape[:2]
         qkv = self.qkv(hidden).view(seq, batch, self.local_heads, 3, self.head_dim)
         # [s, b, n, hd] -> [b, n, s, hd], the layout scaled_dot_product_attention expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
-        if self.context.on:
-            context = context_attention(q, k, v, self.context.group, comm=self.context.comm)
-        elif self.recompute_core and torch.is_grad_enabled():
-            # Selective recompute: the attention core keeps nothing for backward but its
-            # inputs (which the QKV projection's output already holds) and runs again there.
-            context = checkpoint(_attention_core, q, k, v, use_reentrant=False)
-        else:
-            context = _attention_core(q, k, v)
-        return self.proj(context)
+        if cache is not None:
+            return self.proj(cache.attend(q, k, v))
+        return self.proj(causal_attention(q, k, v, self.context, self.recompute_core))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: Context,
+                     recompute_core: bool) -> torch.Tensor:
+    """Causal attention of ``[b, n, s, hd]`` heads -> ``[s, b, n * hd]``: around the context
+    group's ring when it is on, else the fused kernel (recomputed in the backward under
+    selective recompute)."""
+    if context.on:
+        return context_attention(q, k, v, context.group, comm=context.comm)
+    if recompute_core and torch.is_grad_enabled():
+        # Selective recompute: the attention core keeps nothing for backward but its
+        # inputs (which the QKV projection's output already holds) and runs again there.
+        return checkpoint(_attention_core, q, k, v, use_reentrant=False)
+    return _attention_core(q, k, v)
 
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -183,15 +195,15 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = layer_norm(cfg)
         self.mlp = MLP(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             # Keep only the layer input; the backward re-runs the forward (and its TP
             # collectives, in the same order on every TP rank).
             return checkpoint(self._layer, hidden, use_reentrant=False)
-        return self._layer(hidden)
+        return self._layer(hidden, cache)
 
-    def _layer(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_norm(hidden))
+    def _layer(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_norm(hidden), cache)
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
@@ -204,6 +216,9 @@ class HeadBlock(nn.Module):
     gradient sync sums it with the embedding over ``groups.embedding``.
     """
 
+    make_norm = staticmethod(layer_norm)
+    """The final norm's constructor (a family's head may use another norm)."""
+
     def __init__(self, cfg: ModelConfig, tp_group: Group, *,
                  generator: torch.Generator, sequence_parallel: bool,
                  embedding: Optional[EmbeddingBlock] = None,
@@ -211,7 +226,7 @@ class HeadBlock(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied = cfg.tie_embeddings
-        self.final_norm = layer_norm(cfg)
+        self.final_norm = self.make_norm(cfg)
         if self.tied:
             if embedding is not None:
                 self.word_embeddings_weight = embedding.word_embeddings.weight
@@ -230,3 +245,7 @@ class HeadBlock(nn.Module):
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
         weight = self.word_embeddings_weight if self.tied else None
         return self.output_layer(hidden, weight)
+
+
+register_blocks("gpt2", FamilyBlocks(embedding=EmbeddingBlock, layer=TransformerLayer,
+                                     head=HeadBlock, cache=True))

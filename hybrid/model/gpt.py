@@ -1,4 +1,5 @@
-"""A GPT decoder as a plain list of blocks, and the 1-process / pp=1 model that holds them all.
+"""A decoder of any registered family as a plain list of blocks, and the 1-process / pp=1
+model that holds them all (its blocks from ``hybrid.model.families``, by ``model.family``).
 
 Block 0 is the embedding, blocks 1..L the transformer layers, block L+1 the head. A pipeline
 partitioner builds only the blocks of its stages (``build_blocks(..., block_ids=...)``); there
@@ -17,7 +18,9 @@ from torch import nn
 from hybrid.planning.config import ModelConfig
 from hybrid.groups import ParallelGroups
 from hybrid.planning.layout import LayoutError
-from hybrid.model.blocks import Context, EmbeddingBlock, HeadBlock, TransformerLayer
+from hybrid.model.blocks import Context
+from hybrid.model.families import family_blocks
+from hybrid.model.kv_cache import KVCache
 from hybrid.model.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.model.inputs import validate_batch_across
 from hybrid.planning.params import block_param_specs
@@ -66,18 +69,19 @@ rank's chunks of each sequence (``hybrid.model.context``). Every parameter gets 
     tp_group, last = groups.tensor, num_blocks(cfg) - 1
     sequence_parallel = sequence_parallel and groups.layout.tp > 1
     blocks: list[nn.Module] = []
-    embedding: Optional[EmbeddingBlock] = None
+    embedding: Optional[nn.Module] = None
+    family = family_blocks(cfg)
     context = Context(groups.context, cp_comm) if groups.layout.cp > 1 else Context()
     for block_id in _checked_block_ids(cfg, block_ids):
         generator = block_generator(seed, block_id)
         common = dict(generator=generator, sequence_parallel=sequence_parallel)
         if block_id == 0:
-            block = embedding = EmbeddingBlock(cfg, tp_group, **common, context=context)
+            block = embedding = family.embedding(cfg, tp_group, **common, context=context)
         elif block_id == last:
-            block = HeadBlock(cfg, tp_group, **common, embedding=embedding,
-                              embedding_generator=block_generator(seed, 0))
+            block = family.head(cfg, tp_group, **common, embedding=embedding,
+                                embedding_generator=block_generator(seed, 0))
         else:
-            block = TransformerLayer(cfg, tp_group, **common, context=context)
+            block = family.layer(cfg, tp_group, **common, context=context)
         block.block_id = block_id
         attach_specs(block, block_param_specs(cfg, block_id, sequence_parallel=sequence_parallel),
                      groups.layout.tp)
@@ -133,6 +137,19 @@ class GPT(nn.Module):
         for block in self.blocks:
             hidden = block(hidden)
         return lm_loss(hidden, labels, self.groups, self.cfg.vocab)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``[b, vocab]`` logits of the last of ``tokens`` ``[b, s]``, the tokens that follow
+        those in ``cache`` (empty: a prompt; else one token), which keeps their keys and
+        values (one process, families whose blocks take a cache: ``FamilyBlocks.cache``)."""
+        if self.groups.layout.tp != 1 or self.groups.layout.cp != 1:
+            raise LayoutError("GPT.decode runs on one process: use it at tp=1, cp=1")
+        hidden = self.blocks[0](tokens, cache=cache)
+        for block, layer_cache in zip(self.blocks[1:-1], cache.layers):
+            hidden = block(hidden, cache=layer_cache)
+        cache.length += tokens.shape[1]
+        return self.blocks[-1](hidden)[-1, :, :self.cfg.vocab]
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s, vocab]`` logits of the real vocabulary (one process: tp=1, where this

@@ -89,12 +89,21 @@ class ParallelConfig:
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for display."""
+    family: str = "gpt2"
+    """The model family (hybrid.planning.models; docs/models.md): gpt2, or one registered by
+    family_module."""
+    family_module: Optional[str] = None
+    """A module to import before the family is looked up (in the launcher and on every rank),
+    which registers model.family: for a family defined outside hybrid (on PYTHONPATH)."""
     layers: int = 4
     """Number of transformer layers."""
     hidden: int = 32
     """Hidden size h."""
     heads: int = 4
     """Attention heads; must divide hidden."""
+    kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention, family llama): must divide heads, and tp must
+    divide it; None means heads (multi-head attention)."""
     ffn_hidden: Optional[int] = None
     """MLP inner size; None means 4 * hidden."""
     vocab: int = 256
@@ -113,11 +122,18 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     norm_eps: float = 1e-5
-    """Layer-norm epsilon."""
+    """The norms' epsilon (LayerNorm for gpt2, RMSNorm for llama)."""
+    rope_base: float = 10000.0
+    """Rotary position embeddings' base (family llama; HF's rope_theta)."""
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads (``kv_heads``, or ``heads`` when unset)."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
 
     @property
     def padded_vocab(self) -> int:

@@ -16,7 +16,8 @@ from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
 from hybrid.planning.context import context_problem
 from hybrid.planning.data_sources import data_problem, eval_problem, eval_size_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
-from hybrid.planning.layout import Layout, LayoutError, valid_sizes
+from hybrid.planning.layout import Layout, LayoutError
+from hybrid.planning.models import model_spec
 from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
 from hybrid.planning.schedules.actions import LOOP
 from hybrid.planning.schedules.gathers import RESHARD_POLICIES
@@ -39,8 +40,8 @@ def _positive(field: str, value: object) -> None:
 
 
 def valid_tp_sizes(m: ModelConfig) -> list[int]:
-    """TP sizes that split the heads, the MLP and the padded vocabulary evenly."""
-    return [d for d in valid_sizes(m.heads) if m.ffn % d == 0 and m.padded_vocab % d == 0]
+    """TP sizes that split the model evenly (its family's rule: heads, MLP, vocabulary)."""
+    return model_spec(m).valid_tp_sizes(m)
 
 
 def _non_negative(field: str, value: float) -> None:
@@ -53,28 +54,10 @@ def _above_zero(field: str, value: float) -> None:
         raise LayoutError(f"{field}={value} must be a finite number > 0")
 
 
-def _tp_divides(m: ModelConfig, tp: int, field: str, value: int) -> None:
-    if value % tp:
-        fits = ", ".join(map(str, valid_tp_sizes(m)))
-        raise LayoutError(f"parallel.tp={tp} does not divide {field}={value}; "
-                          f"choose tp in {{{fits}}}")
-
-
 def check_model_shape(m: ModelConfig, tp: int = 1) -> None:
-    """The model's own shape rules, and that ``tp`` splits what tensor parallelism splits."""
-    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad_multiple"):
-        _positive(f"model.{name}", getattr(m, name))
-    if m.hidden % m.heads:
-        raise LayoutError(f"model.heads={m.heads} does not divide model.hidden={m.hidden}; "
-                          f"choose heads in {{{', '.join(map(str, valid_sizes(m.hidden)))}}}")
-    _positive("model.ffn_hidden", m.ffn)
-    _tp_divides(m, tp, "model.heads", m.heads)
-    _tp_divides(m, tp, "model.ffn_hidden", m.ffn)
-    if m.padded_vocab % tp:
-        raise LayoutError(
-            f"parallel.tp={tp} does not divide the padded vocabulary {m.padded_vocab} "
-            f"(model.vocab={m.vocab} padded to a multiple of model.vocab_pad_multiple="
-            f"{m.vocab_pad_multiple}); set model.vocab_pad_multiple to a multiple of {tp}")
+    """The model's own shape rules, and that ``tp`` splits what tensor parallelism splits:
+    its family's (``hybrid.planning.models``), after the family itself is known."""
+    model_spec(m).check_shape(m, tp)
 
 
 def validate_config(cfg: Config) -> Layout:

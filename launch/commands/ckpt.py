@@ -1,9 +1,9 @@
-"""``hybrid-ckpt``: look into a checkpoint, export its model, import an HF GPT-2.
+"""``hybrid-ckpt``: look into a checkpoint, export its model, import an HF GPT-2 or Llama.
 
     hybrid-ckpt show PATH                  # step, the layout it was saved from, model, tensors
     hybrid-ckpt export PATH OUT            # the full model, global names, one torch.save file
-    hybrid-ckpt export PATH OUT --format hf  # an HF GPT-2 directory (GPT2LMHeadModel loads it)
-    hybrid-ckpt import HF_DIR OUT          # an HF GPT-2 as OUT/step_00000000, for
+    hybrid-ckpt export PATH OUT --format hf  # an HF directory (transformers loads it)
+    hybrid-ckpt import HF_DIR OUT          # an HF GPT-2 or Llama as OUT/step_00000000, for
                                            # checkpoint.init_from=OUT (hybrid.interop)
 
 ``PATH`` is a checkpoint directory (``.../checkpoints/step_00000005``) or a run directory (its
@@ -35,13 +35,13 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     show = commands.add_parser("show", help="step, layout, model shape and tensors")
     show.add_argument("path", help="checkpoint directory (step_*) or run directory")
     export = commands.add_parser("export", help="the full model as one torch.save file, or "
-                                                 "an HF GPT-2 directory (--format hf)")
+                                                 "an HF GPT-2 or Llama directory (--format hf)")
     export.add_argument("path", help="checkpoint directory (step_*) or run directory")
     export.add_argument("output", help="file to write (model.pt), or folder for --format hf")
     export.add_argument("--format", default="torch", choices=("torch", "hf"),
                         help="torch (default): hybrid's global names in one file; hf: "
                              "model.safetensors + config.json (+ the data's tokenizer)")
-    imports = commands.add_parser("import", help="a local HF GPT-2 directory as a "
+    imports = commands.add_parser("import", help="a local HF GPT-2 or Llama directory as a "
                                                  "checkpoint, for checkpoint.init_from")
     imports.add_argument("path", help="HF model directory (config.json, model.safetensors)")
     imports.add_argument("output", help="folder to write; it gets OUT/step_00000000")
@@ -117,35 +117,39 @@ def _export(args: argparse.Namespace) -> None:
                               f"choose another output path")
     out = os.path.abspath(args.output)
     try:
-        written, tail = _write_export(path, manifest, args.output, args.format)
+        written, tail, architecture = _write_export(path, manifest, args.output, args.format)
     except OSError as err:  # a read-only file system, no permission, a full disk
         raise CheckpointError(f"cannot write {out}: {err.strerror or err}; choose an output "
                               f"path on a writable file system") from None
     print(f"wrote {written} of {path} (step {manifest['step']}) to {out}{tail}")
-    if args.format == "hf":
-        print(f"use: transformers.GPT2LMHeadModel.from_pretrained({out!r})")
+    if architecture is not None:
+        print(f"use: transformers.{architecture}.from_pretrained({out!r})")
 
 
-def _write_export(path: Path, manifest: dict, output: str, format: str) -> tuple[str, str]:
-    """Write the export; (what was written, what goes with it), in words."""
+def _write_export(path: Path, manifest: dict, output: str,
+                  format: str) -> tuple[str, str, Optional[str]]:
+    """Write the export; (what was written, what goes with it), in words, and the HF
+    architecture written (None: a torch file)."""
     if format == "torch":
-        return f"{export_model(path, output):,} parameters", ""
+        return f"{export_model(path, output):,} parameters", "", None
     from hybrid.interop.convert import export_hf
 
     done = export_hf(path, manifest, output)
     tokenizer = f", with its tokenizer ({done['tokenizer']})" if done["tokenizer"] else (
         " (the byte-level tokenizer has no HF form: decode the ids as bytes)"
         if done["bytes_tokenizer"] else " (the run recorded no tokenizer)")
-    return f"an HF GPT-2 of {done['parameters']:,} parameters", tokenizer
+    return f"an HF {done['architecture']} of {done['parameters']:,} parameters", tokenizer, \
+        done["architecture"]
 
 
 def _import(args: argparse.Namespace) -> None:
-    from hybrid.interop.convert import import_hf
+    from hybrid.checkpoint.store import read_manifest
+    from hybrid.interop.convert import import_hf, model_config_of, shape_overrides
 
     path = import_hf(args.path, args.output)
     print(f"wrote {path} from {args.path}")
-    print(f"use: hybrid-train checkpoint.init_from={os.path.abspath(args.output)} with the "
-          f"model's shape (hybrid-ckpt show {os.path.abspath(args.output)} prints it)")
+    overrides = " ".join(shape_overrides(model_config_of(read_manifest(path))))
+    print(f"use: hybrid-train {overrides} checkpoint.init_from={os.path.abspath(args.output)}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

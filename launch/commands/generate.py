@@ -1,4 +1,4 @@
-"""``hybrid-generate``: text from a hybrid checkpoint or an HF GPT-2 directory.
+"""``hybrid-generate``: text from a hybrid checkpoint or an HF GPT-2 or Llama directory.
 
 ::
 
@@ -6,7 +6,7 @@
                     [seed=1234] [stop_at_eod=true] [show_ids=false]
 
 ``SOURCE``: a checkpoint directory (``step_*``), a run directory (its newest checkpoint) or a
-local HF GPT-2 directory. Overrides are ``key=value`` as in the other commands; an unknown key,
+local HF GPT-2 or Llama directory. Overrides are ``key=value`` as in the other commands; an unknown key,
 a value of the wrong type or out of range is one line and exit status 2. ``temperature=0`` is
 greedy. The text is printed as it comes (the prompt once the model is ready, then each new
 piece, flushed); Ctrl-C stops it in one line with exit status 130, the text so far kept on
@@ -37,7 +37,7 @@ MAX_SEED = 2**64 - 1
 @dataclass
 class GenerateConfig:
     source: str = ""
-    """A checkpoint or run directory, or a local HF GPT-2 directory."""
+    """A checkpoint or run directory, or a local HF GPT-2 or Llama directory."""
     prompt: str = ""
     """The text to continue (encoded with the source's tokenizer)."""
     max_new_tokens: int = 32

@@ -1,8 +1,8 @@
 """Model FLOPs per micro-batch and per step (pure arithmetic).
 
-FLOPs per layer and micro-batch (forward, b sequences of s tokens, hidden h, MLP f):
-``8bsh² + 4bs²h + 4bshf`` (QKV and output projections, scores and their use, the MLP); the
-head ``2bshV``; backward twice the forward; full recompute one more forward of the layers,
+A layer's forward FLOPs and its attention core's are its family's (``hybrid.planning.models``;
+GPT-2: ``8bsh² + 4bs²h + 4bshf`` per micro-batch of b sequences of s tokens); the head
+``2bshV``; backward twice the forward; full recompute one more forward of the layers,
 selective recompute one more of their attention cores (``4bs²h``).
 
 Three counts per step, for three uses:
@@ -20,16 +20,17 @@ Three counts per step, for three uses:
 from __future__ import annotations
 
 from hybrid.planning.config import Config, ModelConfig
+from hybrid.planning.models import model_spec
 
 
 def layer_forward_flops(m: ModelConfig, b: int) -> float:
-    s, h = m.seq_len, m.hidden
-    return 8 * b * s * h * h + attention_core_flops(m, b) + 4 * b * s * h * m.ffn
+    """One layer's forward over ``b`` sequences, as its family counts it."""
+    return model_spec(m).layer_forward_flops(m, b)
 
 
 def attention_core_flops(m: ModelConfig, b: int) -> float:
     """Scores and their use (``QK^T`` and ``softmax·V``): what selective recompute redoes."""
-    return 4 * b * m.seq_len * m.seq_len * m.hidden
+    return model_spec(m).attention_core_flops(m, b)
 
 
 def head_forward_flops(m: ModelConfig, b: int, vocab: int | None = None) -> float:

@@ -1,7 +1,8 @@
 """Analytical parameter counts and a first memory estimate per rank (pure arithmetic).
 
-Blocks follow the model's block list: block 0 = embedding (word + learned position),
-blocks 1..L = transformer layers, block L+1 = head (final norm + output layer).
+Blocks follow the model's block list: block 0 = embedding, blocks 1..L = transformer layers,
+block L+1 = head (final norm + output layer); what each holds and keeps is its family's
+(``hybrid.planning.models``).
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hybrid.planning.config import ModelConfig
+from hybrid.planning.models import BYTES, model_spec
 from hybrid.planning.params import EMBEDDING_WEIGHT, block_param_specs
 from hybrid.planning.cost.state_bytes import StateBytes
 from hybrid.planning.strategies import SHARDINGS
-
-BYTES = {"fp32": 4, "bf16": 2}
-
 
 @dataclass(frozen=True)
 class BlockParams:
@@ -74,49 +73,16 @@ def param_count(m: ModelConfig) -> int:
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
                                precision: str, recompute: str = "none", cp: int = 1) -> int:
-    """Bytes one transformer layer keeps for backward per micro-batch, tensor by tensor as
-    hybrid's layer keeps them (``tests/test_model_tp.py`` checks this against saved-tensor
-    hooks, byte for byte). Unlike Korthikanti et al. 2022's eq. 2, no attention scores: the
-    fused attention kernel keeps only a log-sum-exp per head and token, so selective recompute
-    saves just that here (it pays off with an unfused attention).
-
-    fp32: the residual stream twice (the two norms' inputs; sharded by sequence parallelism)
-    and their statistics; the two normed inputs of the column-parallel matmuls, gathered to
-    the full sequence; the QKV output, the attention output, the MLP's two ``ffn``-wide
-    tensors (sharded by TP). bf16 autocast keeps the matmul inputs and outputs in bf16, plus a
-    bf16 copy of the layer's matmul weights per micro-batch. Full recompute keeps the input.
-    Context parallelism keeps the same per token, for this rank's ``seq_len / cp`` tokens (its
-    attention, too, keeps only the output and a log-sum-exp: ``hybrid.model.context``)."""
-    s, b, h = m.seq_len // cp, micro_batch, m.hidden
-    seq_shard = tp if sp else 1
-    stream = 4 * s * b * h // seq_shard
-    if recompute == "full":
-        return stream
-    low = BYTES[precision]
-    nbytes = 2 * stream + 2 * 2 * 4 * s * b // seq_shard  # + two norms' mean and rstd
-    nbytes += 2 * s * b * h * low  # the normed inputs of QKV and fc1
-    nbytes += (4 * h + 2 * m.ffn) * s * b // tp * low
-    if recompute == "none" or cp > 1:  # context attention is never recomputed selectively
-        nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
-    if precision == "bf16":
-        nbytes += 2 * (4 * h * h + 2 * h * m.ffn) // tp
-    return nbytes
+    """Bytes one transformer layer keeps for backward per micro-batch on one rank, as its
+    family counts them (GPT-2's: ``hybrid.planning.models.gpt2``)."""
+    return model_spec(m).layer_activation_bytes(m, micro_batch, tp, sp, precision, recompute,
+                                                cp)
 
 
 def head_activation_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
                           precision: str, cp: int = 1) -> int:
-    """What the head and loss keep per micro-batch: the final norm's input and statistics,
-    the gathered normed input of the output layer, the cross entropy's fp32 softmax over this
-    rank's vocabulary shard with its target mask and indices (and a bf16 copy of the output
-    weight under autocast), for this rank's ``seq_len / cp`` tokens."""
-    s, b, h = m.seq_len // cp, micro_batch, m.hidden
-    seq_shard = tp if sp else 1
-    low = BYTES[precision]
-    nbytes = (4 * s * b * h + 2 * 4 * s * b) // seq_shard + s * b * h * low
-    nbytes += 4 * s * b * m.padded_vocab // tp + s * b * (1 + 8)
-    if precision == "bf16":
-        nbytes += 2 * m.padded_vocab // tp * h
-    return nbytes
+    """What the head and loss keep per micro-batch on one rank, as the family counts it."""
+    return model_spec(m).head_activation_bytes(m, micro_batch, tp, sp, precision, cp)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,145 @@
+"""Llama, the second registered family: rotary positions, pre-RMSNorm, a SwiGLU MLP,
+grouped-query attention, no biases, tied or untied embeddings (pure side; the blocks are
+``hybrid.model.llama``). Llama 2/3, SmolLM, TinyLlama, Mistral without sliding window and
+Qwen2 without biases are this shape.
+
+Global parameter names (``b`` the block id 1..L; ``n`` heads, ``k`` kv_heads, ``d`` the head
+size ``h/n``, ``f`` ffn_hidden)::
+
+    embedding.word_embeddings.weight   [V, h]          split over TP on dim 0
+    blocks.{b}.input_norm.weight       [h]             replicated
+    blocks.{b}.attention.qkv.weight    [(n + 2k) d, h] dim 0: per key/value group, its
+                                                       n/k query heads, its key, its value
+    blocks.{b}.attention.proj.weight   [h, h]          dim 1
+    blocks.{b}.mlp_norm.weight         [h]             replicated
+    blocks.{b}.mlp.gate.weight         [f, h]          dim 0
+    blocks.{b}.mlp.up.weight           [f, h]          dim 0
+    blocks.{b}.mlp.down.weight         [h, f]          dim 1
+    final_norm.weight                  [h]             replicated
+    head.output_layer.weight           [V, h]          dim 0 (untied only)
+
+The fused QKV is laid out per query group as Megatron lays it out, so a contiguous TP slice
+holds whole groups: tp must divide kv_heads. The gate and up projections are two matrices,
+each split over TP, so a rank holds the gate and up rows of the same ``f/tp`` units.
+
+FLOPs per layer forward (b sequences of s tokens): ``2bsh(h + 2kd)`` (QKV) ``+ 2bsh²``
+(output) ``+ 4bs²h`` (scores and their use) ``+ 6bshf`` (gate, up, down).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hybrid.planning.layout import LayoutError, valid_sizes
+from hybrid.planning.models.checks import (check_common_shape, common_tp_sizes, positive,
+                                           tp_divides)
+from hybrid.planning.models.gpt2 import gpt2_head_activation_bytes
+from hybrid.planning.models.registry import BYTES, ModelSpec, register_model
+from hybrid.planning.param_spec import (ParamSpec, column_specs, head_specs, named, norm_specs,
+                                        row_specs, vocab_matrix)
+
+def _sizes(n: int) -> str:
+    return ", ".join(map(str, valid_sizes(n)))
+
+
+RMS = ("weight",)
+"""RMSNorm's parameters: a scale, no bias."""
+
+
+def qkv_rows(m) -> int:
+    """Rows of the fused QKV: every query head, and one key and one value per group."""
+    return (m.heads + 2 * m.kv) * (m.hidden // m.heads)
+
+
+def llama_block_params(m, block_id: int, sp: bool) -> dict[str, ParamSpec]:
+    h, last = m.hidden, m.layers + 1
+    if block_id == 0:
+        word = vocab_matrix(m.padded_vocab, m.vocab, h, m.tie_embeddings)
+        return named("embedding.", {"word_embeddings.weight": word})
+    if block_id == last:
+        return head_specs(norm_specs("final_norm", h, sp, RMS), m.padded_vocab, m.vocab, h,
+                          m.tie_embeddings)
+    if not 0 < block_id < last:
+        raise ValueError(f"block_id={block_id} is outside 0..{last}")
+    local = {**norm_specs("input_norm", h, sp, RMS),
+             **column_specs("attention.qkv", qkv_rows(m), h, bias=False),
+             **row_specs("attention.proj", h, h, sp, bias=False),
+             **norm_specs("mlp_norm", h, sp, RMS),
+             **column_specs("mlp.gate", m.ffn, h, bias=False),
+             **column_specs("mlp.up", m.ffn, h, bias=False),
+             **row_specs("mlp.down", h, m.ffn, sp, bias=False)}
+    return named(f"blocks.{block_id}.", local)
+
+
+class Llama(ModelSpec):
+    name = "llama"
+    doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
+    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama", "llama"
+
+    def block_params(self, m, block_id, sequence_parallel):
+        return llama_block_params(m, block_id, sequence_parallel)
+
+    def layer_forward_flops(self, m, b):
+        s, h = m.seq_len, m.hidden
+        return (2 * b * s * h * qkv_rows(m) + 2 * b * s * h * h
+                + self.attention_core_flops(m, b) + 6 * b * s * h * m.ffn)
+
+    def attention_core_flops(self, m, b):
+        return 4 * b * m.seq_len * m.seq_len * m.hidden
+
+    def layer_activation_bytes(self, m, micro_batch, tp, sp, precision, recompute="none",
+                               cp=1):
+        """Tensor by tensor as hybrid's Llama layer keeps them (``tests/test_llama_tp.py``
+        checks this against saved-tensor hooks, byte for byte), as GPT-2's layer with these
+        differences: each RMSNorm keeps its input, one statistic per token and its normalised
+        input (fp32, for the scale's gradient); the rotary ``cos`` and ``sin`` of the rank's
+        positions; the rotated query and key and, with ``heads / kv_heads`` > 1, the keys and
+        values repeated to every query head (with one, the QKV output holds the values);
+        SwiGLU's gate, up, SiLU and product (four ``ffn``-wide tensors)."""
+        s, b, h = m.seq_len // cp, micro_batch, m.hidden
+        seq_shard = tp if sp else 1
+        stream = 4 * s * b * h // seq_shard
+        if recompute == "full":
+            return stream
+        low = BYTES[precision]
+        nbytes = 4 * stream + 2 * 4 * s * b // seq_shard  # inputs, normalised inputs, rstd
+        # The normed inputs of QKV and of gate/up, gathered; under autocast gate and up each
+        # keep their own bf16 copy of theirs.
+        nbytes += (3 if precision == "bf16" else 2) * s * b * h * low
+        nbytes += 2 * s * (h // m.heads) * low  # the rotary table's cos and sin
+        values = 2 * h if m.heads != m.kv else h + qkv_rows(m)  # keys, values
+        nbytes += (h + values + h + 4 * m.ffn) * s * b // tp * low  # q, k, v, output, MLP
+        if recompute == "none" or cp > 1:
+            nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
+        if precision == "bf16":
+            nbytes += 2 * (qkv_rows(m) * h + h * h + 3 * h * m.ffn) // tp
+        return nbytes
+
+    def head_activation_bytes(self, m, micro_batch, tp, sp, precision, cp=1):
+        """GPT-2's head's, with an RMSNorm: its normalised input instead of a second
+        statistic per token."""
+        s, b, h = m.seq_len // cp, micro_batch, m.hidden
+        rms = (4 * s * b * h - 4 * s * b) // (tp if sp else 1)
+        return gpt2_head_activation_bytes(m, micro_batch, tp, sp, precision, cp) + rms
+
+    def check_shape(self, m, tp):
+        if m.kv_heads is not None:
+            positive("model.kv_heads", m.kv_heads)
+        check_common_shape(m, tp, lambda: self.valid_tp_sizes(m))
+        if m.heads % m.kv:
+            raise LayoutError(f"model.kv_heads={m.kv} does not divide model.heads={m.heads}; "
+                              f"choose kv_heads in {{{_sizes(m.heads)}}}")
+        tp_divides(tp, "model.kv_heads", m.kv, lambda: self.valid_tp_sizes(m))
+        if not math.isfinite(m.rope_base) or m.rope_base <= 1:
+            raise LayoutError(f"model.rope_base={m.rope_base} must be a finite number > 1 (the "
+                              f"rotary angles' base, HF's rope_theta: 10000 or 500000)")
+        if (m.hidden // m.heads) % 2:
+            raise LayoutError(f"model.hidden={m.hidden} / model.heads={m.heads} = "
+                              f"{m.hidden // m.heads} is odd; rotary positions rotate pairs "
+                              f"of a head's dimensions: choose an even head size")
+
+    def valid_tp_sizes(self, m):
+        return [d for d in common_tp_sizes(m) if m.kv % d == 0]
+
+
+LLAMA = register_model(Llama())

@@ -1,0 +1,116 @@
+"""``ParamSpec``, one parameter's identity whatever the layout, and the pieces a model family
+builds its parameter table from (pure).
+
+A family's spec (``hybrid.planning.models``) lists each block's parameters with these helpers:
+a norm, a column- or row-parallel linear, a vocabulary matrix. ``hybrid.planning.params``
+asks the family for the table; nothing here knows a family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+TIED_HEAD_ALIAS = "word_embeddings_weight"
+"""The head block's local name for the tied embedding matrix (its own copy on a last stage)."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What a parameter is, whatever the layout."""
+
+    name: str
+    """Global name (see ``hybrid.planning.params``)."""
+    shape: tuple[int, ...]
+    """Global shape: the 1-process model's (vocabulary padded)."""
+    tp_dim: Optional[int] = None
+    """The dimension split evenly over the TP group; None: every TP rank holds all of it."""
+    weight_decay: bool = False
+    """In AdamW's decayed group: matrices only (not norms, biases or the position table)."""
+    real_rows: Optional[int] = None
+    """For the vocabulary matrices: rows before padding (the rest are padding rows)."""
+    sequence_partial: bool = False
+    """TP-replicated, but under sequence parallelism each TP rank sees only its tokens, so its
+    gradient is a partial sum over TP (norms and row-parallel biases)."""
+    tied: bool = False
+    """The embedding matrix shared with the head: a last pipeline stage holds a copy whose
+    gradient is summed with the first stage's over the embedding group."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape one TP rank holds."""
+        if self.tp_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        assert shape[self.tp_dim] % tp == 0, f"{self.name}: tp={tp} does not split {shape}"
+        shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+    def local_offset(self, tp_rank: int, tp: int) -> tuple[int, ...]:
+        """Where TP rank ``tp_rank``'s shard starts in the global tensor."""
+        offset = [0] * len(self.shape)
+        if self.tp_dim is not None:
+            offset[self.tp_dim] = tp_rank * self.local_shape(tp)[self.tp_dim]
+        return tuple(offset)
+
+
+def replicated_spec(name: str, shape: tuple[int, ...]) -> ParamSpec:
+    """The spec of a parameter of a plain module (not built by hybrid): replicated everywhere,
+    decayed when it is a matrix."""
+    return ParamSpec(name=name, shape=tuple(shape), weight_decay=len(shape) >= 2)
+
+
+def norm_specs(prefix: str, h: int, sp: bool, parts=("weight", "bias")) -> dict[str, ParamSpec]:
+    """A norm's ``parts`` (LayerNorm: weight and bias; RMSNorm: weight), TP-replicated."""
+    return {f"{prefix}.{part}": ParamSpec(name="", shape=(h,), sequence_partial=sp)
+            for part in parts}
+
+
+def column_specs(prefix: str, out: int, inp: int, bias: bool = True) -> dict[str, ParamSpec]:
+    """A column-parallel linear ``[out, inp]`` (and bias ``[out]``), split over TP on dim 0."""
+    specs = {f"{prefix}.weight": ParamSpec(name="", shape=(out, inp), tp_dim=0,
+                                           weight_decay=True)}
+    if bias:
+        specs[f"{prefix}.bias"] = ParamSpec(name="", shape=(out,), tp_dim=0)
+    return specs
+
+
+def row_specs(prefix: str, out: int, inp: int, sp: bool, bias: bool = True
+              ) -> dict[str, ParamSpec]:
+    """A row-parallel linear ``[out, inp]`` split over TP on dim 1; its bias replicated."""
+    specs = {f"{prefix}.weight": ParamSpec(name="", shape=(out, inp), tp_dim=1,
+                                           weight_decay=True)}
+    if bias:
+        specs[f"{prefix}.bias"] = ParamSpec(name="", shape=(out,), sequence_partial=sp)
+    return specs
+
+
+def vocab_matrix(padded_vocab: int, vocab: int, h: int, tied: bool) -> ParamSpec:
+    """The embedding or output matrix ``[V, h]`` (V padded), split over TP by rows."""
+    return ParamSpec(name="", shape=(padded_vocab, h), tp_dim=0, weight_decay=True,
+                     real_rows=vocab, tied=tied)
+
+
+def named(prefix: str, local: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
+    """``local`` with each spec's global name: ``prefix`` + its local name."""
+    return {key: replace(spec, name=f"{prefix}{key}") for key, spec in local.items()}
+
+
+def head_specs(norm: dict[str, ParamSpec], padded_vocab: int, vocab: int, h: int,
+               tied: bool) -> dict[str, ParamSpec]:
+    """The head block's table: the tied embedding's alias first (a module's own parameters
+    come before its submodules'), the final norm, the untied output matrix last."""
+    specs = {}
+    if tied:
+        specs[TIED_HEAD_ALIAS] = replace(vocab_matrix(padded_vocab, vocab, h, True),
+                                         name=EMBEDDING_WEIGHT)
+    specs.update(named("", norm))
+    if not tied:
+        specs["output_layer.weight"] = replace(vocab_matrix(padded_vocab, vocab, h, False),
+                                               name="head.output_layer.weight")
+    return specs
