@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from cost_vs_measured import train  # bench/ is on the path when a bench runs as a script
+from cost_vs_measured import read_run, train  # bench/ is on the path when a bench runs as a script
 from hybrid.planning.cost.devices import load_device
 from hybrid.planning.job import plan_job
 from hybrid.planning.cost.steptime import predict_step
@@ -29,8 +29,8 @@ MODES = ("none", "selective", "full")
 
 
 def run_mode(mode: str, layout: list[str], steps: int, out: Path) -> dict:
-    records, ranks, cfg = train(out / mode, [*MODEL, *layout, f"model.recompute={mode}",
-                                             f"train.steps={steps}"])
+    train(out / mode, [*MODEL, *layout, f"model.recompute={mode}", f"train.steps={steps}"])
+    records, ranks, cfg = read_run(out / mode)
     return {"mode": mode, "step_s": statistics.median(r["step_time_s"] for r in records[1:]),
             "loss": records[-1]["loss"],
             "act_bytes": max(r["activation_peak_bytes"] for r in ranks),
