@@ -22,25 +22,25 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 TIMEOUT_S = 240  # each run; on an idle machine the slowest takes about a tenth of it
 
-SMOKE: dict[str, list[str]] = {
+SMOKE: dict[str, list[str]] = {  # {tmp}: the test's scratch directory (where runs are kept)
     "checkpoint_vs_dcp.py": ["--smoke"],
-    "cost_vs_measured.py": ["--smoke"],
+    "cost_vs_measured.py": ["--smoke", "--out", "{tmp}"],
     "cp_attention.py": ["--seq", "64", "--layers", "1", "--hidden", "32", "--heads", "2",
                         "--steps", "1"],
     "dp_compress_vs_torch.py": ["--warmup", "2", "--steps", "9", "--global-batch", "4",
                                 "--micro-batch", "2", "--layers", "1", "--hidden", "32",
                                 "--heads", "2", "--seq-len", "16"],
-    "dp_options_loss.py": ["--smoke"],
+    "dp_options_loss.py": ["--smoke", "--out", "{tmp}"],
     "dp_vs_ddp.py": ["--steps", "2", "--microbatches", "1", "--layers", "1", "--hidden", "32",
                      "--heads", "2", "--seq-len", "16"],
     "gpu_check.py": [],  # without CUDA: one line saying so (below)
-    "partition_balance.py": ["--smoke"],
+    "partition_balance.py": ["--smoke", "--out", "{tmp}"],
     "pipeline_floor.py": ["--smoke"],
     "pipeline_vs_torch.py": ["--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "2",
                              "--seq", "16", "--micro-batch", "1", "--microbatches", "2",
                              "--steps", "1", "--schedules", "1f1b"],
     "published_runs.py": [],
-    "recompute_modes.py": ["--smoke"],
+    "recompute_modes.py": ["--smoke", "--out", "{tmp}"],
     "schedule_ab.py": ["--smoke"],
     "search_speed.py": ["--model", "gpt3-125m", "--world", "8"],
     "tokenize_throughput.py": ["--smoke"],
@@ -59,7 +59,7 @@ def run_bench(script: str, args: list[str], cwd: Path) -> subprocess.CompletedPr
     In a session of its own: past the timeout its whole group goes, ranks and
     ``hybrid-train`` runs included, so no process outlives a failed test."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(BENCH / script), *args]
+    cmd = [sys.executable, str(BENCH / script), *(a.format(tmp=cwd) for a in args)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
