@@ -3,6 +3,7 @@ tensors, and the training stall of a synchronous vs an asynchronous save, in one
 
     .venv/bin/python bench/checkpoint_vs_dcp.py               # small model, 2x2x2, 8 ranks
     .venv/bin/python bench/checkpoint_vs_dcp.py --repeats 5
+    .venv/bin/python bench/checkpoint_vs_dcp.py --smoke   # the smallest run: 2 ranks, tiny
 
 Part 1, per repeat, alternating the two sides on the same 8 gloo processes:
 - hybrid: ``Checkpointer.save`` (the state by global name: DTensors over TP, ZeRO moments
@@ -37,10 +38,16 @@ from hybrid.planning.config import (  # noqa: E402
 from hybrid.testing import spawn  # noqa: E402
 
 SMALL = ModelConfig(name="small", layers=4, hidden=128, heads=4, seq_len=64)
+TINY = ModelConfig(name="tiny", layers=2, hidden=32, heads=4, seq_len=32)
+MAIN_LAYOUT = {"dp": 2, "tp": 2, "pp": 2}
+SMOKE_LAYOUT = {"dp": 1, "tp": 1, "pp": 2}  # --smoke: still a pipeline's two stages
 
 
-def job_config(steps: int, every: int, async_save: bool, zero: int) -> Config:
-    return Config(model=SMALL, parallel=ParallelConfig(dp=2, tp=2, pp=2, zero=zero),
+def job_config(steps: int, every: int, async_save: bool, zero: int, smoke: bool = False
+               ) -> Config:
+    layout = SMOKE_LAYOUT if smoke else MAIN_LAYOUT
+    return Config(model=TINY if smoke else SMALL,
+                  parallel=ParallelConfig(**layout, zero=zero if layout["dp"] > 1 else 0),
                   train=TrainConfig(steps=steps, global_batch=16, micro_batch=2,
                                     timeline_step=0, log_every=10_000),
                   checkpoint=CheckpointConfig(every=every, keep=1, async_save=async_save))
@@ -147,18 +154,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="steps of the stall runs")
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage of the job")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): tiny GPT, pp 2 on 2 ranks, 1 repeat, 2 steps")
     args = parser.parse_args()
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(repeats=1, steps=2))
     # read by the fork server before it imports megatron-core, which warns on CPU machines
     os.environ.setdefault("PYTHONWARNINGS", "ignore:Transformer Engine and Apex are not installed")
-    print(f"small GPT (layers 4, hidden 128), dp 2 x tp 2 x pp 2, zero {args.zero}, 8 ranks")
+    job = job_config(args.steps, 0, False, args.zero, args.smoke)
+    ranks = job.parallel.dp * job.parallel.tp * job.parallel.pp
+    print(f"{job.model.name} GPT (layers {job.model.layers}, hidden {job.model.hidden}), "
+          f"dp {job.parallel.dp} x tp {job.parallel.tp} x pp {job.parallel.pp}, zero "
+          f"{job.parallel.zero}, {ranks} ranks")
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
-        cfg = to_dict(job_config(args.steps, 0, False, args.zero))
-        results = spawn(_save_load, 8, cfg, tmp, args.repeats, timeout=3600)
+        results = spawn(_save_load, ranks, to_dict(job), tmp, args.repeats, timeout=3600)
         ratio = report_save_load(results)
-        runs = {"none": job_config(args.steps, 0, False, args.zero),
-                "sync": job_config(args.steps, 1, False, args.zero),
-                "async": job_config(args.steps, 1, True, args.zero)}
-        stall = spawn(_stall, 8, {k: to_dict(v) for k, v in runs.items()}, tmp, timeout=3600)
+        runs = {"none": job, "sync": job_config(args.steps, 1, False, args.zero, args.smoke),
+                "async": job_config(args.steps, 1, True, args.zero, args.smoke)}
+        stall = spawn(_stall, ranks, {k: to_dict(v) for k, v in runs.items()}, tmp,
+                      timeout=3600)
         report_stall(stall, args.steps)
     print(f"ratio={ratio:.3f} (hybrid / plain DCP, save + load seconds)")
 

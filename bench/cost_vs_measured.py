@@ -22,6 +22,7 @@ mean, and carries half of either).
 
     .venv/bin/python bench/cost_vs_measured.py [--device FILE] [--steps 10] [--rounds 3] [--out DIR]
     .venv/bin/python bench/cost_vs_measured.py --out DIR --predict-again   # after a model change
+    .venv/bin/python bench/cost_vs_measured.py --smoke   # the smallest run (the test suite's)
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ BIN = Path(sys.executable).parent
 MODEL = ["parallel=single", "model=small", "model.layers=8", "model.hidden=256", "model.heads=8",
          "model.seq_len=128", "train.global_batch=16", "train.log_every=100",
          "train.timeline_step=0", "optim.warmup_steps=0"]
+SMOKE_JOB = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32",
+             "train.global_batch=8", "data=synthetic"]  # --smoke: after MODEL, so these win
 LAYOUTS = {
     "1 mb2": ["train.micro_batch=2"],
     "1 mb8": ["train.micro_batch=8"],
@@ -110,6 +113,11 @@ def summary(rows: list[dict], predicted: str, measured: str) -> tuple[float, flo
     return spearman(xs, ys), mape
 
 
+def rho_text(rho) -> str:
+    """Spearman's rho, or n/a where it has none (under 3 layouts, or all figures equal)."""
+    return "n/a" if rho is None else f"{rho:.3f}"
+
+
 def one_round(index: int, args, out: Path) -> dict[str, dict]:
     """Calibrate (unless ``--device``), then run and predict every layout (with
     ``--predict-again``: predict the runs and calibrations kept in ``out``)."""
@@ -117,15 +125,16 @@ def one_round(index: int, args, out: Path) -> dict[str, dict]:
     if device is None:
         device = str(out / f"device-{index}.json")
     if args.predict_again:
-        return {name: run_layout(name, LAYOUTS[name], device, args.steps, out / f"round-{index}",
-                                 rerun=False) for name in LAYOUTS}
+        return {name: run_layout(name, [*LAYOUTS[name], *args.job], device, args.steps,
+                                 out / f"round-{index}", rerun=False) for name in args.layouts}
     if args.device is None:
         subprocess.run([str(BIN / "hybrid-plan"), "calibrate", "--out", device, "--seconds", "1"],
                        check=True)
-    names = list(LAYOUTS) if index % 2 == 0 else list(reversed(LAYOUTS))
+    names = args.layouts if index % 2 == 0 else args.layouts[::-1]
     rows = {}
     for name in names:
-        rows[name] = run_layout(name, LAYOUTS[name], device, args.steps, out / f"round-{index}")
+        rows[name] = run_layout(name, [*LAYOUTS[name], *args.job], device, args.steps,
+                                out / f"round-{index}")
         r = rows[name]
         print(f"round {index + 1} {name:<17} {r['measured_s']:>7.3f} {r['predicted_s']:>7.3f} "
               f"{r['predicted_s'] / r['measured_s'] - 1:>+6.0%}", flush=True)
@@ -136,7 +145,7 @@ def combined(rounds: list[dict[str, dict]]) -> list[dict]:
     """Per layout, the median over the rounds of each figure."""
     return [{"name": name, **{key: statistics.median(r[name][key] for r in rounds)
                               for key in rounds[0][name] if key != "name"}}
-            for name in LAYOUTS]
+            for name in rounds[0]]
 
 
 def main() -> None:
@@ -148,7 +157,16 @@ def main() -> None:
     parser.add_argument("--predict-again", action="store_true",
                         help="train nothing: predict the runs --out kept, on their rounds' "
                              "calibrations, with the cost model as it is now")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run (the test suite's): one round of 2 steps of "
+                             "two 1-process layouts of a 2-layer GPT on generated data, "
+                             "predicted on the cpu preset (unless --device); its figures mean "
+                             "nothing")
     args = parser.parse_args()
+    args.layouts, args.job = list(LAYOUTS), []
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(
+            rounds=1, steps=2, device="cpu", layouts=["1 mb2", "1 mb8"], job=SMOKE_JOB))
     if args.predict_again and not args.out:
         parser.error("--predict-again needs --out DIR, a directory an earlier run filled")
     out = Path(args.out or tempfile.mkdtemp(prefix="cost-vs-measured-"))
@@ -167,13 +185,13 @@ def main() -> None:
     print(f"layouts={len(rows)} rounds={len(rounds)} "
           f"device={args.device or 'calibrated before each round'}")
     if len(rounds) > 1:
-        noise = [spearman([a[n]["measured_s"] for n in LAYOUTS],
-                          [b[n]["measured_s"] for n in LAYOUTS])
+        noise = [spearman([a[n]["measured_s"] for n in args.layouts],
+                          [b[n]["measured_s"] for n in args.layouts])
                  for a, b in zip(rounds, rounds[1:])]
-        print("measured round against round: spearman=" + ", ".join(f"{x:.3f}" for x in noise))
-    print(f"weights+grads+optimizer: spearman={state_rho:.3f} mape={state_err:.2%}")
-    print(f"activations: spearman={act_rho:.3f} mape={act_err:.1%}")
-    print(f"step time: spearman={step_rho:.3f} mape={step_err:.1%} target_rho=0.9 "
+        print("measured round against round: spearman=" + ", ".join(map(rho_text, noise)))
+    print(f"weights+grads+optimizer: spearman={rho_text(state_rho)} mape={state_err:.2%}")
+    print(f"activations: spearman={rho_text(act_rho)} mape={act_err:.1%}")
+    print(f"step time: spearman={rho_text(step_rho)} mape={step_err:.1%} target_rho=0.9 "
           f"target_mape=15% ratio={step_err / 0.15:.3f}")
 
 

@@ -1,6 +1,7 @@
 """What each lossy data-parallel option costs in loss, and what it saves in DP bytes.
 
     .venv/bin/python bench/dp_options_loss.py [--steps 120] [--out DIR]
+    .venv/bin/python bench/dp_options_loss.py --smoke   # the smallest run (the test suite's)
 
 The main job's model and training (``conf/base.yaml``: model ``small``, 120 steps, global
 batch 16 in micro-batches of 2, AdamW with 10 warm-up steps, seed 1234) on ``parallel=single
@@ -109,14 +110,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=120, help="the main job's 120 by default")
     parser.add_argument("--out", help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): exact and bf16 only, 2 steps of the tiny model on "
+                        "generated data; its figures mean nothing")
     args = parser.parse_args()
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(steps=2))
+    options = ["exact", "bf16"] if args.smoke else list(OPTIONS)
+    job = ["model=tiny", "data=synthetic"] if args.smoke else []
     out = Path(args.out or tempfile.mkdtemp(prefix="dp-options-loss-"))
     rows = []
-    for name, overrides in OPTIONS.items():
-        rows.append(train(name, overrides, args.steps, out))
+    for name in options:
+        rows.append(train(name, [*OPTIONS[name], *job], args.steps, out))
         print(f"{name}: loss {rows[-1]['loss']:.4f}, {rows[-1]['counted'] / 2**20:.3f} MiB "
               f"DP/step, {rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
-    print(f"model=small dp=2 steps={args.steps}: final loss = mean of the last {LAST} steps; "
+    print(f"{' '.join(job) or 'model=small'} dp=2 steps={args.steps}: final loss = mean of "
+          f"the last {LAST} steps; "
           f"bytes = mean per step that rank 0 sent over DP (counted = predicted, asserted); "
           f"runs in {out}")
     mark_gaps(rows)

@@ -8,6 +8,7 @@ the steps after the first two), the bubble of the one step the timeline records
 ``ratio=<measured bubble / uniform bubble>`` last (below 1: the measured split idles less).
 
     .venv/bin/python bench/partition_balance.py [--pp 2] [--steps 8] [--out DIR]
+    .venv/bin/python bench/partition_balance.py --smoke   # the smallest run (the test suite's)
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from cost_vs_measured import train  # bench/ is on the path when a bench runs as a script
+from cost_vs_measured import read_run, train  # bench/ is on the path when a bench runs as a script
 
 TIMELINE_STEP = 4
 MODEL = ["parallel=single", "model=small", "model.layers=12", "model.vocab=16384",
          "train.global_batch=16", "train.micro_batch=2", "train.log_every=100",
          f"train.timeline_step={TIMELINE_STEP}", "optim.warmup_steps=0"]
+SMOKE_JOB = ["model.layers=4", "data=synthetic"]  # --smoke: after MODEL, so these win
 
 
-def run_partition(mode: str, pp: int, steps: int, out: Path) -> dict:
+def run_partition(mode: str, pp: int, steps: int, out: Path, job: list[str]) -> dict:
     run_dir = out / mode
-    records, _, cfg = train(run_dir, [*MODEL, f"parallel.pp={pp}",
-                                      f"parallel.partition={mode}", f"train.steps={steps}"])
+    train(run_dir, [*MODEL, *job, f"parallel.pp={pp}", f"parallel.partition={mode}",
+                    f"train.steps={steps}"])
+    records, _, cfg = read_run(run_dir)
     bubble = json.loads((run_dir / "timeline_bubble.json").read_text())
     if mode == "measured":  # the ranks measured these; config.json was written before
         cfg.parallel.block_costs = json.loads((run_dir / "block_costs.json").read_text())[
@@ -65,13 +68,19 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): 4 layers on generated data, 4 steps; its figures mean nothing")
     args = parser.parse_args()
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(steps=TIMELINE_STEP))
+    job = SMOKE_JOB if args.smoke else []
     if args.steps < TIMELINE_STEP:
         parser.error(f"--steps must reach the timeline step {TIMELINE_STEP}")
     out = Path(args.out or tempfile.mkdtemp(prefix="partition-balance-"))
-    rows = [run_partition(mode, args.pp, args.steps, out) for mode in ("uniform", "measured")]
+    rows = [run_partition(mode, args.pp, args.steps, out, job)
+            for mode in ("uniform", "measured")]
     costs = json.loads((out / "measured" / "block_costs.json").read_text())["cost_s"]
-    print(f"pp={args.pp}; {' '.join(MODEL)}")
+    print(f"pp={args.pp}; {' '.join([*MODEL, *job])}")
     print(f"measured F+B ms: embedding {costs[0] * 1e3:.2f}, layer {costs[1] * 1e3:.2f}, "
           f"head {costs[-1] * 1e3:.2f}")
     print(f"{'partition':>9} {'layers per stage':>16} {'bubble':>7} {'timeline':>8} "

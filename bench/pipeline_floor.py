@@ -3,6 +3,7 @@
     .venv/bin/python bench/pipeline_floor.py                                  # pp2 1f1b
     .venv/bin/python bench/pipeline_floor.py --schedule zb-h1
     .venv/bin/python bench/pipeline_floor.py --pp 4 --vpp 2 --schedule interleaved-1f1b
+    .venv/bin/python bench/pipeline_floor.py --smoke   # the smallest run (the test suite's)
 
 ``train_overhead.py`` compares separate runs, and on a shared machine two runs of one layout
 differ by 10-20% in CPU per step: as much as the pipelines cost. Here one job of its model
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tp_floor import composed, cpu_trainer, train_overrides  # noqa: E402
+from tp_floor import composed, cpu_trainer, job_words, train_overrides  # noqa: E402
 
 MODES = ("single", "real", "local", "crowd")
 
@@ -174,11 +175,16 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): one block of one step of a 2-layer tiny model, global batch "
+                        "4; its figures mean nothing")
     args = parser.parse_args()
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(blocks=1, steps=1))
     from launch.launchers.local import run_local
 
     total = (args.blocks + 1) * args.steps * len(MODES) + 2
-    single = [*train_overrides("small", total), "parallel=single"]
+    single = [*train_overrides("small", total, args.smoke), "parallel=single"]
     cfgs = {"pipeline": composed([*single, f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp}",
                                   f"parallel.schedule={args.schedule}"]),
             "single": composed(single)}
@@ -192,9 +198,9 @@ def main() -> None:
     tax = med["crowd"] / med["single"]
     replay = sum(r["replay"] for r in results)
     floor = med["local"] + replay
-    print(f"pp={args.pp} vpp={args.vpp} {args.schedule}; model small (8 layers), global batch "
-          f"16, micro-batch 2; CPU s/step summed over ranks, median of "
-          f"{args.blocks * args.steps} steps per mode, modes alternating in one job")
+    print(f"pp={args.pp} vpp={args.vpp} {args.schedule}; {job_words(smoke=args.smoke)}; CPU s/step "
+          f"summed over ranks, median of {args.blocks * args.steps} steps per mode, modes "
+          f"alternating in one job")
     print(f"single {med['single']:.3f}  (the 1-process run, rank 0 alone)")
     print(f"crowd  {med['crowd']:.3f}  (per rank, all {args.pp} ranks training it at once: "
           f"tax {tax:.2f}x on {os.cpu_count()} cores)")

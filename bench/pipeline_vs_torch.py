@@ -62,7 +62,7 @@ def _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch, recorder=None):
     lists = add_communication(build_schedule(name, pp, m, vpp=vpp), pp, vpp, placement)
     tokens, labels = batch
     micro = list(zip(tokens.split(args.micro_batch), labels.split(args.micro_batch)))
-    loss_fn = functools.partial(lm_loss, groups=groups)
+    loss_fn = functools.partial(lm_loss, groups=groups, vocab=cfg.vocab)
 
     def step():
         return run_pipeline_step(
@@ -72,14 +72,15 @@ def _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch, recorder=None):
     return step, lists
 
 
-def _torch_runner(args, groups, chunks, torch_name, batch):
+def _torch_runner(args, cfg, groups, chunks, torch_name, batch):
     from torch.distributed.pipelining import PipelineStage
 
     pp, m = args.pp, args.microbatches
     n_stages = pp * len(chunks)
     stages = [PipelineStage(chunks[s], s, n_stages, groups.device, group=groups.pipeline.pg)
               for s in sorted(chunks)]
-    schedule = _torch_schedule(torch_name, stages, m, functools.partial(lm_loss, groups=groups))
+    schedule = _torch_schedule(torch_name, stages, m, functools.partial(lm_loss, groups=groups,
+                                                                         vocab=cfg.vocab))
     tokens, labels = batch
 
     def step():
@@ -122,7 +123,7 @@ def _bench_rank(rank, world, args):
         chunks = {s: nn.Sequential(*build_blocks(cfg, groups, seed=1, block_ids=list(stages[s])))
                   for s in held}
         hybrid_step, lists = _hybrid_runner(args, cfg, groups, chunks, name, vpp, batch)
-        torch_step = _torch_runner(args, groups, chunks, torch_name, batch)
+        torch_step = _torch_runner(args, cfg, groups, chunks, torch_name, batch)
         times = {"hybrid": [], "torch": []}
         for step in range(args.steps + 1):  # step 0 warms up (torch infers shapes)
             for side, run in (("hybrid", hybrid_step), ("torch", torch_step)):

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/schedule_ab.py                      # pp2: 1f1b against zb-h1
     .venv/bin/python bench/schedule_ab.py --pp 4 --schedules gpipe 1f1b zb-h1
+    .venv/bin/python bench/schedule_ab.py --smoke   # the smallest run (the test suite's)
 
 Separate runs of one layout differ by 10-20% in CPU per step on a shared machine, more than
 one schedule differs from another. Here one job (``train_overhead.py``'s model, the real
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tp_floor import composed, cpu_trainer, train_overrides  # noqa: E402
+from tp_floor import composed, cpu_trainer, job_words, train_overrides  # noqa: E402
 
 
 def measure(cfg_dict: dict, run_dir: str, schedules: list[str], blocks: int,
@@ -64,7 +65,12 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1"])
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): one block of one step of a 2-layer tiny model, global batch "
+                        "4; its figures mean nothing")
     args = parser.parse_args()
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(blocks=1, steps=1))
     from launch.launchers.local import run_local
 
     if "zb-v" in args.schedules or (args.vpp > 1) != ("interleaved-1f1b" in args.schedules):
@@ -72,14 +78,15 @@ def main() -> None:
                      "interleaved-1f1b with --vpp 2 (zb-v places stages otherwise)")
     total = (args.blocks + 1) * len(args.schedules) * args.steps + 1
     schedule = args.schedules[0]  # what the layout is checked with; the blocks swap it
-    cfg = composed([*train_overrides("small", total), "parallel=single", f"parallel.pp={args.pp}",
-                    f"parallel.vpp={args.vpp}", f"parallel.schedule={schedule}"])
+    cfg = composed([*train_overrides("small", total, args.smoke), "parallel=single",
+                    f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp}",
+                    f"parallel.schedule={schedule}"])
     with tempfile.TemporaryDirectory() as run_dir:
         results = run_local(measure, (cfg, run_dir, args.schedules, args.blocks,
                                       args.steps),
                             nproc=args.pp, omp_threads=1, run_dir=run_dir)
-    print(f"pp={args.pp} vpp={args.vpp}, model small (8 layers), global batch 16, micro-batch "
-          f"2; {args.blocks} blocks of {args.steps} steps per schedule, alternating")
+    print(f"pp={args.pp} vpp={args.vpp}, {job_words(smoke=args.smoke)}; {args.blocks} blocks of "
+          f"{args.steps} steps per schedule, alternating")
     sums = {}
     for name in args.schedules:
         per_rank = [statistics.median(r[name]) for r in results]

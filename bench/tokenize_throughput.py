@@ -2,6 +2,7 @@
 share of a training step on indexed data.
 
     .venv/bin/python bench/tokenize_throughput.py [--mb 8] [--workers 2] [--rounds 3]
+    .venv/bin/python bench/tokenize_throughput.py --smoke   # the smallest run (the test suite's)
 
 The corpus is real text every Python carries: CPython's documentation topics and its library
 sources, as JSON Lines (one document per topic or file) up to ``--mb`` MB. Both sides use
@@ -90,10 +91,11 @@ def hybrid_data_seconds(source: Path, folder: Path, workers: int,
     return best[0], best[1], tokens
 
 
-def loader_share(prefix: Path, folder: Path, steps: int) -> tuple[float, float]:
-    """(median data_s, median step_time_s) of the main job trained on ``prefix``."""
+def loader_share(prefix: Path, folder: Path, steps: int, job: list[str]) -> tuple[float, float]:
+    """(median data_s, median step_time_s) of the job (``job``: overrides of the main job)
+    trained on ``prefix``."""
     run_dir = folder / "run"
-    done = subprocess.run([str(BIN / "hybrid-train"), "data=indexed", f"data.path={prefix}",
+    done = subprocess.run([str(BIN / "hybrid-train"), *job, "data=indexed", f"data.path={prefix}",
                            "data.split=[99,1,0]", "model.vocab=50257", f"train.steps={steps}",
                            "train.timeline_step=0", f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True)
@@ -109,7 +111,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): 0.05 MB, 1 worker, 1 round, the loader on 1 process of a "
+                        "tiny model for 3 steps; its figures mean nothing")
     args = parser.parse_args()
+    job, job_name = [], "main job, 2x2x2"
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(mb=0.05, workers=1, rounds=1,
+                                                              steps=3))
+        job, job_name = ["parallel=single", "model=tiny"], "1 process, model tiny"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         source, texts = corpus(folder, args.mb)
@@ -126,8 +136,8 @@ def main() -> None:
             rows[workers] = cpu / tokens * 1e6
             name = f"hybrid-data, {workers} worker{'s' * (workers > 1)} (whole command)"
             print(f"{name:<34} {tokens:>10} {wall:>8.2f} {cpu:>8.2f} {rows[workers]:>12.3f}")
-        data_s, step_s = loader_share(folder / "out-1-0", folder, args.steps)
-        print(f"\ndata loader on indexed data (main job, 2x2x2, GPT-2 vocabulary): "
+        data_s, step_s = loader_share(folder / "out-1-0", folder, args.steps, job)
+        print(f"\ndata loader on indexed data ({job_name}, GPT-2 vocabulary): "
               f"{data_s * 1e3:.2f} ms of a {step_s * 1e3:.0f} ms step = "
               f"{data_s / (data_s + step_s):.2%} (target <= 2%)")
         print(f"hybrid-data / encode_batch_fast: {rows[1] / rows['encode_batch_fast']:.3f}")

@@ -1,6 +1,7 @@
 """The floor of tensor parallelism's CPU cost, and where a TP rank's CPU time goes.
 
     .venv/bin/python bench/tp_floor.py [--layout tp2] [--blocks 3] [--steps 3] [--profile]
+    .venv/bin/python bench/tp_floor.py --smoke   # the smallest run (the test suite's)
 
 One job of ``train_overhead.py``'s model (``small``, 8 layers, global batch 16, micro-batch 2)
 on a TP layout builds one ``Trainer`` per rank and alternates blocks of ``--steps`` steps in
@@ -195,11 +196,21 @@ def op_kind(name: str) -> str:
     return "other ops (norms, GELU, adds, loss math)"
 
 
-def train_overrides(model: str = "small", steps: int = 8) -> list[str]:
-    """``train_overhead.py``'s model and batch (its own ``hybrid-train`` overrides)."""
-    return [f"model={model}", "model.layers=8", f"train.steps={steps}", "train.global_batch=16",
-            "train.micro_batch=2", "train.timeline_step=0", "train.log_every=1000",
-            "launcher.omp_threads=1"]
+def train_overrides(model: str = "small", steps: int = 8, smoke: bool = False) -> list[str]:
+    """``train_overhead.py``'s model, batch and data (its own ``hybrid-train`` overrides);
+    ``smoke``: a 2-layer tiny model and a global batch of 4, the smallest run. Generated data:
+    the benches that build ``Trainer`` in their own workers cannot open the main job's indexed
+    data, which ``hybrid-train`` builds before its workers start."""
+    model, layers, batch = ("tiny", 2, 4) if smoke else (model, 8, 16)
+    return [f"model={model}", f"model.layers={layers}", "data=synthetic", f"train.steps={steps}",
+            f"train.global_batch={batch}", "train.micro_batch=2", "train.timeline_step=0",
+            "train.log_every=1000", "launcher.omp_threads=1"]
+
+
+def job_words(model: str = "small", smoke: bool = False) -> str:
+    """``train_overrides``' model and batch, in words."""
+    return ("model tiny (2 layers), global batch 4" if smoke else
+            f"model {model} (8 layers), global batch 16") + ", micro-batch 2"
 
 
 def composed(overrides: list[str]) -> dict:
@@ -271,11 +282,16 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): one block of one step of a 2-layer tiny model, global batch "
+                        "4; its figures mean nothing")
     args = parser.parse_args()
-    out = run_floor(train_overrides() + LAYOUTS[args.layout], args.blocks, args.steps,
-                    args.profile)
-    print(f"{args.layout}: model=small (8 layers), global batch 16, micro-batch 2; CPU s/step "
-          f"summed over ranks, median of {args.blocks * args.steps} steps per mode")
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(blocks=1, steps=1))
+    out = run_floor(train_overrides(smoke=args.smoke) + LAYOUTS[args.layout], args.blocks,
+                    args.steps, args.profile)
+    print(f"{args.layout}: {job_words(smoke=args.smoke)}; CPU s/step summed over ranks, median of "
+          f"{args.blocks * args.steps} steps per mode")
     print(f"real  {out['real']:.3f}")
     print(f"local {out['local']:.3f}  (TP collectives answered without communicating)")
     print(f"replay {out['replay']:.3f}  ({out['calls']} TP collectives per step on rank 0, "

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/train_overhead.py [--model small] [--steps 8] [--skip 3]
     .venv/bin/python bench/train_overhead.py --layouts "1 process" "pp2 zb-h1" --rounds 3
+    .venv/bin/python bench/train_overhead.py --smoke   # the smallest run (the test suite's)
 
 Every layout trains the same model on the same global batch through the real ``hybrid-train``
 (so workers, groups, schedule, gradient sync and metrics are all included). ``cpu_s`` in
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hybrid.metrics import read_metrics  # noqa: E402
-from tp_floor import run_floor, train_overrides  # noqa: E402
+from tp_floor import job_words, run_floor, train_overrides  # noqa: E402
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 LAYOUTS = {
@@ -50,7 +51,7 @@ LAYOUTS = {
 
 def run(name: str, overrides: list[str], args: argparse.Namespace) -> tuple[int, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [TRAIN, *train_overrides(args.model, args.steps), f"hydra.run.dir={tmp}",
+        cmd = [TRAIN, *train_overrides(args.model, args.steps, args.smoke), f"hydra.run.dir={tmp}",
                *overrides]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -73,10 +74,15 @@ def main() -> None:
     parser.add_argument("--no-floor", action="store_true", help="skip the TP layouts' floors")
     parser.add_argument("--rounds", type=int, default=1, help="run every layout this many "
                         "times, round-robin, and show the medians")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): tp2 alone, 2 steps of a 2-layer tiny model, global batch 4, "
+                        "and a floor of one step per mode; its figures mean nothing")
     args = parser.parse_args()
-    print(f"model={args.model} (8 layers), global batch 16, micro-batch 2, "
-          f"median over steps {args.skip + 1}..{args.steps} (and over {args.rounds} "
-          f"round-robin runs of each layout)")
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(steps=2, skip=1, layouts=["tp2"]))
+    floor_size = {"blocks": 1, "steps": 1} if args.smoke else {"blocks": 2, "steps": 3}
+    print(f"{job_words(args.model, args.smoke)}, median over steps {args.skip + 1}.."
+          f"{args.steps} (and over {args.rounds} round-robin runs of each layout)")
     print(f"{'layout':<22} {'ranks':>5} {'CPU s/step':>11} {'wall s/step':>12} "
           f"{'CPU ratio':>10} {'floor':>7} {'/floor':>7}")
     base, ratio = None, None
@@ -92,8 +98,8 @@ def main() -> None:
         base = base or cpu
         floor = None
         if not args.no_floor and has_tp(LAYOUTS[name]):
-            floor = run_floor(train_overrides(args.model, args.steps) + LAYOUTS[name],
-                              blocks=2, steps=3)["floor"]
+            floor = run_floor(train_overrides(args.model, args.steps, args.smoke)
+                              + LAYOUTS[name], **floor_size)["floor"]
         extra = f" {floor:>7.3f} {cpu / floor:>7.2f}" if floor else ""
         print(f"{name:<22} {ranks:>5} {cpu:>11.3f} {wall:>12.3f} {cpu / base:>10.2f}{extra}",
               flush=True)

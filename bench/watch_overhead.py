@@ -1,6 +1,7 @@
 """What hang and straggler diagnosis costs: the main job's step time with and without it.
 
     .venv/bin/python bench/watch_overhead.py [--blocks 10] [--steps 4]
+    .venv/bin/python bench/watch_overhead.py --smoke   # the smallest run: 2 ranks, tiny model
 
 One 8-rank job (the main job: small GPT, DP 2 x TP 2 x PP 2, 1F1B) builds one ``Trainer`` and
 alternates blocks of ``--steps`` steps with diagnosis on and off (``Trainer.set_watching``):
@@ -55,24 +56,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=10)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
+                        "suite's): one block of one step, tiny model, DP 2 on 2 ranks")
     args = parser.parse_args()
+    job, nproc, name = [], 8, "main job (model=small, 2x2x2 1f1b)"
+    if args.smoke:  # what the command line gave explicitly stays
+        args = parser.parse_args(namespace=argparse.Namespace(blocks=1, steps=1))
+        job, nproc = ["model=tiny", "parallel=single", "parallel.dp=2"], 2
+        name = "model=tiny, dp2"
 
     from launch.launchers.local import run_local
 
     total = 2 * (args.blocks + 1) * args.steps
-    cfg = composed([f"train.steps={total}", "train.timeline_step=0"])
+    # Generated data: these workers build their Trainer without the indexed data that
+    # hybrid-train builds before its workers start (the main job's default).
+    cfg = composed([*job, f"train.steps={total}", "train.timeline_step=0", "data=synthetic"])
     with tempfile.TemporaryDirectory() as run_dir:
         results = run_local(measure, (cfg, run_dir, args.blocks, args.steps),
-                            nproc=8, omp_threads=1, run_dir=run_dir)
+                            nproc=nproc, omp_threads=1, run_dir=run_dir)
     pairs, calls = results[0]["pairs"], results[0]["calls"]
-    print(f"main job (model=small, 2x2x2 1f1b), {args.blocks} pairs of blocks of {args.steps} "
+    print(f"{name}, {args.blocks} pairs of blocks of {args.steps} "
           f"steps, alternating; {calls:.0f} operations hooked per step on rank 0")
     wall = {}
     for mode in ("off", "on"):
         wall[mode] = statistics.median(t for pair in pairs for t, _ in pair[mode])
         cpu = statistics.median(c for pair in pairs for _, c in pair[mode])
         print(f"diagnosis {mode:<3}  median step {wall[mode] * 1000:8.1f} ms   "
-              f"CPU {cpu:7.3f} s/step (8 ranks)")
+              f"CPU {cpu:7.3f} s/step ({nproc} ranks)")
     # Adjacent blocks share the machine's state: their ratio is the paired comparison.
     ratios = sorted(statistics.median(t for t, _ in pair["on"])
                     / statistics.median(t for t, _ in pair["off"]) for pair in pairs)
