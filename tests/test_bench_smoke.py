@@ -33,7 +33,10 @@ SMOKE: dict[str, list[str]] = {  # {tmp}: the test's scratch directory (where ru
     "dp_options_loss.py": ["--smoke", "--out", "{tmp}"],
     "dp_vs_ddp.py": ["--steps", "2", "--microbatches", "1", "--layers", "1", "--hidden", "32",
                      "--heads", "2", "--seq-len", "16"],
+    "generate_cache.py": ["--new", "8", "--repeats", "1"],
     "gpu_check.py": [],  # without CUDA: one line saying so (below)
+    "llama_vs_hf.py": ["--layers", "1", "--seq", "32", "--batch", "1", "--steps", "2",
+                       "--threads", "1"],
     "partition_balance.py": ["--smoke", "--out", "{tmp}"],
     "pipeline_floor.py": ["--smoke"],
     "pipeline_vs_torch.py": ["--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "2",

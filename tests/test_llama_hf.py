@@ -6,6 +6,7 @@ import then export with every tensor equal, and the imported model gives HF's lo
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,21 @@ def test_a_llama_hybrid_cannot_represent_is_one_line(changes, needle, tmp_path):
     done = run(CKPT, "import", folder, tmp_path / "out")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert needle in done.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key, value, tensor", [
+    ("intermediate_size", 48, "model.layers.0.mlp.gate_proj.weight"),
+    ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight")])
+def test_a_config_that_disagrees_with_its_weights_is_one_line_at_import(key, value, tensor,
+                                                                      hf_dirs, tmp_path):
+    folder = tmp_path / "src"
+    shutil.copytree(hf_dirs["untied"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    done = run(CKPT, "import", folder, tmp_path / "out")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"{tensor} has shape" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_llama_checkpoint_given_to_a_gpt2_config_is_one_line(hf_dirs, tmp_path):

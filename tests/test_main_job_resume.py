@@ -128,3 +128,14 @@ def _loss_of_exported(rank, world, path, run_dir, batch):
     load_global_weights(model.parameters(), torch.load(path, weights_only=True), model.groups)
     with torch.no_grad():
         return float(model(*batch))
+
+
+def test_generation_from_its_checkpoint_streams_text(main_job):
+    """``hybrid-generate`` on the main job's run directory (its newest checkpoint, with the
+    corpus's byte-level tokenizer): greedy text after the prompt."""
+    done = subprocess.run([str(Path(sys.executable).parent / "hybrid-generate"),
+                           str(main_job[0]), "prompt=The ", "max_new_tokens=24",
+                           "temperature=0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("The ") and len(done.stdout.strip()) > len("The ") + 4
+    assert "Traceback" not in done.stderr

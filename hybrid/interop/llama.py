@@ -83,12 +83,33 @@ def from_hf(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Ten
         if not torch.equal(tensors.pop("lm_head.weight"), tensors[OUTSIDE[0][1]]):
             raise ConversionError("tie_word_embeddings is true but lm_head.weight differs from "
                                   "model.embed_tokens.weight; set tie_word_embeddings=false")
+    _check_shapes(tensors, model)
     out = {ours: _take(tensors, theirs, model) for ours, theirs in _pairs(model)}
     for b in range(1, model.layers + 1):
         parts = [_take(tensors, f"model.layers.{b - 1}.self_attn.{p}.weight", model) for p in QKV]
         out[f"blocks.{b}.attention.qkv.weight"] = _fuse_qkv(*parts, model)
     _all_used(tensors, len(out) + 2 * model.layers)
     return {name: t.detach().contiguous().clone() for name, t in out.items()}
+
+
+def _check_shapes(tensors: dict, model: Any) -> None:
+    """Every HF tensor has the shape config.json implies (the parameter spec's; q, k and v
+    the fused matrix's parts), so a disagreeing config is named at import, not after launch."""
+    from hybrid.planning.params import model_param_specs
+
+    specs, d = model_param_specs(model), model.hidden // model.heads
+    expected = {theirs: (model.vocab, *specs[ours].shape[1:]) if ours in (EMBEDDING, HEAD)
+                else tuple(specs[ours].shape) for ours, theirs in _pairs(model)}
+    for b in range(model.layers):
+        for part, rows in zip(QKV, (model.heads * d, model.kv * d, model.kv * d)):
+            expected[f"model.layers.{b}.self_attn.{part}.weight"] = (rows, model.hidden)
+    for name, shape in expected.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise ConversionError(
+                f"{name} has shape {list(tensors[name].shape)}, config.json implies "
+                f"{list(shape)} (hidden_size={model.hidden}, intermediate_size="
+                f"{model.ffn}, num_key_value_heads={model.kv}, vocab_size={model.vocab}); the "
+                f"config and the weights disagree: use the config.json saved with these weights")
 
 
 def _take(source: dict, name: str, model: Any):

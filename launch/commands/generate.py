@@ -28,8 +28,9 @@ from launch.commands.console import INTERRUPTED_EXIT
 USAGE = ('usage: hybrid-generate SOURCE prompt="..." [max_new_tokens=N] [temperature=T] '
          '[top_k=K] [seed=S] [stop_at_eod=true|false] [show_ids=true|false]')
 MAX_NEW_TOKENS = 10_000
-"""Every new token recomputes the whole context (no cache): a typo such as
-``max_new_tokens=1000000000`` would run for days, so it is refused before the model loads."""
+"""Past ``model.seq_len`` every new token recomputes the window (the key/value cache holds
+only what fits): a typo such as ``max_new_tokens=1000000000`` would run for days, so it is
+refused before the model loads."""
 MAX_SEED = 2**64 - 1
 """torch's generator seed is 64-bit unsigned (it remaps a negative one, refuses a larger)."""
 
