@@ -105,7 +105,7 @@ def test_megatron_builds_only_the_parts_the_run_reads(sets, tmp_path):
 def test_hybrid_train_launches_on_200_documents_with_the_default_split(sets, tmp_path):
     done = subprocess.run([TRAIN, "model=tiny", "parallel=single", "train.steps=2",
                            "train.global_batch=8", "train.timeline_step=0", "data=indexed",
-                           f"data.path={sets[200]}", "eval.at_end=true",
+                           f"data.path={sets[200]}", "eval.at_end=true", "eval.batches=2",
                            f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -100,6 +100,7 @@ def test_a_blend_keeps_its_weights_within_1_percent_over_10000_samples(tmp_path)
     plan_cli = str(Path(sys.executable).parent / "hybrid-plan")
     done = subprocess.run([plan_cli, "model=tiny", "parallel=single", "train.global_batch=8",
                            "train.steps=1250", "data=indexed", "data.split=[98,2,0]",
+                           "eval.batches=2",  # the validation splits hold 2 batches of 8
                            f"data.blend=[0.7,{prefixes[0]},0.3,{prefixes[1]}]",
                            f"out={tmp_path / 'run'}"], capture_output=True, text=True,
                           timeout=100)
