@@ -145,6 +145,7 @@ def test_a_checkpoint_saved_on_2x2x2_resumes_on_tp2_with_sequence_parallelism(re
     assert list(resumed.values()) == pytest.approx(reference(False)[3:], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_hybrid_plan_searches_llama3_70b_on_64_h100s():
     import json
 

@@ -25,7 +25,7 @@ SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_atte
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=32,
              rms_norm_eps=1e-5)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real commands, HF models
 
 
 def run(*args) -> subprocess.CompletedProcess:
