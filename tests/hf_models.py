@@ -29,14 +29,20 @@ def make_hf_dir(path: Path, *, tied: bool = True, seed: int = 0, tokenizer: bool
             param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     if tokenizer:
-        import pydoc_data.topics
-
-        from hybrid.data.tokenizer import train_byte_level_bpe
-
-        bpe = train_byte_level_bpe(list(pydoc_data.topics.topics.values()), SHAPE["vocab_size"])
-        bpe.save(str(path / "tokenizer.json"))
-        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+        save_byte_level_bpe(path, SHAPE["vocab_size"])
     return path
+
+
+def save_byte_level_bpe(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE of ``vocab_size`` ids trained on CPython's documentation, saved as an
+    HF directory's tokenizer (end of document: ``<|endoftext|>``, id 0)."""
+    import pydoc_data.topics
+
+    from hybrid.data.tokenizer import train_byte_level_bpe
+
+    bpe = train_byte_level_bpe(list(pydoc_data.topics.topics.values()), vocab_size)
+    bpe.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def load_hf(path: Path):

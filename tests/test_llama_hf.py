@@ -46,13 +46,9 @@ def make_llama_dir(path: Path, *, tied: bool, seed: int, tokenizer: bool = False
             param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     if tokenizer:
-        import pydoc_data.topics
+        from hf_models import save_byte_level_bpe
 
-        from hybrid.data.tokenizer import train_byte_level_bpe
-
-        bpe = train_byte_level_bpe(list(pydoc_data.topics.topics.values()), SHAPE["vocab_size"])
-        bpe.save(str(path / "tokenizer.json"))
-        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+        save_byte_level_bpe(path, SHAPE["vocab_size"])
     return path
 
 
