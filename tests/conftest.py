@@ -4,6 +4,19 @@ from pathlib import Path
 
 import pytest
 
+# Test files that share an expensive session fixture run on one xdist worker, so it is built
+# once: the README's main job (about a minute of both cores).
+SHARED_GROUPS = {"test_main_job_resume.py": "main_job", "test_readme.py": "main_job"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per test file (``--dist loadgroup`` then sends each file to one worker,
+    as ``loadfile`` would, so module fixtures are built once), files in ``SHARED_GROUPS``
+    together. Runs before xdist reads the marks (its hook is ``trylast``)."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def user_cache(tmp_path_factory) -> Path:

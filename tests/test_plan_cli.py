@@ -99,7 +99,9 @@ def test_the_fix_a_refused_model_is_told_makes_the_memory_check_pass():
     assert "memory check: the job needs about" in refused.stdout
     line = next(line for line in refused.stdout.splitlines() if line.startswith("memory check"))
     fix = line.split("; ")[-1].split(" would need")[0].split()
-    assert fix == ["parallel.zero=3", "train.precision=bf16"]  # ZeRO-3 shards the weights too
+    # Which fix is cheapest depends on this host's free memory (ZeRO-3 with bf16 on a busy
+    # machine, ZeRO-1 with recompute on an idle one): what is told must be overrides that work.
+    assert fix and all("=" in override for override in fix), line
     assert "memory check: fits: needs about" in plan(*big, *fix).stdout
 
 
