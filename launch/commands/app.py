@@ -49,6 +49,17 @@ def compose_plan_config(overrides: list[str]) -> PlanConfig:
         return to_dataclass(compose(config_name="plan", overrides=overrides), PlanConfig)
 
 
+def compose_train_config(overrides: list[str]) -> Config:
+    """``conf/config.yaml`` with ``overrides``, as ``hybrid-train`` composes it, in-process (for
+    tests that check many configs without a process each). Composition errors propagate:
+    ``composition_error`` words them as the command does."""
+    from hydra import compose, initialize_config_dir
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_dataclass(compose(config_name="config", overrides=overrides), Config)
+
+
 def run_hydra_app(app: Callable[[], None]) -> None:
     """Run a ``@hydra.main`` app so that composition errors (a misspelt key, a wrong type, an
     unknown preset) follow the user-error contract too: one line, exit status 2. Errors raised
@@ -61,14 +72,14 @@ def run_hydra_app(app: Callable[[], None]) -> None:
         interrupt = interrupted_by(err)
         if interrupt is not None:  # Ctrl-C while Hydra composed: not a config error
             raise interrupt from None
-        exit_user_error(_first_lines(err))
+        exit_user_error(composition_error(err))
     except OSError as err:  # Hydra making the run directory, or a file of the run
         exit_user_error(err if isinstance(err, RunDirError)
                         else f"cannot write the run directory: {err}; choose another with "
                              f"hydra.run.dir=...")
 
 
-def _first_lines(err: BaseException) -> str:
+def composition_error(err: BaseException) -> str:
     """``Could not override 'parallel.tpp'. Key 'tpp' not in 'ParallelConfig'``; for an
     unknown preset (``model=tinyy``) the presets there are."""
     parts, options = [], None
