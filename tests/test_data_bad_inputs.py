@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pydoc_data.topics
 import pytest
+from refusals import refusal_in_process
 
 BIN = Path(sys.executable).parent
 TRAIN, DATA = str(BIN / "hybrid-train"), str(BIN / "hybrid-data")
@@ -110,12 +111,23 @@ TRAIN_CASES = [
 
 @pytest.mark.parametrize("name, overrides, needle", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
 def test_bad_indexed_data_is_one_line_before_any_worker(name, overrides, needle, data, tmp_path):
+    """Decided in-process by hybrid-train's own checks (``refusals``); the command itself
+    says the same for two of them (below)."""
+    line = refusal_in_process([*SMALL, *(o.format(**data) for o in overrides)], tmp_path)
+    assert needle.format(**data) in line, line
+    assert not any(tmp_path.iterdir())  # no config.json, no data cache, no worker directory
+
+
+@pytest.mark.parametrize("name", ["pointer past the end", "empty split"])
+def test_the_command_refuses_bad_data_with_the_same_line(name, data, tmp_path):
+    overrides = next([o.format(**data) for o in case[1]] for case in TRAIN_CASES
+                     if case[0] == name)
+    expected = refusal_in_process([*SMALL, *overrides], tmp_path / "in-process")
     run_dir = tmp_path / "run"
-    done = run([TRAIN, *SMALL, *(o.format(**data) for o in overrides),
-                f"hydra.run.dir={run_dir}"])
-    one_line(done, needle.format(**data))
-    assert not (run_dir / "workers").exists() and not (run_dir / "config.json").exists()
-    assert not (run_dir / "data_cache").exists()
+    done = run([TRAIN, *SMALL, *overrides, f"hydra.run.dir={run_dir}"])
+    one_line(done, expected.removeprefix("error: "))
+    assert done.stderr.strip() == expected
+    assert not run_dir.exists()  # nothing kept: no config.json, no data cache, no workers
 
 
 def test_nan_and_inf_weights_are_refused_by_the_check_itself():

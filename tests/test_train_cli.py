@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from refusals import refusal_in_process
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 
@@ -79,30 +80,10 @@ THROUGH_THE_COMMAND = ["parallel.tp=3", "parallel.tpp=2", "model=tinyy", "launch
 pytestmark = pytest.mark.timeout(120)
 
 
-def refusal_in_process(overrides: list[str], run_dir: Path) -> str:
-    """The line hybrid-train refuses ``overrides`` with, decided in this process: the command's
-    composition (``conf/config.yaml``), its wording of composition errors and its checks
-    before launch (``prepare``), without a process per case."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from hybrid.errors import UserError
-    from launch.commands.app import composition_error, compose_train_config
-    from launch.commands.train import prepare
-
-    try:
-        cfg = compose_train_config(["model=tiny", *overrides])
-    except (HydraException, OmegaConfBaseException) as err:
-        return "error: " + " ".join(composition_error(err).split("\n"))
-    with pytest.raises(UserError) as refused:
-        prepare(cfg, run_dir)
-    return "error: " + " ".join(str(refused.value).split("\n"))
-
-
 @pytest.mark.parametrize("overrides, needle", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_config_is_refused_in_one_line_before_anything_is_written(overrides, needle,
                                                                        tmp_path):
-    line = refusal_in_process(overrides, tmp_path)
+    line = refusal_in_process(["model=tiny", *overrides], tmp_path)
     assert needle in line and "\n" not in line, line
     assert not any(tmp_path.iterdir())  # no config.json, no plan.json, no worker directory
 
@@ -111,7 +92,7 @@ def test_bad_config_is_refused_in_one_line_before_anything_is_written(overrides,
 def test_bad_config_exits_2_with_the_same_line_and_starts_no_worker(case, tmp_path):
     overrides = case.split()
     assert any(o == overrides for o, _ in BAD), case  # a case of BAD, checked in-process too
-    expected = refusal_in_process(overrides, tmp_path / "in-process")
+    expected = refusal_in_process(["model=tiny", *overrides], tmp_path / "in-process")
     done = subprocess.run([TRAIN, "model=tiny", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, (done.stdout, done.stderr)
