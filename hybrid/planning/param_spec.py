@@ -55,8 +55,9 @@ class ParamSpec:
     real_rows: Optional[int] = None
     """For the vocabulary matrices: rows before padding (the rest are padding rows)."""
     sequence_partial: bool = False
-    """TP-replicated, but under sequence parallelism each TP rank sees only its tokens, so its
-    gradient is a partial sum over TP (norms and row-parallel biases)."""
+    """TP-replicated, but its gradient is a partial sum over TP, summed there before the DP
+    mean: under sequence parallelism each TP rank sees only its tokens (norms and row-parallel
+    biases); an MoE router's gradient comes from each TP rank's partial expert outputs."""
     tied: bool = False
     """The embedding matrix shared with the head: a last pipeline stage holds a copy whose
     gradient is summed with the first stage's over the embedding group."""
