@@ -170,3 +170,18 @@ def test_the_aux_loss_changes_the_training(moe_reference, tmp_path):
     losses = [r["loss"] for r in checked_records(tmp_path)]
     assert losses[0] == moe_reference[0] and losses[-1] != moe_reference[-1]
     assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_checkpoint_saved_on_tp2_resumes_on_dp2_with_the_same_losses(moe_reference,
+                                                                       tmp_path):
+    source, target = tmp_path / "source", tmp_path / "target"
+    done = run_train(source, *MOE, *LAYOUTS["tp2-sp"], "checkpoint.every=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = source / "checkpoints" / "step_00000003"
+    done = run_train(target, *MOE, *LAYOUTS["dp2"], f"checkpoint.resume_from={step}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = {r["step"]: r["loss"] for r in checked_records(target)}
+    assert sorted(resumed) == [4, 5, 6]
+    assert list(resumed.values()) == pytest.approx(moe_reference[3:], rel=1e-4)

@@ -86,6 +86,7 @@ class Llama(ModelSpec):
     name = "llama"
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
     blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama", "llama"
+    hf_model_types_also = ("mixtral",)
 
     def block_params(self, m, block_id, sequence_parallel):
         return llama_block_params(m, block_id, sequence_parallel)
