@@ -60,25 +60,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: Any) -> 
                       v.reshape(kv, 1, d, h)], dim=1).reshape(-1, h)
 
 
-def _mixtral(model_or_config: Any):
-    """``hybrid.interop.mixtral`` when ``model_or_config`` (a ``ModelConfig`` or an HF
-    config.json) has experts, else None."""
-    if isinstance(model_or_config, dict):
-        sparse = model_or_config.get("model_type") == "mixtral"
-    else:
-        sparse = getattr(model_or_config, "experts", 0) > 0
-    if not sparse:
-        return None
-    from hybrid.interop import mixtral
-
-    return mixtral
-
-
 def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    """hybrid global weights (``model``: a ``ModelConfig``) -> HF LlamaForCausalLM tensors
-    (MixtralForCausalLM's with experts)."""
-    if _mixtral(model):
-        return _mixtral(model).to_hf(weights, model)
+    """hybrid global weights (``model``: a ``ModelConfig``) -> HF LlamaForCausalLM tensors."""
     out = {}
     for ours, theirs in _pairs(model):
         tensor = _take(weights, ours, model)
@@ -92,12 +75,8 @@ def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tenso
 
 
 def from_hf(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM tensors -> hybrid global weights with ``model.vocab`` rows
-    (MixtralForCausalLM's when ``model`` has experts)."""
+    """HF LlamaForCausalLM tensors -> hybrid global weights with ``model.vocab`` rows."""
     import torch
-
-    if _mixtral(model):
-        return _mixtral(model).from_hf(tensors, model)
 
     tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED)}
     if model.tie_embeddings and "lm_head.weight" in tensors:
@@ -147,10 +126,7 @@ def _all_used(source: dict, used: int) -> None:
 
 
 def hf_config(model: Any, eod: int | None = None) -> dict:
-    """``config.json`` of the HF Llama equal to ``model`` (a ``ModelConfig``; with experts,
-    the HF Mixtral)."""
-    if _mixtral(model):
-        return _mixtral(model).hf_config(model, eod)
+    """``config.json`` of the HF Llama equal to ``model`` (a ``ModelConfig``)."""
     return dense_hf_config(model, eod)
 
 
@@ -183,10 +159,8 @@ def _rope(config: dict, source: str) -> float:
 
 
 def model_fields(config: dict, source: str) -> dict:
-    """``ModelConfig`` fields of an HF Llama ``config.json`` (or a Mixtral's);
-    ``ConversionError`` naming the first setting hybrid cannot represent."""
-    if _mixtral(config):
-        return _mixtral(config).model_fields(config, source)
+    """``ModelConfig`` fields of an HF Llama ``config.json``; ``ConversionError`` naming the
+    first setting hybrid cannot represent."""
     refused = {"hidden_act": ("silu", "hybrid's SwiGLU uses SiLU"),
                "attention_bias": (False, "hybrid's llama has no biases"),
                "mlp_bias": (False, "hybrid's llama has no biases"),

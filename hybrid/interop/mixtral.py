@@ -1,5 +1,5 @@
 """hybrid's llama with experts <-> HF ``MixtralForCausalLM``: the names, the layouts, the
-config. ``hybrid.interop.llama`` hands a model with ``experts > 0`` (or a ``mixtral``
+config. ``hybrid.interop.llama_family`` hands a model with ``experts > 0`` (or a ``mixtral``
 config.json) to this module.
 
 Mixtral is Llama with a sparse MLP in every layer (``moe_every=1``): a router ``gate`` and
@@ -157,7 +157,7 @@ def model_fields(config: dict, source: str) -> dict:
                               f"hybrid's router adds no noise")
     if config.get("head_dim") is None:
         config = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}
-    fields = llama.model_fields({**config, "model_type": "llama"}, source)  # the dense part
+    fields = llama.model_fields(config, source)  # the dense part
     return {**fields, "name": "hf-mixtral", "experts": config["num_local_experts"],
             "experts_topk": config["num_experts_per_tok"],
             "moe_ffn_hidden": config["intermediate_size"], "moe_every": 1,

@@ -85,7 +85,8 @@ def dense_mlp_flops(m, b: int) -> float:
 class Llama(ModelSpec):
     name = "llama"
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
-    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama", "llama"
+    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama_family", \
+        "llama"
     hf_model_types_also = ("mixtral",)
 
     def block_params(self, m, block_id, sequence_parallel):
