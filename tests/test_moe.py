@@ -185,3 +185,26 @@ def test_a_checkpoint_saved_on_tp2_resumes_on_dp2_with_the_same_losses(moe_refer
     resumed = {r["step"]: r["loss"] for r in checked_records(target)}
     assert sorted(resumed) == [4, 5, 6]
     assert list(resumed.values()) == pytest.approx(moe_reference[3:], rel=1e-4)
+
+
+def test_the_layer_runs_under_bf16_autocast_close_to_fp32():
+    from hybrid.testing import spawn
+
+    fp32, bf16 = spawn(_mlp_outputs, 1)[0]
+    assert bf16.dtype == torch.float32  # the residual stream stays fp32
+    torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.02)
+
+
+def _mlp_outputs(rank, world):
+    from hybrid.groups import ParallelGroups
+    from hybrid.model.moe import MoeMLP
+    from hybrid.planning.layout import Layout
+
+    groups = ParallelGroups.create(Layout())
+    mlp = MoeMLP(replace(preset("moe-tiny"), init_std=0.2), groups.tensor,
+                 generator=torch.Generator().manual_seed(0), sequence_parallel=False)
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = mlp(x)
+    low.sum().backward()
+    return mlp(x).detach(), low.detach()

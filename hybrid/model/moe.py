@@ -129,8 +129,6 @@ class MoeMLP(nn.Module):
         self.aux_scale = 1.0
         """What the load-balancing loss's gradient is multiplied by besides its coefficient:
         the trainer sets ``1 / micro-batches`` (``set_aux_loss_scale``)."""
-        self.last_load: Optional[torch.Tensor] = None
-        """Token slots per expert in the last forward (``[E]``, before dropping)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -146,9 +144,8 @@ class MoeMLP(nn.Module):
         for expert in range(self.num_experts):
             token, slot = torch.nonzero((ids == expert) & keep, as_tuple=True)
             if token.numel():
-                y = self.experts(expert, x[token]) * weights[token, slot, None].to(x.dtype)
-                out = out.index_add(0, token, y)
-        self.last_load = torch.bincount(ids.reshape(-1), minlength=self.num_experts).detach()
+                y = self.experts(expert, x[token]) * weights[token, slot, None]
+                out = out.index_add(0, token, y.to(out.dtype))  # bf16 under autocast
         out = out.view(shape)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
             aux = load_balancing_loss(logits.softmax(dim=-1), ids, self.num_experts)
