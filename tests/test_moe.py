@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP (docs/moe.md): its parameter table and placements, FLOPs and
 parameter count, the router and the load-balancing loss, one-line errors before launch, and,
 through ``hybrid-train``, a tiny MoE model's losses with the aux loss on equal to the 1-process
-run's on dp2, tp2 (with and without sequence parallelism) and pp2 1F1B (rtol 1e-4)."""
+run's on dp2, dp2 with ZeRO-1, tp2 (with and without sequence parallelism) and pp2 1F1B
+(rtol 1e-4), and a checkpoint resumed on another layout."""
 
 import math
 from dataclasses import replace
@@ -141,6 +142,9 @@ LAYOUTS = {
     "tp2": ["parallel=single", "parallel.tp=2"],
     "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.schedule=1f1b"],
+    # small buckets: dense and expert buckets apart, each padded for its ZeRO shards
+    "dp2-zero1": ["parallel=single", "parallel.dp=2", "parallel.zero=1",
+                  "parallel.bucket_mb=0.02"],
 }
 
 
