@@ -33,6 +33,7 @@ from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model import lm_loss
 from hybrid.model.activations import SavedTensors
+from hybrid.model.moe import set_aux_loss_scale
 from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
@@ -74,6 +75,7 @@ class Trainer:
         self.actions = self.schedule[groups.pp_rank]
         self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
         self.m = plan.schedule.microbatches
+        set_aux_loss_scale(self.chunks.values(), 1.0 / self.m)  # as the loss's 1/m
         # an indexed source is opened by the worker before torch.distributed starts
         self.dataset = dataset if dataset is not None else open_dataset(plan)
         self.watch = RankWatch(dist.get_rank())

@@ -78,6 +78,9 @@ class Bucket:
     numel: int
     grad: torch.Tensor
     reduce_first: Optional[Group] = None
+    group: Optional[Group] = None
+    """The ranks that average this bucket's gradients: its parameters' ``placement.reduce_role``
+    (one placement per bucket); None: the strategy's own gradient group."""
     data: Optional[torch.Tensor] = None
     # per-step state, reset by start_step
     accumulations: list[int] = field(default_factory=list)
@@ -88,7 +91,7 @@ class Bucket:
 
     @classmethod
     def allocate(cls, index: int, params: list[torch.nn.Parameter], *, pad_to: int,
-                 reduce_first: Optional[Group] = None,
+                 reduce_first: Optional[Group] = None, group: Optional[Group] = None,
                  grad_buffer: bool = True) -> "Bucket":
         """``grad_buffer=False`` (ZeRO-2): no persistent buffer, ``.grad`` stays autograd's
         and ``hybrid.dp.zero2`` stages it per micro-batch."""
@@ -100,7 +103,7 @@ class Bucket:
         device = params[0].device
         grad = torch.zeros(numel if grad_buffer else 0, dtype=GRAD_DTYPE, device=device)
         bucket = cls(index=index, params=params, offsets=offsets, numel=numel, grad=grad,
-                     reduce_first=reduce_first)
+                     reduce_first=reduce_first, group=group)
         if grad_buffer:
             for slot, param in enumerate(params):
                 param.grad = bucket.grad_view(slot)
@@ -162,28 +165,45 @@ def reduce_first_axis(param: torch.Tensor, groups) -> Union[str, None]:
     return None
 
 
+def by_placement(params: Sequence[torch.Tensor]) -> dict:
+    """``params`` grouped by their spec's ``Placement``, in first-seen order (each group keeps
+    the order of ``params``): a bucket holds one placement, so one group reduces it."""
+    groups: dict = {}
+    for param in params:
+        groups.setdefault(spec_of(param).placement, []).append(param)
+    return groups
+
+
 def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int, pad_to: int,
                   grad_buffer: bool, flatten: bool) -> tuple[list[Bucket], int]:
     """``GradSync``'s buckets over ``params`` (registration order) and how many of them are
-    overlapped with the backward. Buckets fill in backward order; parameters whose gradients
-    are partial sums over another group (``reduce_first_axis``) go into late buckets of their
-    own at the end (simplest correct way: summed over their group in ``reduce_gradients``,
-    then DP-reduced like any other). The sharding strategy (``hybrid.dp.sharding``) says how:
-    ZeRO pads each to the DP size (``pad_to``) and flattens the parameters (``flatten``);
-    ZeRO-2 keeps no gradient buffer (``grad_buffer=False``: ``hybrid.dp.zero2`` stages it)."""
+    overlapped with the backward. Buckets fill in backward order, one placement per bucket
+    (a dense model has one placement: the buckets are as before placements existed);
+    parameters whose gradients are partial sums over another group (``reduce_first_axis``) go
+    into late buckets of their own at the end (simplest correct way: summed over their group
+    in ``reduce_gradients``, then DP-reduced like any other). The sharding strategy
+    (``hybrid.dp.sharding``) says how: ZeRO pads each to the DP size (``pad_to``) and
+    flattens the parameters (``flatten``); ZeRO-2 keeps no gradient buffer
+    (``grad_buffer=False``: ``hybrid.dp.zero2`` stages it)."""
     late: dict[str, list] = {"tensor": [], "embedding": []}
     overlapped = []
     for param in reversed(params):
         axis = reduce_first_axis(param, groups)
         (late[axis] if axis else overlapped).append(param)
     buffer = grad_buffer
-    buckets = [Bucket.allocate(i, ps, pad_to=pad_to, grad_buffer=buffer)
-               for i, ps in enumerate(plan_buckets(overlapped, bucket_bytes))]
+    buckets: list[Bucket] = []
+    for placement, ps in by_placement(overlapped).items():
+        for chunk in plan_buckets(ps, bucket_bytes):
+            buckets.append(Bucket.allocate(len(buckets), chunk, pad_to=pad_to,
+                                           group=groups.role(placement.reduce_role),
+                                           grad_buffer=buffer))
     num_overlapped = len(buckets)
     for axis, ps in late.items():
-        if ps:
-            buckets.append(Bucket.allocate(len(buckets), ps, pad_to=pad_to,
-                                           reduce_first=groups.role(axis), grad_buffer=buffer))
+        for placement, same in by_placement(ps).items():
+            buckets.append(Bucket.allocate(len(buckets), same, pad_to=pad_to,
+                                           reduce_first=groups.role(axis),
+                                           group=groups.role(placement.reduce_role),
+                                           grad_buffer=buffer))
     if flatten:
         for bucket in buckets:
             bucket.flatten_params()

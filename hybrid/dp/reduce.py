@@ -67,12 +67,17 @@ class ExactMean:
     def load_checkpoint_state(self, states: dict[str, torch.Tensor], name_of: NameOf) -> None:
         """Take ``checkpoint_targets`` filled by a checkpoint."""
 
+    def group_of(self, bucket: Bucket) -> Group:
+        """The ranks that average ``bucket``: its placement's reduce group, else ours."""
+        return bucket.group or self.group
+
     def launch(self, bucket: Bucket, shard: Optional[Shard]) -> None:
-        bucket.grad.mul_(1.0 / self.d)
+        group = self.group_of(bucket)
+        bucket.grad.mul_(1.0 / group.size())
         if shard is not None:
-            shard.launch_reduce_scatter(self.group)
+            shard.launch_reduce_scatter(group)
         else:
-            bucket.works.append(self.group.all_reduce(bucket.grad, async_op=True))
+            bucket.works.append(group.all_reduce(bucket.grad, async_op=True))
 
     def finish(self, buckets: Sequence[Bucket], wait: Callable) -> None:
         for bucket in buckets:
@@ -84,11 +89,12 @@ class Bf16Mean(ExactMean):
     gradients: each element's mean is rounded to bf16 once per rank's contribution and sum."""
 
     def launch(self, bucket: Bucket, shard: Optional[Shard]) -> None:
-        low = bucket.grad.mul(1.0 / self.d).to(torch.bfloat16)
+        group = self.group_of(bucket)
+        low = bucket.grad.mul(1.0 / group.size()).to(torch.bfloat16)
         if shard is not None:
             out = torch.empty(shard.end - shard.start, dtype=torch.bfloat16, device=low.device)
-            bucket.works.append(self.group.reduce_scatter_into(out, low, async_op=True))
+            bucket.works.append(group.reduce_scatter_into(out, low, async_op=True))
             bucket.on_done.append(lambda: shard.grad.copy_(out))
         else:
-            bucket.works.append(self.group.all_reduce(low, async_op=True))
+            bucket.works.append(group.all_reduce(low, async_op=True))
             bucket.on_done.append(lambda: bucket.grad.copy_(low))

@@ -91,6 +91,7 @@ class GradSync:
         modules = [model] if isinstance(model, nn.Module) else list(model)
         named = unique_parameters(modules)
         _check_fp32(named)
+        _check_placements(named, groups)
         self.groups, self.options = groups, options
         self.wait = wait or _plain_wait
         self.gradient, self.shard_group = groups.gradient, groups.sharding
@@ -309,6 +310,23 @@ def _check_settings(options: DpOptions, dp: int, bucket_mb: Any) -> None:
     if not bucket_mb > 0:
         raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
                                       f"25 is torch DDP's default")
+
+
+def _check_placements(named: list[tuple[ParamSpec, nn.Parameter]], groups) -> None:
+    """Every parameter's ``Placement`` must name role groups over the same ranks as the dense
+    ones: the buckets and the exact reductions follow each bucket's own group, but the ZeRO
+    shards, the other reductions and the norm's sums still run over the dense groups. True of
+    every placement while no axis shards some parameters only (expert parallelism)."""
+    dense = {"reduce_role": "gradient", "shard_role": "sharding", "norm_role": "model"}
+    for spec, _ in named:
+        for field, role in dense.items():
+            mine = getattr(spec.placement, field)
+            if groups.role(mine).ranks != groups.role(role).ranks:
+                raise DataParallelConfigError(
+                    f"parameter {spec.name}'s placement has {field}={mine!r} over ranks "
+                    f"{groups.role(mine).ranks}, not the {role!r} role's "
+                    f"{groups.role(role).ranks}; placements over other ranks are not "
+                    f"supported yet: use a layout without an expert axis")
 
 
 def _check_fp32(named: list[tuple[ParamSpec, nn.Parameter]]) -> None:

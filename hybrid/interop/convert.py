@@ -92,14 +92,16 @@ def import_hf(hf_dir: str, out: str) -> Path:
 
 SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                    "seq_len", "tie_embeddings", "norm_eps", "rope_base")
+MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every")
+"""Added for a model with experts (an imported Mixtral)."""
 
 
 def shape_overrides(model: ModelConfig) -> list[str]:
     """The ``model.*`` overrides that give a config ``model``'s shape: what
     ``checkpoint.init_from`` of an imported model needs."""
+    names = SHAPE_OVERRIDES + (MOE_OVERRIDES if model.experts else ())
     return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
-            for name in SHAPE_OVERRIDES
-            if (value := getattr(model, name)) is not None]
+            for name in names if (value := getattr(model, name)) is not None]
 
 
 def _record(tokenizer, tokenizer_json: str, eos: Optional[str], hf_dir: str,

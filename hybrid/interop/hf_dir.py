@@ -42,8 +42,8 @@ def hf_config(path: str) -> dict:
     except ValueError as err:
         raise ConversionError(f"{folder / 'config.json'} is not JSON ({err})") from None
     if family_for_hf(config.get("model_type")) is None:
-        raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2 "
-                              f"and Llama (model_type gpt2, llama) convert")
+        raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2, "
+                              f"Llama and Mixtral (model_type gpt2, llama, mixtral) convert")
     if any(folder.glob("*.index.json")):
         raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
                               f"model.safetensors (save_pretrained(max_shard_size='100GB'))")

@@ -127,6 +127,11 @@ def _all_used(source: dict, used: int) -> None:
 
 def hf_config(model: Any, eod: int | None = None) -> dict:
     """``config.json`` of the HF Llama equal to ``model`` (a ``ModelConfig``)."""
+    return dense_hf_config(model, eod)
+
+
+def dense_hf_config(model: Any, eod: int | None = None) -> dict:
+    """The Llama ``config.json`` fields (Mixtral's start from them)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
         "vocab_size": model.vocab, "hidden_size": model.hidden,

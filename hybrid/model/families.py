@@ -28,6 +28,9 @@ class FamilyBlocks:
     cache: bool = False
     """Whether the embedding and the layers take a ``cache`` (``hybrid.model.kv_cache``) in
     their forward, for generation; else ``hybrid-generate`` recomputes the whole prefix."""
+    layer_takes_id: bool = False
+    """Whether the layer constructor takes ``block_id`` (its place 1..L: Llama's MoE layers
+    are every ``moe_every``-th)."""
 
 
 BLOCKS: dict[str, FamilyBlocks] = {}

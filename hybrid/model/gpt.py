@@ -81,7 +81,8 @@ rank's chunks of each sequence (``hybrid.model.context``). Every parameter gets 
             block = family.head(cfg, tp_group, **common, embedding=embedding,
                                 embedding_generator=block_generator(seed, 0))
         else:
-            block = family.layer(cfg, tp_group, **common, context=context)
+            place = {"block_id": block_id} if family.layer_takes_id else {}
+            block = family.layer(cfg, tp_group, **common, context=context, **place)
         block.block_id = block_id
         attach_specs(block, block_param_specs(cfg, block_id, sequence_parallel=sequence_parallel),
                      groups.layout.tp)

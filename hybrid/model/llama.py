@@ -29,6 +29,7 @@ from hybrid.model.kv_cache import KVCache, LayerCache
 from hybrid.model.mappings import (gather_from_sequence_parallel_region,
                                    scatter_to_sequence_parallel_region)
 from hybrid.model.megatron_adapter import ColumnParallelLinear, RowParallelLinear
+from hybrid.model.moe import MoeMLP
 from hybrid.planning.config import ModelConfig
 from hybrid.planning.models.llama import qkv_rows
 
@@ -146,10 +147,11 @@ class SwiGLU(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    """Pre-norm layer: ``x + attn(rms(x))``, then ``x + swiglu(rms(x))``."""
+    """Pre-norm layer: ``x + attn(rms(x))``, then ``x + mlp(rms(x))``, the MLP a SwiGLU or,
+    in an MoE layer (``cfg.is_moe_layer(block_id)``), a ``MoeMLP``."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *, generator: torch.Generator,
-                 sequence_parallel: bool, context: Context = Context()):
+                 sequence_parallel: bool, context: Context = Context(), block_id: int = 1):
         super().__init__()
         self.recompute = cfg.recompute == "full"
         self.input_norm = rms_norm(cfg)
@@ -157,8 +159,8 @@ class LlamaLayer(nn.Module):
                                                sequence_parallel=sequence_parallel,
                                                context=context)
         self.mlp_norm = rms_norm(cfg)
-        self.mlp = SwiGLU(cfg, tp_group, generator=generator,
-                          sequence_parallel=sequence_parallel)
+        mlp = MoeMLP if cfg.is_moe_layer(block_id) else SwiGLU
+        self.mlp = mlp(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -177,4 +179,4 @@ class LlamaHead(HeadBlock):
 
 
 register_blocks("llama", FamilyBlocks(embedding=LlamaEmbedding, layer=LlamaLayer,
-                                      head=LlamaHead, cache=True))
+                                      head=LlamaHead, cache=True, layer_takes_id=True))

@@ -125,10 +125,41 @@ class ModelConfig:
     """The norms' epsilon (LayerNorm for gpt2, RMSNorm for llama)."""
     rope_base: float = 10000.0
     """Rotary position embeddings' base (family llama; HF's rope_theta)."""
+    experts: int = 0
+    """Mixture of experts (family llama; docs/moe.md): experts per MoE layer, whose sparse MLP
+    replaces the SwiGLU MLP; 0 = a dense model."""
+    experts_topk: int = 2
+    """Experts each token is routed to (experts > 0)."""
+    moe_ffn_hidden: Optional[int] = None
+    """One expert's SwiGLU inner size; None means ffn_hidden."""
+    moe_every: int = 1
+    """Every this many layers is an MoE layer, starting with the first (megatron's
+    moe_layer_freq); the others keep the dense MLP."""
+    moe_aux_loss: float = 0.0
+    """Coefficient of the Switch/GShard load-balancing loss added to each MoE layer's
+    gradient (0 = off; 0.01 is common)."""
+    moe_capacity_factor: Optional[float] = None
+    """None: dropless (every routed token is computed). A number > 0: each expert takes at
+    most ceil(factor * tokens * topk / experts) of a micro-batch's tokens, in token order,
+    and drops the rest."""
+    moe_router: str = "softmax_topk"
+    """softmax_topk (Mixtral: softmax over the experts, top-k, renormalised) | topk_softmax
+    (top-k of the logits, softmax over those k: megatron's default; the same weights in exact
+    arithmetic)."""
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def moe_ffn(self) -> int:
+        """One expert's inner size (``moe_ffn_hidden``, or ``ffn``)."""
+        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
+
+    def is_moe_layer(self, block_id: int) -> bool:
+        """Whether block ``block_id`` (1..layers) has a sparse MLP: the first layer, then
+        every ``moe_every``-th."""
+        return self.experts > 0 and (block_id - 1) % self.moe_every == 0
 
     @property
     def kv(self) -> int:

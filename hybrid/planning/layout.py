@@ -59,9 +59,16 @@ ROLES = {
     "tensor": Role(("tp",), "split each weight matrix (tensor and sequence parallelism)"),
     "pipeline": Role(("pp",), "run the stages of one pipeline (point-to-point messages)"),
     "model": Role(("tp", "pp"), "hold one copy of every parameter between them (global norms)"),
+    "expert_gradient": Role(("cp", "dp"), "average an expert's gradients once per step"),
+    "expert_sharding": Role(("cp", "dp"), "share one copy of an expert's optimizer state "
+                                          "under ZeRO"),
+    "expert_model": Role(("tp", "pp"), "hold one copy of every expert between them (global "
+                                       "norms)"),
 }
 """The roles every consumer asks for (``ParallelGroups.<role>``); ``EMBEDDING`` is the one
-role not made of whole axes."""
+role not made of whole axes. A parameter's ``Placement`` (``hybrid.planning.param_spec``) names
+the roles that reduce, shard and count it: the dense ones above, or the ``expert_*`` ones,
+which span the same axes (so the same groups) while there is no expert axis."""
 EMBEDDING = "embedding"
 """The ranks of each pipeline holding its first and last stage (a tied embedding's copies)."""
 

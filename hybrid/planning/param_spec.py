@@ -18,6 +18,29 @@ TIED_HEAD_ALIAS = "word_embeddings_weight"
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Which role groups (``hybrid.planning.layout.ROLES``) a parameter's gradient, optimizer
+    state and norm live on. Consumers ask the spec's placement, never a parameter's kind: a
+    dense parameter and an expert's differ only here."""
+
+    reduce_role: str = "gradient"
+    """The ranks that average its gradient once per step (the DP mean)."""
+    shard_role: str = "sharding"
+    """The ranks a ZeRO stage shards its optimizer state (and gradient) over."""
+    norm_role: str = "model"
+    """The ranks that hold different parts of it (besides its TP split): its counted
+    gradient's squares are summed over them for the global norm."""
+
+
+DENSE = Placement()
+"""Every parameter of a dense model: reduced and sharded over dp x cp, split over tp x pp."""
+EXPERT = Placement(reduce_role="expert_gradient", shard_role="expert_sharding",
+                   norm_role="expert_model")
+"""An expert's weights (``hybrid.planning.models.moe``): its own role groups, which span the
+same axes as the dense roles until expert parallelism carves an expert axis out of dp x cp."""
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """What a parameter is, whatever the layout."""
 
@@ -32,11 +55,14 @@ class ParamSpec:
     real_rows: Optional[int] = None
     """For the vocabulary matrices: rows before padding (the rest are padding rows)."""
     sequence_partial: bool = False
-    """TP-replicated, but under sequence parallelism each TP rank sees only its tokens, so its
-    gradient is a partial sum over TP (norms and row-parallel biases)."""
+    """TP-replicated, but its gradient is a partial sum over TP, summed there before the DP
+    mean: under sequence parallelism each TP rank sees only its tokens (norms and row-parallel
+    biases); an MoE router's gradient comes from each TP rank's partial expert outputs."""
     tied: bool = False
     """The embedding matrix shared with the head: a last pipeline stage holds a copy whose
     gradient is summed with the first stage's over the embedding group."""
+    placement: Placement = DENSE
+    """The role groups that reduce, shard and count it (``Placement``)."""
 
     @property
     def numel(self) -> int:

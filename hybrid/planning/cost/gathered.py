@@ -14,7 +14,7 @@ import math
 from typing import Optional
 
 from hybrid.planning.config import Config
-from hybrid.planning.cost.state_bytes import FP32, bucket_members
+from hybrid.planning.cost.state_bytes import FP32, bucket_members, bucket_tag
 from hybrid.planning.layout import Layout
 from hybrid.planning.params import TIED_HEAD_ALIAS, block_param_specs
 from hybrid.planning.schedules import build_schedule
@@ -62,7 +62,7 @@ def closed_form_gathered(stage_blocks: list[list[int]], policy: str) -> int:
 
 def _tensor_units(cfg: Config, layout: Layout, stages: list[tuple[int, list[int]]]
                   ) -> list[tuple[int, str, set[tuple[int, int]]]]:
-    """(numel, late bucket or "", the (stage, block position) units using it) of the rank's
+    """(numel, bucket tag (``state_bytes.bucket_tag``), the (stage, block position) units using it) of the rank's
     distinct parameters in registration order (``state_bytes.rank_shapes``' order): a tied
     head on the rank that holds the embedding uses the embedding's own weight."""
     m, tp, pp = cfg.model, layout.tp, layout.pp
@@ -80,5 +80,6 @@ def _tensor_units(cfg: Config, layout: Layout, stages: list[tuple[int, list[int]
                 late = "tp" if spec.sequence_partial and tp > 1 else (
                     "embedding" if spec.tied and pp > 1 else "")
                 index_of[spec.name] = len(out)
-                out.append((math.prod(spec.local_shape(tp)), late, {(stage, position)}))
+                out.append((math.prod(spec.local_shape(tp)), bucket_tag(late, spec.placement),
+                            {(stage, position)}))
     return out

@@ -39,7 +39,8 @@ def _split(specs) -> BlockParams:
 
 
 def layer_params(m: ModelConfig) -> BlockParams:
-    """One transformer layer's parameters, from the parameter specs."""
+    """The first transformer layer's parameters, from the parameter specs (with experts
+    every ``moe_every``-th layer is an MoE layer: ``block_params`` has each)."""
     return _split(block_param_specs(m, 1).values())
 
 
@@ -58,8 +59,8 @@ def _block_params(model_key: tuple, head_owns_embedding_copy: bool) -> tuple[Blo
     head_specs = block_param_specs(m, m.layers + 1).values()
     if m.tie_embeddings and not head_owns_embedding_copy:
         head_specs = [spec for spec in head_specs if spec.name != EMBEDDING_WEIGHT]
-    return tuple([_split(block_param_specs(m, 0).values())] + [layer_params(m)] * m.layers
-                 + [_split(head_specs)])
+    layers = [_split(block_param_specs(m, b).values()) for b in range(1, m.layers + 1)]
+    return tuple([_split(block_param_specs(m, 0).values())] + layers + [_split(head_specs)])
 
 
 def param_count(m: ModelConfig) -> int:

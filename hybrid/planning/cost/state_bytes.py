@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from hybrid.planning.config import ModelConfig
+from hybrid.planning.param_spec import DENSE, Placement
 from hybrid.planning.params import TIED_HEAD_ALIAS, block_param_specs
 
 MIB = 2**20
@@ -45,20 +46,33 @@ class StateBytes:
 @functools.lru_cache(maxsize=256)
 def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int
                    ) -> tuple[tuple[tuple[int, ...], str, str], ...]:
-    """(local shape, late bucket or "", local name) of a block's parameters in the order
-    the block registers them (``attach_specs`` holds the spec table to that order)."""
+    """(local shape, bucket tag, local name) of a block's parameters in the order the block
+    registers them (``attach_specs`` holds the spec table to that order); the tag is
+    ``bucket_tag``'s."""
     m = ModelConfig(**dict(model_key))
     out = []
     for local, spec in block_param_specs(m, block_id, sequence_parallel=sp).items():
         late = "tp" if spec.sequence_partial and tp > 1 else (
             "embedding" if spec.tied and pp > 1 else "")
-        out.append((spec.local_shape(tp), late, local))
+        out.append((spec.local_shape(tp), bucket_tag(late, spec.placement), local))
     return tuple(out)
+
+
+def bucket_tag(late: str, placement: Placement) -> str:
+    """Which buckets a parameter may share: its late axis ("" for the overlapped buckets,
+    "tp", "embedding") and, when it is not ``DENSE``, its placement's reduce role after a
+    "/" (``GradSync`` keeps one placement per bucket). ``late_axis`` reads the first part."""
+    return late if placement == DENSE else f"{late}/{placement.reduce_role}"
+
+
+def late_axis(tag: str) -> str:
+    """The late axis of a ``bucket_tag`` ("": overlapped with the backward)."""
+    return tag.partition("/")[0]
 
 
 def rank_shapes(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
                 ) -> list[tuple[tuple[int, ...], str]]:
-    """(local shape, late bucket or "") of the distinct parameters a rank holding ``blocks``
+    """(local shape, bucket tag: ``bucket_tag``) of the distinct parameters a rank holding ``blocks``
     (in chunk order) trains: with tied embeddings on one stage the head uses the embedding's
     own weight."""
     key = tuple(vars(m).items())
@@ -82,21 +96,25 @@ def bucket_sizes(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[
 
 def bucket_members(tensors: list[tuple[int, str]], bucket_mb: float) -> list[list[int]]:
     """The indices into ``tensors`` (registration order) of each bucket's parameters, in
-    bucket order: filled in backward order, closed at ``bucket_mb``, the late ones (summed
-    over another group first) in buckets of their own at the end."""
+    bucket order, as ``hybrid.dp.buckets.build_buckets`` makes them: filled in backward order,
+    one placement per bucket (placements in first-seen order), closed at ``bucket_mb``; the
+    late ones (summed over another group first) in buckets of their own at the end."""
     limit = int(bucket_mb * MIB)
-    late: dict[str, list[int]] = {"tp": [], "embedding": []}
-    buckets, current, size = [], [], 0
+    late: dict[str, dict[str, list[int]]] = {"tp": {}, "embedding": {}}
+    overlapped: dict[str, list[int]] = {}
     for index in reversed(range(len(tensors))):
-        numel, axis = tensors[index]
-        if axis:
-            late[axis].append(index)
-            continue
-        current.append(index)
-        size += numel * FP32
-        if size >= limit:
+        tag = tensors[index][1]
+        axis = late_axis(tag)
+        (late[axis] if axis else overlapped).setdefault(tag, []).append(index)
+    buckets = []
+    for indices in overlapped.values():
+        current, size = [], 0
+        for index in indices:
+            current.append(index)
+            size += tensors[index][0] * FP32
+            if size >= limit:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
             buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets + [indices for indices in late.values() if indices]
+    return buckets + [indices for by_tag in late.values() for indices in by_tag.values()]

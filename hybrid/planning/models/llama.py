@@ -15,6 +15,8 @@ size ``h/n``, ``f`` ffn_hidden)::
     blocks.{b}.mlp.gate.weight         [f, h]          dim 0
     blocks.{b}.mlp.up.weight           [f, h]          dim 0
     blocks.{b}.mlp.down.weight         [h, f]          dim 1
+      (an MoE layer, ``model.experts > 0``: ``mlp.router.weight`` and ``mlp.experts.*``
+      instead, ``hybrid.planning.models.moe``)
     final_norm.weight                  [h]             replicated
     head.output_layer.weight           [V, h]          dim 0 (untied only)
 
@@ -34,6 +36,8 @@ from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.models.checks import (check_common_shape, common_tp_sizes, positive,
                                            tp_divides)
 from hybrid.planning.models.gpt2 import gpt2_head_activation_bytes
+from hybrid.planning.models.moe import (check_moe_shape, moe_layers, moe_mlp_activation_bytes,
+                                        moe_mlp_forward_flops, moe_mlp_specs)
 from hybrid.planning.models.registry import BYTES, ModelSpec, register_model
 from hybrid.planning.param_spec import (ParamSpec, column_specs, head_specs, named, norm_specs,
                                         row_specs, vocab_matrix)
@@ -64,25 +68,39 @@ def llama_block_params(m, block_id: int, sp: bool) -> dict[str, ParamSpec]:
     local = {**norm_specs("input_norm", h, sp, RMS),
              **column_specs("attention.qkv", qkv_rows(m), h, bias=False),
              **row_specs("attention.proj", h, h, sp, bias=False),
-             **norm_specs("mlp_norm", h, sp, RMS),
-             **column_specs("mlp.gate", m.ffn, h, bias=False),
-             **column_specs("mlp.up", m.ffn, h, bias=False),
-             **row_specs("mlp.down", h, m.ffn, sp, bias=False)}
+             **norm_specs("mlp_norm", h, sp, RMS)}
+    if m.is_moe_layer(block_id):
+        local.update(moe_mlp_specs(m))
+    else:
+        local.update({**column_specs("mlp.gate", m.ffn, h, bias=False),
+                      **column_specs("mlp.up", m.ffn, h, bias=False),
+                      **row_specs("mlp.down", h, m.ffn, sp, bias=False)})
     return named(f"blocks.{block_id}.", local)
+
+
+def dense_mlp_flops(m, b: int) -> float:
+    return 6 * b * m.seq_len * m.hidden * m.ffn
 
 
 class Llama(ModelSpec):
     name = "llama"
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
-    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama", "llama"
+    blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama_family", \
+        "llama"
+    hf_model_types_also = ("mixtral",)
 
     def block_params(self, m, block_id, sequence_parallel):
         return llama_block_params(m, block_id, sequence_parallel)
 
     def layer_forward_flops(self, m, b):
+        """With experts, the mean over the layers (MoE and dense MLPs mixed by
+        ``moe_every``), so ``layers x`` this is the model's exact total."""
         s, h = m.seq_len, m.hidden
+        sparse = moe_layers(m)
+        mlp = (sparse * moe_mlp_forward_flops(m, b)
+               + (m.layers - sparse) * dense_mlp_flops(m, b)) / m.layers
         return (2 * b * s * h * qkv_rows(m) + 2 * b * s * h * h
-                + self.attention_core_flops(m, b) + 6 * b * s * h * m.ffn)
+                + self.attention_core_flops(m, b) + mlp)
 
     def attention_core_flops(self, m, b):
         return 4 * b * m.seq_len * m.seq_len * m.hidden
@@ -95,7 +113,8 @@ class Llama(ModelSpec):
         input (fp32, for the scale's gradient); the rotary ``cos`` and ``sin`` of the rank's
         positions; the rotated query and key and, with ``heads / kv_heads`` > 1, the keys and
         values repeated to every query head (with one, the QKV output holds the values);
-        SwiGLU's gate, up, SiLU and product (four ``ffn``-wide tensors)."""
+        SwiGLU's gate, up, SiLU and product (four ``ffn``-wide tensors). With experts, the
+        mean over the layers, an MoE MLP's bytes estimated (``moe.moe_mlp_activation_bytes``)."""
         s, b, h = m.seq_len // cp, micro_batch, m.hidden
         seq_shard = tp if sp else 1
         stream = 4 * s * b * h // seq_shard
@@ -108,11 +127,16 @@ class Llama(ModelSpec):
         nbytes += (3 if precision == "bf16" else 2) * s * b * h * low
         nbytes += 2 * s * (h // m.heads) * low  # the rotary table's cos and sin
         values = 2 * h if m.heads != m.kv else h + qkv_rows(m)  # keys, values
-        nbytes += (h + values + h + 4 * m.ffn) * s * b // tp * low  # q, k, v, output, MLP
+        nbytes += (h + values + h) * s * b // tp * low  # q, k, v, output
+        sparse = moe_layers(m)
+        dense_mlp = 4 * m.ffn * s * b // tp * low
+        sparse_mlp = moe_mlp_activation_bytes(m, s * b, tp, precision) if sparse else 0
+        nbytes += (sparse * sparse_mlp + (m.layers - sparse) * dense_mlp) // m.layers
         if recompute == "none" or cp > 1:
             nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
-        if precision == "bf16":
-            nbytes += 2 * (qkv_rows(m) * h + h * h + 3 * h * m.ffn) // tp
+        if precision == "bf16":  # the bf16 weight copies autocast keeps
+            mlp = 3 * h * (m.ffn * (m.layers - sparse) + m.experts * m.moe_ffn * sparse)
+            nbytes += 2 * (qkv_rows(m) * h + h * h + mlp // m.layers) // tp
         return nbytes
 
     def head_activation_bytes(self, m, micro_batch, tp, sp, precision, cp=1):
@@ -130,6 +154,7 @@ class Llama(ModelSpec):
             raise LayoutError(f"model.kv_heads={m.kv} does not divide model.heads={m.heads}; "
                               f"choose kv_heads in {{{_sizes(m.heads)}}}")
         tp_divides(tp, "model.kv_heads", m.kv, lambda: self.valid_tp_sizes(m))
+        check_moe_shape(m, tp, lambda: self.valid_tp_sizes(m))
         if not math.isfinite(m.rope_base) or m.rope_base <= 1:
             raise LayoutError(f"model.rope_base={m.rope_base} must be a finite number > 1 (the "
                               f"rotary angles' base, HF's rope_theta: 10000 or 500000)")
@@ -139,7 +164,8 @@ class Llama(ModelSpec):
                               f"of a head's dimensions: choose an even head size")
 
     def valid_tp_sizes(self, m):
-        return [d for d in common_tp_sizes(m) if m.kv % d == 0]
+        return [d for d in common_tp_sizes(m)
+                if m.kv % d == 0 and (m.experts == 0 or m.moe_ffn % d == 0)]
 
 
 LLAMA = register_model(Llama())

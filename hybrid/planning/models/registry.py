@@ -41,6 +41,8 @@ class ModelSpec(ABC):
     ``hf_config``, ``model_fields``: ``hybrid/interop/gpt2.py``); None: no HF interop."""
     hf_model_type: Optional[str] = None
     """HF's ``model_type`` this family imports."""
+    hf_model_types_also: tuple[str, ...] = ()
+    """Other HF ``model_type``s it imports (llama: ``mixtral``, its models with experts)."""
 
     @abstractmethod
     def block_params(self, m, block_id: int, sequence_parallel: bool) -> dict[str, ParamSpec]:
@@ -111,4 +113,5 @@ def model_spec(m) -> ModelSpec:
 
 def family_for_hf(model_type: object) -> Optional[ModelSpec]:
     """The registered family that imports HF's ``model_type``, if any."""
-    return next((spec for spec in MODELS.values() if spec.hf_model_type == model_type), None)
+    return next((spec for spec in MODELS.values()
+                 if model_type in (spec.hf_model_type, *spec.hf_model_types_also)), None)

@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 
 from hybrid.planning.cost.collectives import BUCKET_BYTES
 from hybrid.planning.cost.devices import Device, Link
-from hybrid.planning.cost.state_bytes import FP32, StateBytes, bucket_sizes
+from hybrid.planning.cost.state_bytes import (FP32, StateBytes, bucket_members, bucket_sizes,
+                                              late_axis)
 
 BF16 = 2
 SCALAR = 8  # one float64
@@ -86,21 +87,17 @@ class RankTraffic:
 
     def buckets(self) -> list[list[Shape]]:
         """Shapes per bucket, in ``bucket_sizes``' grouping (backward order, late last)."""
-        grouped = bucket_sizes([(math.prod(s), late) for s, late in self.shapes], self.bucket_mb)
-        late: dict[str, list[Shape]] = {"tp": [], "embedding": []}
-        overlapped = []
-        for shape, axis in reversed(self.shapes):
-            (late[axis] if axis else overlapped).append(shape)
-        ordered = iter(overlapped + late["tp"] + late["embedding"])
-        return [[next(ordered) for _ in bucket] for bucket in grouped]
+        members = bucket_members([(math.prod(s), tag) for s, tag in self.shapes],
+                                 self.bucket_mb)
+        return [[self.shapes[i][0] for i in bucket] for bucket in members]
 
     def numels(self) -> list[int]:
         return [sum(math.prod(s) for s in bucket) for bucket in self.buckets()]
 
     def overlapped(self) -> int:
         """How many buckets start during the backward (the late ones wait for their sum)."""
-        return len(bucket_sizes([(math.prod(s), late) for s, late in self.shapes if not late],
-                                self.bucket_mb))
+        return len(bucket_sizes([(math.prod(s), tag) for s, tag in self.shapes
+                                 if not late_axis(tag)], self.bucket_mb))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""The mixture-of-experts MLP as a layer kind (pure side; the torch side is
+``hybrid.model.moe``): its parameter table, FLOPs, activation bytes and shape rules, for the
+family that uses it (Llama: ``hybrid.planning.models.llama``). See docs/moe.md.
+
+Parameters of an MoE layer's MLP (``E`` experts, ``F`` = ``moe_ffn_hidden``)::
+
+    mlp.router.weight   [E, h]      replicated over TP; its gradient is a partial sum over TP
+                                    (each TP rank's expert outputs are partial sums), summed
+                                    there before the DP mean (``sequence_partial``)
+    mlp.experts.gate    [E, F, h]   every expert's gate, split over TP on dim 1
+    mlp.experts.up      [E, F, h]   dim 1
+    mlp.experts.down    [E, h, F]   dim 2
+
+The three expert tensors carry the ``EXPERT`` placement (``hybrid.planning.param_spec``); the
+router is dense.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.models.checks import positive, tp_divides
+from hybrid.planning.models.registry import BYTES
+from hybrid.planning.param_spec import EXPERT, ParamSpec
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+"""``model.moe_router``'s values."""
+
+
+def moe_mlp_specs(m) -> dict[str, ParamSpec]:
+    """An MoE layer's MLP parameters, local names under the layer (``mlp.``...)."""
+    e, f, h = m.experts, m.moe_ffn, m.hidden
+    return {
+        "mlp.router.weight": ParamSpec(name="", shape=(e, h), weight_decay=True,
+                                       sequence_partial=True),
+        "mlp.experts.gate": ParamSpec(name="", shape=(e, f, h), tp_dim=1, weight_decay=True,
+                                      placement=EXPERT),
+        "mlp.experts.up": ParamSpec(name="", shape=(e, f, h), tp_dim=1, weight_decay=True,
+                                    placement=EXPERT),
+        "mlp.experts.down": ParamSpec(name="", shape=(e, h, f), tp_dim=2, weight_decay=True,
+                                      placement=EXPERT),
+    }
+
+
+def moe_layers(m) -> int:
+    """How many of the ``m.layers`` layers are MoE layers."""
+    return sum(m.is_moe_layer(b) for b in range(1, m.layers + 1))
+
+
+def moe_mlp_forward_flops(m, b: int) -> float:
+    """An MoE MLP's forward over ``b`` sequences, dropless: the router ``2Eh`` per token and
+    each token's ``topk`` experts' SwiGLU, ``6hF`` each (what token dropping saves is not
+    counted)."""
+    tokens = b * m.seq_len
+    return tokens * (2 * m.experts * m.hidden + m.experts_topk * 6 * m.hidden * m.moe_ffn)
+
+
+def moe_mlp_activation_bytes(m, tokens: int, tp: int, precision: str) -> int:
+    """Bytes an MoE MLP keeps for backward over ``tokens`` tokens on one rank, an estimate
+    (not checked against saved-tensor hooks as the dense layer is): the router's logits and
+    probabilities (fp32), and for each of a token's ``topk`` expert slots its gathered input
+    and the expert's gate, up, SiLU and product (``F/tp`` wide each), dropless."""
+    low, k = BYTES[precision], m.experts_topk
+    router = 2 * 4 * tokens * m.experts
+    per_slot = m.hidden * low + 4 * m.moe_ffn // tp * low
+    return router + k * tokens * per_slot
+
+
+def check_moe_shape(m, tp: int, fits) -> None:
+    """The MoE settings' rules, one ``LayoutError`` line each (``fits``: the family's valid
+    TP sizes, for the fix)."""
+    if m.experts == 0:
+        return
+    positive("model.experts", m.experts)
+    positive("model.experts_topk", m.experts_topk)
+    positive("model.moe_every", m.moe_every)
+    if m.moe_ffn_hidden is not None:
+        positive("model.moe_ffn_hidden", m.moe_ffn_hidden)
+    if m.experts_topk > m.experts:
+        raise LayoutError(f"model.experts_topk={m.experts_topk} exceeds model.experts="
+                          f"{m.experts}; choose experts_topk in 1..{m.experts}")
+    factor = m.moe_capacity_factor
+    if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor)
+                                   and factor > 0):
+        raise LayoutError(f"model.moe_capacity_factor={factor} must be a number > 0 (1.0: "
+                          f"an even share per expert), or null for dropless routing")
+    if not (isinstance(m.moe_aux_loss, (int, float)) and math.isfinite(m.moe_aux_loss)
+            and m.moe_aux_loss >= 0):
+        raise LayoutError(f"model.moe_aux_loss={m.moe_aux_loss} must be a number >= 0 "
+                          f"(0: off; 0.01 is common)")
+    if m.moe_router not in ROUTERS:
+        raise LayoutError(f"model.moe_router={m.moe_router!r} is not one of "
+                          f"{', '.join(ROUTERS)}")
+    tp_divides(tp, "model.moe_ffn_hidden", m.moe_ffn, fits)

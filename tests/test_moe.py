@@ -1,0 +1,214 @@
+"""The mixture-of-experts MLP (docs/moe.md): its parameter table and placements, FLOPs and
+parameter count, the router and the load-balancing loss, one-line errors before launch, and,
+through ``hybrid-train``, a tiny MoE model's losses with the aux loss on equal to the 1-process
+run's on dp2, dp2 with ZeRO-1, tp2 (with and without sequence parallelism) and pp2 1F1B
+(rtol 1e-4), and a checkpoint resumed on another layout."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hybrid.planning.config import ModelConfig
+from hybrid.planning.cost.flops import layer_forward_flops
+from hybrid.planning.cost.sizes import block_params, param_count
+from hybrid.planning.layout import LayoutError
+from hybrid.planning.param_spec import DENSE, EXPERT
+from hybrid.planning.params import model_param_specs
+from hybrid.planning.validate import check_model_shape
+from hybrid.testing import checked_records
+from test_llama import assert_same_losses, preset, run_train
+
+MOE = ["model=moe-tiny"]
+
+
+def test_moe_layers_carry_a_router_and_stacked_experts_with_the_expert_placement():
+    cfg = replace(preset("moe-tiny"), moe_every=2)
+    specs = model_param_specs(cfg)
+    e, f, h = cfg.experts, cfg.moe_ffn, cfg.hidden
+    assert specs["blocks.1.mlp.router.weight"].shape == (e, h)
+    assert specs["blocks.1.mlp.router.weight"].placement == DENSE
+    assert specs["blocks.1.mlp.router.weight"].sequence_partial  # partial over TP
+    for name, shape, dim in (("gate", (e, f, h), 1), ("up", (e, f, h), 1),
+                             ("down", (e, h, f), 2)):
+        spec = specs[f"blocks.1.mlp.experts.{name}"]
+        assert (spec.shape, spec.tp_dim, spec.placement) == (shape, dim, EXPERT)
+    # moe_every=2: layers 1 and 3 are sparse, 2 and 4 keep the SwiGLU
+    assert "blocks.2.mlp.gate.weight" in specs and "blocks.3.mlp.router.weight" in specs
+    assert "blocks.4.mlp.gate.weight" in specs and "blocks.4.mlp.router.weight" not in specs
+
+
+def test_param_count_and_flops_know_the_experts():
+    dense = replace(preset("moe-tiny"), experts=0)
+    cfg = replace(preset("moe-tiny"), moe_every=2)
+    h, e, f = cfg.hidden, cfg.experts, cfg.moe_ffn
+    per_moe = e * h + 3 * e * f * h - 3 * h * dense.ffn  # router + experts - SwiGLU
+    assert param_count(cfg) == param_count(dense) + 2 * per_moe
+    assert sum(b.total for b in block_params(cfg)) == param_count(cfg)
+    tokens = cfg.seq_len
+    moe_mlp = tokens * (2 * e * h + cfg.experts_topk * 6 * h * f)
+    dense_mlp = 6 * tokens * h * dense.ffn
+    assert cfg.layers * layer_forward_flops(cfg, 1) == pytest.approx(
+        cfg.layers * layer_forward_flops(dense, 1) + 2 * (moe_mlp - dense_mlp))
+
+
+def test_the_torch_model_builds_exactly_the_spec_table():
+    from hybrid.model.moe import MoeMLP  # noqa: F401  (build through the family below)
+    from hybrid.testing import spawn
+
+    assert spawn(_count_built, 1)[0] == param_count(replace(preset("moe-tiny"), moe_every=2))
+
+
+def _count_built(rank, world):
+    from hybrid.groups import ParallelGroups
+    from hybrid.model.gpt import GPT
+    from hybrid.planning.layout import Layout
+
+    model = GPT(replace(preset("moe-tiny"), moe_every=2), ParallelGroups.create(Layout()),
+                seed=1)  # attach_specs checks names, order and shapes against the specs
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_both_routers_give_the_same_weights_and_capacity_drops_in_token_order():
+    from hybrid.model.moe import kept_slots, load_balancing_loss, route
+
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    (w1, ids1), (w2, ids2) = route(logits, 2, "softmax_topk"), route(logits, 2, "topk_softmax")
+    assert torch.equal(ids1, ids2)
+    torch.testing.assert_close(w1, w2)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    keep = kept_slots(ids, 4, capacity=2)  # expert 0's third and fourth slots are dropped
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    assert kept_slots(ids, 4, capacity=None).all()
+    even = torch.full((4, 4), 0.25)
+    balanced = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    assert load_balancing_loss(even, balanced, 4).item() == pytest.approx(1.0)
+
+
+def test_the_aux_loss_adds_its_scaled_gradient_and_leaves_the_output_alone():
+    from hybrid.model.moe import AuxLossGradient
+
+    out = torch.randn(3, requires_grad=True)
+    aux_in = torch.randn(2, requires_grad=True)
+    aux = (aux_in ** 2).sum()
+    result = AuxLossGradient.apply(out, aux, 0.5)
+    assert torch.equal(result, out)
+    result.sum().backward()
+    torch.testing.assert_close(aux_in.grad, 0.5 * 2 * aux_in.detach())
+    torch.testing.assert_close(out.grad, torch.ones(3))
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"experts_topk": 5}, "model.experts_topk=5 exceeds model.experts=4; choose experts_topk "
+                          "in 1..4"),
+    ({"moe_capacity_factor": 0.0}, "model.moe_capacity_factor=0.0 must be a number > 0"),
+    ({"moe_capacity_factor": -1.0}, "model.moe_capacity_factor=-1.0 must be a number > 0"),
+    ({"moe_aux_loss": -0.1}, "model.moe_aux_loss=-0.1 must be a number >= 0"),
+    ({"moe_every": 0}, "model.moe_every=0 must be an integer >= 1"),
+    ({"experts": -2}, "model.experts=-2 must be an integer >= 1"),
+    ({"moe_router": "sinkhorn"}, "model.moe_router='sinkhorn' is not one of softmax_topk, "
+                                 "topk_softmax"),
+    ({"moe_ffn_hidden": 31}, None),  # tp=2 below does not split 31
+])
+def test_bad_moe_settings_are_one_line(change, needle):
+    cfg = replace(preset("moe-tiny"), **change)
+    with pytest.raises(LayoutError) as err:
+        check_model_shape(cfg, tp=2 if needle is None else 1)
+    line = str(err.value)
+    assert "\n" not in line
+    if needle is None:
+        needle = "parallel.tp=2 does not divide model.moe_ffn_hidden=31; choose tp in {1}"
+    assert needle in line
+
+
+def test_gpt2_with_experts_is_refused_naming_the_family():
+    cfg = ModelConfig(experts=4)
+    with pytest.raises(LayoutError, match="model.experts=4 asks for a mixture of experts, "
+                                          "which model.family=gpt2 has not"):
+        check_model_shape(cfg, 1)
+
+
+def test_bad_moe_setting_exits_2_with_one_line_before_launch(tmp_path):
+    done = run_train(tmp_path, *MOE, "model.experts_topk=8", timeout=90)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.experts_topk=8 exceeds model.experts=4" in lines[0]
+    assert "Traceback" not in done.stderr and not (tmp_path / "config.json").exists()
+
+
+LAYOUTS = {
+    "dp2": ["parallel=single", "parallel.dp=2"],
+    "tp2": ["parallel=single", "parallel.tp=2"],
+    "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.schedule=1f1b"],
+    # small buckets: dense and expert buckets apart, each padded for its ZeRO shards
+    "dp2-zero1": ["parallel=single", "parallel.dp=2", "parallel.zero=1",
+                  "parallel.bucket_mb=0.02"],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("moe-reference")
+    done = run_train(run_dir, *MOE, "parallel=single")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [r["loss"] for r in checked_records(run_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_reference, tmp_path):
+    done = run_train(tmp_path, *MOE, *LAYOUTS[name])
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in checked_records(tmp_path)]  # state bytes as predicted
+    assert_same_losses(losses, moe_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_aux_loss_changes_the_training(moe_reference, tmp_path):
+    done = run_train(tmp_path, *MOE, "parallel=single", "model.moe_aux_loss=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in checked_records(tmp_path)]
+    assert losses[0] == moe_reference[0] and losses[-1] != moe_reference[-1]
+    assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_checkpoint_saved_on_tp2_resumes_on_dp2_with_the_same_losses(moe_reference,
+                                                                       tmp_path):
+    source, target = tmp_path / "source", tmp_path / "target"
+    done = run_train(source, *MOE, *LAYOUTS["tp2-sp"], "checkpoint.every=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = source / "checkpoints" / "step_00000003"
+    done = run_train(target, *MOE, *LAYOUTS["dp2"], f"checkpoint.resume_from={step}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = {r["step"]: r["loss"] for r in checked_records(target)}
+    assert sorted(resumed) == [4, 5, 6]
+    assert list(resumed.values()) == pytest.approx(moe_reference[3:], rel=1e-4)
+
+
+def test_the_layer_runs_under_bf16_autocast_close_to_fp32():
+    from hybrid.testing import spawn
+
+    fp32, bf16 = spawn(_mlp_outputs, 1)[0]
+    assert bf16.dtype == torch.float32  # the residual stream stays fp32
+    torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.02)
+
+
+def _mlp_outputs(rank, world):
+    from hybrid.groups import ParallelGroups
+    from hybrid.model.moe import MoeMLP
+    from hybrid.planning.layout import Layout
+
+    groups = ParallelGroups.create(Layout())
+    mlp = MoeMLP(replace(preset("moe-tiny"), init_std=0.2), groups.tensor,
+                 generator=torch.Generator().manual_seed(0), sequence_parallel=False)
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = mlp(x)
+    low.sum().backward()
+    return mlp(x).detach(), low.detach()
