@@ -108,3 +108,42 @@ def test_a_killed_node_leaves_and_node_0_finishes_on_fewer_with_the_same_losses(
     assert plan.cfg.train.global_batch == load_plan(tmp_path / "node0").cfg.train.global_batch
     assert f"over {STEPS} steps" in out
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "every process to be gone")
+
+
+def stop_node(proc: subprocess.Popen) -> set[int]:
+    """SIGSTOP a node's hybrid-train and every process under it: alive, silent."""
+    family = _descendants(proc.pid) | {proc.pid}
+    for pid in family:
+        os.kill(pid, signal.SIGSTOP)
+    return family
+
+
+def test_a_stopped_node_is_named_by_the_hang_diagnosis_and_left_behind(reference, tmp_path):
+    """SIGSTOP instead of SIGKILL: node 0's ranks wait until train.collective_timeout_s, the
+    hang diagnosis names node 1's ranks, node 1 is counted gone once silent for
+    launcher.silence_timeout_s, and node 0 goes on alone with the same losses."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    extra = ("checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "launcher.min_nodes=1",
+             "train.collective_timeout_s=30", "launcher.silence_timeout_s=10")
+    node1 = subprocess.Popen(node_command(tmp_path / "node1", 1, endpoint, *extra, base=BASE),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "HYBRID_TEST_FAULT": SLOW_AFTER_5})
+    node0 = subprocess.Popen(node_command(tmp_path / "node0", 0, endpoint, *extra, base=BASE),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    family: set[int] = set()
+    try:
+        _wait_for(lambda: 5 in last_loss_per_step(tmp_path / "node0"), 300, "step 5")
+        family = _descendants(node0.pid) | stop_node(node1)
+        out, err = node0.communicate(timeout=400)
+    finally:
+        stop_all(node0, node1)  # SIGKILL ends stopped processes too
+    assert node0.returncode == 0, err[-3000:]
+    ended = [line for line in err.splitlines() if line.startswith("elastic: attempt 0 ended")]
+    assert len(ended) == 1 and "never arrived" in ended[0] and "node 1)" in ended[0], err
+    assert "warning: node 1 left: silence: not heard for" in err, err[-3000:]
+    losses = last_loss_per_step(tmp_path / "node0")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert [losses[s] for s in losses] == pytest.approx([reference[s] for s in losses],
+                                                        rel=1e-4)
+    assert records(tmp_path / "node0")[-1]["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 2}
+    _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "every process to be gone")
