@@ -39,6 +39,14 @@ def pick_device(cfg: Config) -> torch.device:
     return device
 
 
+def store_prefix(attempt: int, restart: int) -> str:
+    """The workers' prefix in the agent's store: per restart of the group, and per elastic
+    attempt after the first (``launch.launchers.elastic`` writes there too)."""
+    if not attempt:
+        return f"hybrid/attempt_{restart}"
+    return f"hybrid/elastic_{attempt}/attempt_{restart}"
+
+
 def init_distributed(backend: str, timeout: timedelta, attempt: int = 0) -> dist.Store:
     """``init_process_group`` from the launcher's variables, on a store prefixed by the restart
     count.
@@ -56,10 +64,8 @@ def init_distributed(backend: str, timeout: timedelta, attempt: int = 0) -> dist
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_store, timeout=timeout)
-    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"hybrid/attempt_{restart}" if not attempt else \
-        f"hybrid/elastic_{attempt}/attempt_{restart}"
-    attempt_store = dist.PrefixStore(prefix, store)
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt_store = dist.PrefixStore(store_prefix(attempt, restart), store)
     dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world,
                             timeout=timeout)
     return attempt_store

@@ -27,14 +27,17 @@ running when the test sees step 5 in the metrics and kills node 1."""
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a loaded machine: generous
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def one_process_losses(run_dir: Path, *overrides: str) -> dict[int, float]:
     """The 1-process run's loss per step (layout invariance: every layout trains these)."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    done = subprocess.run([TRAIN, *BASE, "parallel=single", f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([TRAIN, *BASE, "parallel=single", f"hydra.run.dir={run_dir}",
+                           *overrides], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return last_loss_per_step(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    return one_process_losses(tmp_path_factory.mktemp("reference"))
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -106,7 +109,7 @@ def test_a_killed_node_leaves_and_node_0_finishes_on_fewer_with_the_same_losses(
     plan = load_plan(tmp_path / "node0" / "attempt-1")
     assert (plan.layout.dp, plan.layout.tp, plan.layout.pp) == (dp, tp, pp)
     assert plan.cfg.train.global_batch == load_plan(tmp_path / "node0").cfg.train.global_batch
-    assert f"over {STEPS} steps" in out
+    assert f"over {STEPS} steps (1 re-layout)" in out
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "every process to be gone")
 
 
@@ -147,3 +150,50 @@ def test_a_stopped_node_is_named_by_the_hang_diagnosis_and_left_behind(reference
                                                         rel=1e-4)
     assert records(tmp_path / "node0")[-1]["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 2}
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "every process to be gone")
+
+
+def test_a_node_started_again_is_taken_back_at_the_next_checkpoint(tmp_path):
+    """Node 1 killed after step 5, node 0 goes on alone; node 1's hybrid-train started again
+    connects, node 0's workers stop at their next checkpoint and both nodes go on as
+    dp 2 x tp 2 x pp 2 again; every step's loss is the 1-process run's."""
+    steps = 16
+    reference = one_process_losses(tmp_path / "reference", f"train.steps={steps}")
+    endpoint = f"127.0.0.1:{free_port()}"
+    extra = ("checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "launcher.min_nodes=1",
+             "train.collective_timeout_s=60", f"train.steps={steps}")
+
+    def start(name: str, rank: int, fault: str) -> subprocess.Popen:
+        return subprocess.Popen(node_command(tmp_path / name, rank, endpoint, *extra,
+                                             base=BASE),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "HYBRID_TEST_FAULT": fault})
+
+    # rank 0 takes 4 s more per step from step 7 on, in every attempt: node 1 has time to
+    # start again before the run ends
+    node1, node0 = start("node1", 1, SLOW_AFTER_5), start("node0", 0, "slow:7:0:4")
+    again = None
+    try:
+        _wait_for(lambda: 5 in last_loss_per_step(tmp_path / "node0"), 300, "step 5")
+        kill_node(node1)
+        shrunk = {"dp": 1, "cp": 1, "tp": 2, "pp": 2}
+        _wait_for(lambda: any(r["layout"] == shrunk for r in records(tmp_path / "node0")),
+                  240, "a step on the new layout")
+        again = start("node1-again", 1, "")
+        out, err = node0.communicate(timeout=400)
+        again_out, again_err = again.communicate(timeout=120)
+    finally:
+        stop_all(*[p for p in (node0, node1, again) if p is not None])
+    assert node0.returncode == 0, err[-3000:]
+    assert again.returncode == 0, again_err[-3000:]
+    assert "elastic: node 1 is here again: it is taken in at the next checkpoint" in err, err
+    run = records(tmp_path / "node0")
+    layouts = [(r["step"], r["layout"]["dp"]) for r in run]
+    assert run[-1]["step"] == steps and run[-1]["layout"]["dp"] == 2, layouts
+    assert any(dp == 1 for _, dp in layouts), layouts
+    assert (tmp_path / "node0" / "attempt-2" / "plan.json").exists()
+    assert "elastic: attempt 2: nodes [0, 1] go on as dp 2 x tp 2 x pp 2" in err, err
+    assert "4 ranks gained (4 -> 8)" in err
+    losses = last_loss_per_step(tmp_path / "node0")
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert [losses[s] for s in losses] == pytest.approx([reference[s] for s in losses],
+                                                        rel=1e-4)

@@ -22,8 +22,13 @@ The protocol (docs/multinode.md):
    that checkpoint. Each node plans the same (the function is pure) and launches again; the
    ranks load the checkpoint resharded onto the new layout.
 
-Limits: node 0 must survive (it hosts the store and decides); a node that leaves does not come
-back in this job; the survivors must share ``checkpoint.dir``.
+5. **A node that comes back** (its ``hybrid-train`` started again, or a replacement with the
+   same ``node_rank``) connects and waits. Node 0 sets a key in the running attempt's store;
+   the workers read it at their next checkpoint, stop there together, and node 0 re-plans
+   for the nodes now there (up to ``launcher.nnodes``) as in 4.
+
+Limits: node 0 must survive (it hosts the store and decides); the nodes must share
+``checkpoint.dir``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ def job_channel(cfg) -> Iterator[Coordinator | Member]:
     if launcher.node_rank == 0:
         store = TCPStore(host, int(port), None, True, timeout, wait_for_workers=False,
                          multi_tenant=True)
-        coordinator = Coordinator(launcher.silence_timeout_s)
+        coordinator = Coordinator(launcher.silence_timeout_s, launcher.nnodes,
+                                  on_join=lambda node: _ask_relayout(cfg, coordinator, node))
         store.set(COORDINATOR_KEY, str(coordinator.port))
         try:
             yield coordinator
@@ -90,6 +96,25 @@ def job_channel(cfg) -> Iterator[Coordinator | Member]:
         member.close(outcome)
 
 
+def _ask_relayout(cfg, coordinator: Coordinator, node: int) -> None:
+    """A node came (back) while the job runs on fewer: ask the running workers to stop at
+    their next checkpoint (``hybrid.train.RELAYOUT_KEY``), when there is room for it."""
+    from torch.distributed import TCPStore
+
+    from hybrid.train import RELAYOUT_KEY
+    from hybrid.worker import store_prefix
+
+    launcher = cfg.launcher
+    if len(coordinator.members) >= launcher.nnodes:
+        return
+    say(f"node {node} is here again: it is taken in at the next checkpoint")
+    host, _, port = launcher.rdzv_endpoint.rpartition(":")
+    store = TCPStore(host, int(port), None, False,
+                     datetime.timedelta(seconds=launcher.rdzv_timeout_s), wait_for_workers=False)
+    for restart in range(launcher.max_restarts + 1):
+        store.set(f"{store_prefix(coordinator.attempt, restart)}/{RELAYOUT_KEY}", "1")
+
+
 def plan_for_attempt(composed: JobPlan, nodes: int, node_rank: int,
                      resume_from: Optional[str]) -> JobPlan:
     """The composed plan's config re-planned for ``nodes`` nodes, with the run's own fields
@@ -108,12 +133,13 @@ def newest_checkpoint(plan: JobPlan) -> tuple[Optional[str], int]:
 
 
 def predicted_step_s(plan: JobPlan) -> Optional[float]:
+    from hybrid.errors import UserError
     from hybrid.planning.cost.devices import device_for
     from hybrid.planning.cost.steptime import predict_step
 
     try:
         return predict_step(plan, device_for(plan.cfg.cost)).step_time_s
-    except Exception:  # a prediction is a courtesy here: a device it cannot price is no failure
+    except UserError:  # a device file it cannot read: the line goes without the prediction
         return None
 
 
@@ -121,85 +147,124 @@ def say(line: str) -> None:
     print(f"elastic: {line}", file=sys.stderr, flush=True)
 
 
-def shrink_on_node0(coordinator: Coordinator, composed: JobPlan, current: JobPlan,
-                    members: list[int], attempt: int, failure: str,
-                    run_dir: Path) -> Optional[tuple[JobPlan, list[int]]]:
-    """Node 0 after ``attempt`` failed: who is left, the new plan, told to every survivor.
-    None: nobody left, so the failure is the job's (every node is told to end)."""
+def regroup_on_node0(coordinator: Coordinator, composed: JobPlan, current: JobPlan,
+                     members: list[int], attempt: int, failure: Optional[str],
+                     run_dir: Path) -> Optional[tuple[JobPlan, list[int]]]:
+    """Node 0 after ``attempt`` ended (``failure``: its line; None: stopped at a checkpoint
+    to take nodes in): who is left and who came, the new plan, told to every node of it.
+    None: a failure with nobody gone is the job's own (every node is told to end)."""
     cfg = composed.cfg
     started = time.monotonic()
     wait_s = cfg.train.collective_timeout_s + 2 * cfg.launcher.silence_timeout_s
     ready, gone = coordinator.regroup(attempt, [n for n in members if n != 0], wait_s)
-    if not gone:
+    joining = coordinator.take_joining(cfg.launcher.nnodes - 1 - len(ready))
+    if failure is not None and not gone:
         for node in ready:
             coordinator.tell(node, {"end": failure})
         return None
-    say(f"attempt {attempt} ended: {failure}")
+    if failure is not None:
+        say(f"attempt {attempt} ended: {failure}")
     for node, why in sorted(gone.items()):
         print(f"warning: node {node} left: {why}", file=sys.stderr, flush=True)
-    survivors = [0, *ready]
-    if len(survivors) < cfg.launcher.min_nodes:
+    nodes = [0, *sorted(ready + joining)]
+    if len(nodes) < cfg.launcher.min_nodes:
         for node in ready:
             coordinator.tell(node, {"end": "too few nodes left"})
-        raise LaunchFailed(f"{len(survivors)} node(s) left, fewer than launcher.min_nodes="
+        raise LaunchFailed(f"{len(nodes)} node(s) left, fewer than launcher.min_nodes="
                            f"{cfg.launcher.min_nodes}: {failure}")
     resume, step = newest_checkpoint(composed)
-    new = plan_for_attempt(composed, len(survivors), 0, resume)
+    new = plan_for_attempt(composed, len(nodes), 0, resume)
     attempt_dir(run_dir, attempt + 1).mkdir(parents=True, exist_ok=True)
     save_plan(new, attempt_dir(run_dir, attempt + 1))
-    for rank, node in enumerate(survivors[1:], start=1):
-        coordinator.tell(node, {"attempt": attempt + 1, "nodes": len(survivors),
+    for rank, node in enumerate(nodes[1:], start=1):
+        coordinator.tell(node, {"attempt": attempt + 1, "nodes": len(nodes),
                                 "node_rank": rank, "resume_from": resume})
-    say(f"attempt {attempt + 1}: nodes {survivors} go on as {layout_text(new)} (was "
-        f"{layout_text(current)}); plan: {attempt_dir(run_dir, attempt + 1) / 'plan.json'}")
+    _say_relayout(current, new, nodes, attempt + 1, run_dir, resume, step,
+                  time.monotonic() - started)
+    return new, nodes
+
+
+def _say_relayout(current: JobPlan, new: JobPlan, nodes: list[int], attempt: int,
+                  run_dir: Path, resume: Optional[str], step: int, took_s: float) -> None:
+    """The new layout, the checkpoint it resumes from and what the change costs."""
+    say(f"attempt {attempt}: nodes {nodes} go on as {layout_text(new)} (was "
+        f"{layout_text(current)}); plan: {attempt_dir(run_dir, attempt) / 'plan.json'}")
     say(f"resuming from {resume} (step {step})" if resume else
         "no complete checkpoint yet: starting again from step 0")
     before, after = predicted_step_s(current), predicted_step_s(new)
     cost = "" if before is None or after is None else \
         f"; predicted step time {before:.4g}s -> {after:.4g}s (x{after / before:.2f})"
-    say(f"cost: {current.world_size - new.world_size} of {current.world_size} ranks lost"
-        f"{cost}; regrouped in {time.monotonic() - started:.1f}s")
-    return new, survivors
+    lost = current.world_size - new.world_size
+    ranks = f"{lost} of {current.world_size} ranks lost" if lost >= 0 else \
+        f"{-lost} ranks gained ({current.world_size} -> {new.world_size})"
+    say(f"cost: {ranks}{cost}; regrouped in {took_s:.1f}s")
 
 
-def follow_node0(member: Member, composed: JobPlan, attempt: int, failure: str
-                 ) -> Optional[JobPlan]:
-    """Another node after ``attempt`` failed: node 0's word, the new plan or None (end)."""
-    cfg = composed.cfg
-    wait_s = cfg.train.collective_timeout_s + 4 * cfg.launcher.silence_timeout_s
-    word = member.report_end(attempt, failure, wait_s)
-    if "attempt" not in word:
-        return None
+def _plan_of_word(word: dict, composed: JobPlan) -> JobPlan:
+    if word["attempt"] == 0:
+        return composed
     say(f"attempt {word['attempt']}: this node goes on as node {word['node_rank']} of "
         f"{word['nodes']}")
     return plan_for_attempt(composed, int(word["nodes"]), int(word["node_rank"]),
                             word.get("resume_from"))
 
 
-def run_elastic(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
-    """Launch ``plan`` and, each time an attempt fails because nodes left, go on with the
-    survivors on a new plan (module docstring). Raises what the last attempt raised when the
-    job cannot go on."""
+def _attempt(current: JobPlan, run_dir: Path, launcher, attempt: int
+             ) -> tuple[Optional[list], Optional[BaseException], Optional[str]]:
+    """(results, None, None) when the attempt finished or stopped at a checkpoint for a new
+    layout; (None, the error, its line) when it failed."""
     from launch.launchers.run import failure_line, launch
 
+    started = time.time()
+    try:
+        return launch(current, run_dir, launcher, attempt=attempt), None, None
+    except (WorkerFailure, LaunchFailed) as err:
+        line = failure_line(err, run_dir, started) if isinstance(err, WorkerFailure) \
+            else str(err)
+        return None, err, line
+
+
+def stopped_for_relayout(results: Optional[list]) -> bool:
+    return bool(results) and results[0].get("relayout_at") is not None
+
+
+def _run_node0(coordinator: Coordinator, plan: JobPlan, run_dir: Path, launcher) -> list:
+    attempt, current, members = 0, plan, list(range(plan.cfg.launcher.nnodes))
+    while True:
+        coordinator.begin(attempt, members)
+        results, error, line = _attempt(current, run_dir, launcher, attempt)
+        if error is None and not stopped_for_relayout(results):
+            return results
+        going_on = regroup_on_node0(coordinator, plan, current, members, attempt, line,
+                                    run_dir)
+        if going_on is None:
+            raise error
+        current, members = going_on
+        attempt += 1
+
+
+def _run_member(member: Member, plan: JobPlan, run_dir: Path, launcher) -> list:
+    cfg = plan.cfg
+    wait_s = cfg.train.collective_timeout_s + 4 * cfg.launcher.silence_timeout_s
+    word = member.word(None)  # a node that comes back waits for the next checkpoint
+    while True:
+        if "attempt" not in word:
+            raise LaunchFailed(f"node 0 ended the job without this node: {word['end']}")
+        attempt = int(word["attempt"])
+        results, error, line = _attempt(_plan_of_word(word, plan), run_dir, launcher, attempt)
+        if error is None and not stopped_for_relayout(results):
+            return results
+        word = member.report_end(attempt, line or "stopped at a checkpoint for a new layout",
+                                 wait_s)
+        if "attempt" not in word and error is not None:
+            raise error
+
+
+def run_elastic(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
+    """Launch ``plan`` and go on with the nodes there are: fewer after nodes left, more at
+    the next checkpoint after one came back (module docstring). Raises what the last attempt
+    raised when the job cannot go on."""
     with job_channel(plan.cfg) as channel:
-        attempt, current, members = 0, plan, list(range(plan.cfg.launcher.nnodes))
-        while True:
-            started = time.time()
-            try:
-                return launch(current, run_dir, launcher, attempt=attempt)
-            except (WorkerFailure, LaunchFailed) as err:
-                line = failure_line(err, run_dir, started) if isinstance(err, WorkerFailure) \
-                    else str(err)
-                if isinstance(channel, Coordinator):
-                    going_on = shrink_on_node0(channel, plan, current, members, attempt, line,
-                                               run_dir)
-                    if going_on is None:
-                        raise
-                    current, members = going_on
-                else:
-                    going_on = follow_node0(channel, plan, attempt, line)
-                    if going_on is None:
-                        raise
-                    current = going_on
-                attempt += 1
+        if isinstance(channel, Coordinator):
+            return _run_node0(channel, plan, run_dir, launcher)
+        return _run_member(channel, plan, run_dir, launcher)

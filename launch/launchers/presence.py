@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 BEAT_S = 0.5
 """How often a member says it is alive (much shorter than any sensible silence timeout)."""
@@ -45,6 +45,16 @@ def _send(conn: socket.socket, message: dict) -> bool:
         return False
 
 
+def _hang_up(conn: socket.socket) -> None:
+    """Close ``conn`` for both ends now (a reader thread's file object would keep a plain
+    ``close`` from reaching the peer)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
+
+
 def _lines(conn: socket.socket):
     """The JSON messages arriving on ``conn`` until it closes."""
     with conn.makefile("r", encoding="utf-8", errors="replace") as stream:
@@ -61,8 +71,12 @@ def _lines(conn: socket.socket):
 class Coordinator:
     """Node 0's side: who said what, and when each node was last heard."""
 
-    def __init__(self, silence_s: float):
-        self.silence_s = silence_s
+    def __init__(self, silence_s: float, nnodes: int, on_join: Callable[[int], None]):
+        self.silence_s, self.on_join = silence_s, on_join
+        self.attempt, self.members = 0, set(range(nnodes))
+        self.joining: list[int] = []
+        """Nodes that came (back) during an attempt they are not in: taken in at the next
+        checkpoint (``on_join`` asks the running workers to stop there)."""
         self.server = socket.create_server(("", 0))
         self.port = self.server.getsockname()[1]
         self.nodes: dict[int, NodeState] = {}
@@ -83,7 +97,9 @@ class Coordinator:
             with self.changed:
                 if "hello" in message:
                     node = int(message["hello"])
+                    again = node in self.nodes  # started again: it waits to be taken in
                     self.nodes[node] = NodeState(conn=conn)
+                    self._welcome(node, again)
                 elif node is not None:
                     state = self.nodes[node]
                     state.last_heard = time.monotonic()
@@ -96,6 +112,29 @@ class Coordinator:
             if node is not None:
                 self.nodes[node].closed = True
             self.changed.notify_all()
+
+    def _welcome(self, node: int, again: bool) -> None:
+        """Attempt 0's nodes start at once; a node that comes later waits to be taken in."""
+        if self.attempt == 0 and node in self.members and not again:
+            _send(self.nodes[node].conn, {"attempt": 0, "nodes": len(self.members),
+                                          "node_rank": node, "resume_from": None})
+        elif node not in self.joining:
+            self.joining.append(node)
+            self.on_join(node)
+
+    def begin(self, attempt: int, members: list[int]) -> None:
+        """``attempt`` starts with ``members``; nodes still waiting are asked for again."""
+        with self.changed:
+            self.attempt, self.members = attempt, set(members)
+            self.joining = [n for n in self.joining if n not in self.members]
+            for node in self.joining:
+                self.on_join(node)
+
+    def take_joining(self, room: int) -> list[int]:
+        """Up to ``room`` of the nodes waiting to come in, the lowest first, still there."""
+        with self.changed:
+            there = sorted(n for n in self.joining if self.why_gone(n) is None)
+            return there[:max(0, room)]
 
     def why_gone(self, node: int) -> Optional[str]:
         """Why ``node`` is gone (exit, signal, silence), or None while it is there. Call with
@@ -145,10 +184,7 @@ class Coordinator:
         self.server.close()
         with self.changed:
             for state in self.nodes.values():
-                try:
-                    state.conn.close()
-                except OSError:
-                    pass
+                _hang_up(state.conn)
 
 
 class Member:
@@ -186,14 +222,18 @@ class Member:
             self.changed.notify_all()
 
     def report_end(self, attempt: int, failure: str, wait_s: float) -> dict:
-        """Tell node 0 that ``attempt`` ended here (``failure``: its line); node 0's word:
-        ``{"attempt": n, "nodes": k, "node_rank": r, "resume_from": path}`` or ``{"end": why}``."""
+        """Tell node 0 that ``attempt`` ended here (``failure``: its line); node 0's word."""
         self._say({"ready": attempt, "failure": failure})
-        deadline = time.monotonic() + wait_s
+        return self.word(wait_s)
+
+    def word(self, wait_s: Optional[float]) -> dict:
+        """Node 0's next word: ``{"attempt": n, "nodes": k, "node_rank": r, "resume_from":
+        path}`` or ``{"end": why}``; ``wait_s`` None: until node 0 speaks or closes."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         with self.changed:
             while not self.replies:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     return {"end": f"node 0 said nothing within {wait_s:.0f}s"}
                 self.changed.wait(left)
             return self.replies.pop(0)
@@ -201,7 +241,4 @@ class Member:
     def close(self, why: str) -> None:
         self._say({"bye": why})
         self.closed.set()
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        _hang_up(self.conn)

@@ -99,6 +99,9 @@ def report_results(results: list, run_dir: Path) -> None:
         last[record["step"]] = record["loss"]  # a step run again after a restart: its last
     losses = [last[s] for s in sorted(last)] or results[0]["losses"]
     restarts = count_restarts(run_dir, AGENT_LOG)
-    again = f" ({restarts} restart{'s' * (restarts > 1)})" if restarts else ""
+    relayouts = len(list(run_dir.glob("attempt-*/plan.json")))  # launch.launchers.elastic
+    again = ", ".join([f"{restarts} restart{'s' * (restarts > 1)}"] * bool(restarts)
+                      + [f"{relayouts} re-layout{'s' * (relayouts > 1)}"] * bool(relayouts))
+    again = f" ({again})" if again else ""
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps{again}")
     print(f"run directory: {run_dir}")
