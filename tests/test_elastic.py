@@ -83,13 +83,18 @@ def test_a_killed_node_leaves_and_node_0_finishes_on_fewer_with_the_same_losses(
         killed = time.monotonic()
         first = _wait_for(lambda: [r for r in records(tmp_path / "node0")
                                    if r["layout"] == shrunk], 240, "a step on the new layout")
+        to_first_step = time.monotonic() - killed
         print(f"\nkill -> first step on the new layout ({first[0]['step']}): "
-              f"{time.monotonic() - killed:.1f}s")
+              f"{to_first_step:.1f}s")
         out, err = node0.communicate(timeout=240)
+        to_end = time.monotonic() - killed
     finally:
         stop_all(node0, node1)
     assert node0.returncode == 0, err[-3000:]
+    # #41: node 0 finishes within 2 minutes of the kill plus its own run time (steps 5-8)
+    assert to_first_step < 120, to_first_step
     run = records(tmp_path / "node0")
+    assert to_end < 120 + sum(r["step_time_s"] for r in run[5:]), to_end
     assert [r["step"] for r in run][:5] == [1, 2, 3, 4, 5]
     assert run[-1]["step"] == STEPS and all(r["layout"] == shrunk for r in run[5:])
     losses = last_loss_per_step(tmp_path / "node0")
