@@ -42,7 +42,8 @@ def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) 
         "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in AXES},
         "comm_bytes_dp_uncompressed": exact_dp_bytes(plan, step),
         "comm_calls": {axis: report.comm[axis]["calls"] for axis in AXES},
-        "peak_mem_bytes": report.peak_mem_bytes, **summary,
+        "peak_mem_bytes": report.peak_mem_bytes,
+        "layout": {axis: plan.layout.size(axis) for axis in AXES}, **summary,
         **utilisation(plan, report.step_time_s),
     }
 

@@ -59,6 +59,11 @@ def stop_if_not_finite(step: int, loss: float, grad_norm: float, lr: float) -> N
                          f"{lr:.3g}) or resume from an earlier checkpoint")
 
 
+RELAYOUT_KEY = "relayout"
+"""The key an elastic launcher sets in the attempt's store to stop the workers at the next
+checkpoint (``launch.launchers.elastic``)."""
+
+
 class Trainer:
     """Everything one rank holds for a run of ``plan``; ``run()`` trains
     ``cfg.train.steps`` steps. The plan is used as it is: nothing is planned again here."""
@@ -220,6 +225,7 @@ class Trainer:
         if is_rank0:
             self._say_where_it_starts()
         losses, norms, evals = [], [], {}
+        stopped_at = None
         checking = True  # until the first step that updates (dp_delay's step 1 does not)
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
@@ -240,6 +246,9 @@ class Trainer:
                 if recorder is not None:
                     self._write_timeline(recorder, step)
                 self.checkpointer.after_step(step)
+                if step < cfg.train.steps and self._relayout_asked(step):
+                    stopped_at = step
+                    break
             self.checkpointer.close()
         finally:
             metrics.close()
@@ -249,7 +258,22 @@ class Trainer:
         return {"losses": losses, "grad_norms": norms, "eval_losses": evals,
                 "initialised_from": self.checkpointer.initialised_from,
                 "run_dir": str(self.run_dir),
-                "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from}
+                "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from,
+                "relayout_at": stopped_at}
+
+    def _relayout_asked(self, step: int) -> bool:
+        """An elastic job (``launcher.min_nodes``) whose launcher asks, in the store, to stop
+        for a new layout (a node came back): asked at each checkpoint step, so that the next
+        attempt resumes from this step's checkpoint. Rank 0 reads the store; every rank
+        follows its answer (one all-reduce, so all stop at the same step)."""
+        every = self.cfg.checkpoint.every
+        if self.cfg.launcher.min_nodes is None or every <= 0 or step % every or \
+                self.store is None:
+            return False
+        asked = float(dist.get_rank() == 0 and self.store.check([RELAYOUT_KEY]))
+        flag = torch.tensor([asked], device=self.device)
+        self.groups.world.all_reduce(flag)
+        return bool(flag.item())
 
     def _say_where_it_starts(self) -> None:
         """Before the first step: the checkpoint this run (or this attempt, after a restart)

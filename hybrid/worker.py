@@ -39,31 +39,42 @@ def pick_device(cfg: Config) -> torch.device:
     return device
 
 
-def init_distributed(backend: str, timeout: timedelta) -> dist.Store:
+def store_prefix(attempt: int, restart: int) -> str:
+    """The workers' prefix in the agent's store: per restart of the group, and per elastic
+    attempt after the first (``launch.launchers.elastic`` writes there too)."""
+    if not attempt:
+        return f"hybrid/attempt_{restart}"
+    return f"hybrid/elastic_{attempt}/attempt_{restart}"
+
+
+def init_distributed(backend: str, timeout: timedelta, attempt: int = 0) -> dist.Store:
     """``init_process_group`` from the launcher's variables, on a store prefixed by the restart
     count.
 
     Under torch's elastic agent every attempt of a restarted worker group gets the same
     ``MASTER_PORT``: the agent's own store, which still holds the previous attempt's keys
     (every process group's peer addresses). Without a prefix of its own the new group would
-    read them and connect to dead workers' ports ("Connection refused"). Returns the prefixed
-    store (where a failed rank publishes its stall report).
+    read them and connect to dead workers' ports ("Connection refused"). An elastic job's
+    later attempts (``attempt`` > 0: a new layout after nodes left) meet on node 0's same store
+    again, so their prefix names the attempt too. Returns the prefixed store (where a failed
+    rank publishes its stall report).
     """
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_store, timeout=timeout)
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    attempt_store = dist.PrefixStore(f"hybrid/attempt_{attempt}", store)
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt_store = dist.PrefixStore(store_prefix(attempt, restart), store)
     dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world,
                             timeout=timeout)
     return attempt_store
 
 
-def worker_main(plan_dict: dict, run_dir: str) -> dict:
+def worker_main(plan_dict: dict, run_dir: str, attempt: int = 0) -> dict:
     """Train this rank of the plan (``hybrid.planning.plan_file`` form); returns a summary
-    (losses are known on every rank)."""
+    (losses are known on every rank). ``attempt``: an elastic job's attempt (its layout after
+    nodes left; 0 otherwise)."""
     from hybrid.data import open_dataset, open_eval_dataset
     from hybrid.pipeline.calibrate import settle_measured_partition
     from hybrid.train import train
@@ -84,7 +95,7 @@ def worker_main(plan_dict: dict, run_dir: str) -> dict:
     dataset, eval_dataset = open_dataset(plan), open_eval_dataset(plan)
     # A rank stuck in a collective this long fails instead of hanging the job forever.
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    store = init_distributed(backend_for(device), timeout)
+    store = init_distributed(backend_for(device), timeout, attempt)
     try:
         groups = ParallelGroups.create(plan.layout, device, timeout)
         plan = settle_measured_partition(plan, groups, Path(run_dir))

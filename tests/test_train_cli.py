@@ -14,6 +14,7 @@ from refusals import refusal_in_process
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 
+TWO_NODES = ["launcher.nnodes=2", "launcher.nproc_per_node=4", "launcher.rdzv_endpoint=127.0.0.1:1"]
 BAD = [
     (["parallel.cp=3"], "parallel.cp=3 needs model.seq_len=32 divisible by 2*cp=6"),
     (["parallel.tp=3"], "parallel.tp=3 does not divide model.heads=4"),
@@ -67,6 +68,20 @@ BAD = [
      "launcher.cpus_per_task=0 must be an integer >= 1"),
     (["launcher=slurm", "launcher.rdzv_endpoint=n1:29500"],
      "launcher=slurm places the nodes itself"),
+    # launcher.min_nodes (#41): refused before any node waits for the others
+    (["launcher=torchrun", *TWO_NODES, "launcher.min_nodes=3", "checkpoint.every=2",
+      "checkpoint.dir=/tmp"], "launcher.min_nodes=3 must be in 1..launcher.nnodes=2"),
+    (["launcher=torchrun", *TWO_NODES, "launcher.min_nodes=1"],
+     "launcher.min_nodes=1 needs checkpoint.every > 0"),
+    (["launcher=torchrun", *TWO_NODES, "launcher.min_nodes=1", "checkpoint.every=2",
+      "checkpoint.dir=/tmp", "parallel.tp=8", "parallel.dp=1", "parallel.pp=1"],
+     "a TP group spans nodes"),
+    (["launcher=torchrun", "launcher.nnodes=2", "launcher.nproc_per_node=1",
+      "launcher.rdzv_endpoint=127.0.0.1:1", "launcher.min_nodes=1", "checkpoint.every=2",
+      "checkpoint.dir=/tmp", "parallel.schedule=interleaved-1f1b", "parallel.vpp=2",
+      "parallel.dp=1", "parallel.tp=1", "model.layers=8"],
+     "launcher.min_nodes=1: no layout of the config fits 1 node(s) x 1 ranks"),
+    (["launcher.min_nodes=1"], "launcher.min_nodes=1 is for jobs of several nodes"),
 ]
 
 # One of each kind of refusal (a validation rule, Hydra's composition of a key, a preset and a

@@ -28,6 +28,12 @@ class LauncherConfig:
     """OMP_NUM_THREADS per worker; None means cores / local workers (at least 1)."""
     max_restarts: int = 0
     """Restarts of the whole worker group after a failure."""
+    min_nodes: Optional[int] = None
+    """torchrun: when nodes leave (killed, exited, silent), go on with as few as this many on
+    a layout the survivors hold, the same global batch, from the newest checkpoint (needs
+    checkpoint.every; docs/multinode.md); None: a node that leaves ends the job."""
+    silence_timeout_s: float = 30.0
+    """With min_nodes: a node not heard from for this long is counted as gone."""
     start_method: str = "forkserver"
     """How local workers start: forkserver (torch is imported once and shared: fast start) |
     spawn (each worker a fresh interpreter)."""

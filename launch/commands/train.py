@@ -215,7 +215,12 @@ def run(plan: JobPlan, launcher: Launcher, run_dir: Path) -> bool:
 
     started = time.time()
     try:
-        results = launch(plan, run_dir, launcher)
+        if plan.cfg.launcher.min_nodes is not None:
+            from launch.launchers.elastic import run_elastic
+
+            results = run_elastic(plan, run_dir, launcher)
+        else:
+            results = launch(plan, run_dir, launcher)
     except WorkerFailure as err:
         raise RunFailed(failure_line(err, run_dir, started)) from None
     except LaunchFailed as err:

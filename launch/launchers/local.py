@@ -36,6 +36,10 @@ class LocalLauncher:
         if cfg.launcher.nnodes != 1:
             return (f"launcher=local runs one node, not launcher.nnodes={cfg.launcher.nnodes}; "
                     f"use launcher=torchrun on each node")
+        if cfg.launcher.min_nodes is not None:
+            return (f"launcher.min_nodes={cfg.launcher.min_nodes} is for jobs of several nodes "
+                    f"with launcher=torchrun; drop it (max_restarts restarts one node's "
+                    f"workers)")
         return None
 
     def check_here(self, plan) -> None:

@@ -28,13 +28,16 @@ class Rendezvous:
     node_rank: int = 0
     endpoint: Optional[str] = None
     timeout_s: float = 300.0
+    run_id: str = "hybrid"
+    """Static rendezvous: the store prefix of this meeting (an elastic job's later attempts
+    meet at the same endpoint under their own)."""
 
     def launch_options(self) -> dict:
         if self.endpoint is None:
             return {"min_nodes": 1, "max_nodes": 1, "rdzv_backend": "c10d",
                     "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
         return {"min_nodes": self.nnodes, "max_nodes": self.nnodes, "rdzv_backend": "static",
-                "rdzv_endpoint": self.endpoint, "run_id": "hybrid",
+                "rdzv_endpoint": self.endpoint, "run_id": self.run_id,
                 "rdzv_configs": {"rank": self.node_rank, "timeout": int(self.timeout_s)}}
 
 

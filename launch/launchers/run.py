@@ -66,10 +66,11 @@ def save_run_files(plan: JobPlan, run_dir: Path) -> None:
     save_plan(plan, run_dir)
 
 
-def launch(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
+def launch(plan: JobPlan, run_dir: Path, launcher, attempt: int = 0) -> Optional[list]:
     """Start the workers of ``plan`` through ``launcher``; their results by rank, or None
     when the launcher left them running (a Slurm job submitted without waiting, a dry run).
-    Every worker gets the plan itself: none plans again."""
+    Every worker gets the plan itself: none plans again. ``attempt``: which elastic attempt
+    this is (``launch.launchers.elastic``: a new plan after nodes left; 0 otherwise)."""
     cfg = plan.cfg
     # Read when the fork server's interpreter starts, before it imports megatron-core, which
     # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
@@ -80,10 +81,11 @@ def launch(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
         start_fork_server(WORKER_PRELOAD, threads)
     from hybrid.worker import worker_main
 
+    again = {"attempt": attempt} if attempt else {}
     return launcher.launch(
-        worker_main, (plan_to_dict(plan), str(run_dir)), plan, run_dir,
+        worker_main, (plan_to_dict(plan), str(run_dir), attempt), plan, run_dir,
         omp_threads=cfg.launcher.omp_threads, max_restarts=cfg.launcher.max_restarts,
-        start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD)
+        start_method=cfg.launcher.start_method, preload=WORKER_PRELOAD, **again)
 
 
 def report_results(results: list, run_dir: Path) -> None:
@@ -97,6 +99,9 @@ def report_results(results: list, run_dir: Path) -> None:
         last[record["step"]] = record["loss"]  # a step run again after a restart: its last
     losses = [last[s] for s in sorted(last)] or results[0]["losses"]
     restarts = count_restarts(run_dir, AGENT_LOG)
-    again = f" ({restarts} restart{'s' * (restarts > 1)})" if restarts else ""
+    relayouts = len(list(run_dir.glob("attempt-*/plan.json")))  # launch.launchers.elastic
+    again = ", ".join([f"{restarts} restart{'s' * (restarts > 1)}"] * bool(restarts)
+                      + [f"{relayouts} re-layout{'s' * (relayouts > 1)}"] * bool(relayouts))
+    again = f" ({again})" if again else ""
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps{again}")
     print(f"run directory: {run_dir}")

@@ -112,6 +112,9 @@ class SlurmLauncher:
         if launcher.rdzv_endpoint is not None or launcher.node_rank != 0:
             return ("launcher=slurm places the nodes itself (the job's first node hosts the "
                     "rendezvous); drop launcher.rdzv_endpoint and launcher.node_rank")
+        if launcher.min_nodes is not None:
+            return (f"launcher.min_nodes={launcher.min_nodes} (going on with fewer nodes) is "
+                    f"built for launcher=torchrun only; drop it on Slurm")
         return None
 
     def check_here(self, plan) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from hybrid.planning.elastic import elastic_problem
 from launch.launchers.agent import run_agent
 from launch.launchers.launcher import register_launcher
 from launch.launchers.rendezvous import Rendezvous
@@ -40,19 +41,23 @@ class TorchrunLauncher:
             return (f"launcher.nnodes={launcher.nnodes} with checkpoints: every node writes its "
                     f"ranks' files, and each node's run directory differs; set checkpoint.dir "
                     f"to one path that all nodes share")
-        return None
+        return elastic_problem(cfg)
 
     def check_here(self, plan) -> None:
         pass
 
-    def rendezvous(self, cfg) -> Rendezvous:
+    def rendezvous(self, cfg, attempt: int = 0) -> Rendezvous:
+        """``attempt`` > 0: an elastic job's later attempt, met under its own run id at the
+        same endpoint (``launch.launchers.elastic``)."""
         launcher = cfg.launcher
         if launcher.nnodes == 1 and launcher.rdzv_endpoint is None:
             return Rendezvous()
         return Rendezvous(nnodes=launcher.nnodes, node_rank=launcher.node_rank,
-                          endpoint=launcher.rdzv_endpoint, timeout_s=launcher.rdzv_timeout_s)
+                          endpoint=launcher.rdzv_endpoint, timeout_s=launcher.rdzv_timeout_s,
+                          run_id=f"hybrid-{attempt}" if attempt else "hybrid")
 
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], plan, run_dir: Path,
-               **options: Any) -> list[Any]:
+               attempt: int = 0, **options: Any) -> list[Any]:
         return run_agent(entrypoint, args, nproc=plan.ranks_per_node,
-                         rendezvous=self.rendezvous(plan.cfg), run_dir=run_dir, **options)
+                         rendezvous=self.rendezvous(plan.cfg, attempt), run_dir=run_dir,
+                         **options)
