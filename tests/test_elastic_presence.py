@@ -21,7 +21,7 @@ def hello(port: int, node: int) -> socket.socket:
 @pytest.fixture
 def coordinator():
     joined = []
-    coord = Coordinator(silence_s=1.0, nnodes=4, on_join=joined.append)
+    coord = Coordinator(silence_s=3.0, nnodes=4, on_join=joined.append)  # beats: 0.5 s
     coord.joined = joined
     yield coord
     coord.close()
@@ -42,7 +42,7 @@ def test_exit_signal_and_silence_are_told_apart(coordinator):
     assert ready == []
     assert gone[1] == "it exited (exit code 1)"
     assert gone[2].startswith("its hybrid-train died without a word (killed by a signal")
-    assert gone[3].startswith("silence: not heard for 1s (launcher.silence_timeout_s=1;")
+    assert gone[3].startswith("silence: not heard for 3s (launcher.silence_timeout_s=3;")
 
 
 def test_a_node_that_reports_is_told_its_place(coordinator):
