@@ -66,6 +66,13 @@ BAD = [
      "launcher.cpus_per_task=0 must be an integer >= 1"),
     (["launcher=slurm", "launcher.rdzv_endpoint=n1:29500"],
      "launcher=slurm places the nodes itself"),
+    (["parallel.dp_balance=fast"], "parallel.dp_balance='fast' is unknown; choose one of even"),
+    (["parallel.dp_balance=dynamic", "parallel.dp_balance_every=0"],
+     "parallel.dp_balance_every=0 must be an integer >= 1"),
+    (["parallel.dp_balance=dynamic", "parallel.dp_compress=powersgd"],
+     "parallel.dp_balance=dynamic cannot run with parallel.dp_compress=powersgd"),
+    (["parallel.dp_balance=dynamic", "parallel.zero=3"],
+     "parallel.dp_balance=dynamic cannot run with parallel.zero=3"),
 ]
 
 pytestmark = pytest.mark.timeout(120)
