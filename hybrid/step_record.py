@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from hybrid.planning.cost.flops import hardware_flops_per_step, model_flops_per_step
 from hybrid.planning.job import JobPlan, rank_dp_bytes
@@ -29,6 +30,8 @@ class StepReport:
     data_s: float = 0.0
     """The slowest rank's seconds building its micro-batches before the step (not in
     ``step_time_s``; Megatron-LM's batch-generator time)."""
+    dp_shares: Optional[list[int]] = None
+    """Micro-batches each DP replica ran (``parallel.dp_balance=dynamic``; else None)."""
 
 
 def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) -> dict:
@@ -44,6 +47,7 @@ def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) 
         "comm_calls": {axis: report.comm[axis]["calls"] for axis in AXES},
         "peak_mem_bytes": report.peak_mem_bytes, **summary,
         **utilisation(plan, report.step_time_s),
+        **({"dp_shares": report.dp_shares} if report.dp_shares is not None else {}),
     }
 
 

@@ -13,13 +13,15 @@ found greedily: every replica starts at the least the schedule needs, and each f
 goes to the replica that would finish it soonest.
 
 Hysteresis: new shares are taken only when they are predicted to save at least
-``min_saving`` of the current shares' predicted step. Scheduling noise on a shared machine
+``min_saving`` of the current shares' predicted step, and when two windows in a row ask for
+a change. Scheduling noise on a shared machine
 moves a replica's time by some percent; with micro-batches as the unit, a move must save a
 whole micro-batch of the slowest replica, so an undisturbed run keeps even shares.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -121,11 +123,14 @@ class Balancer:
     def __post_init__(self) -> None:
         self.window: list[list[float]] = []
         self.last: Optional[BalanceDecision] = None
+        self.proposed: Optional[tuple[int, ...]] = None
+        """The shares the last window asked for, if it asked for a change (``observe``)."""
 
     def observe(self, replica_compute_s: Sequence[float], decide: Optional[bool] = None) -> bool:
         """One step's per-replica compute; then decide when ``decide`` says so (default: once
-        the window holds ``every`` steps). Returns whether the shares changed (they apply
-        from the next step)."""
+        the window holds ``every`` steps). New shares are taken when two windows in a row ask
+        for a change (a burst of scheduling noise lasts one window, a slow replica stays):
+        the second window's. Returns whether the shares changed (from the next step on)."""
         self.window.append(list(replica_compute_s))
         if not (len(self.window) >= self.every if decide is None else decide):
             return False
@@ -133,9 +138,12 @@ class Balancer:
         self.window = []
         self.last = decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
                                   min_saving=self.min_saving)
-        changed = self.last.shares != self.shares
-        self.shares = self.last.shares
-        return changed
+        wanted = self.last.shares if self.last.shares != self.shares else None
+        confirmed = wanted is not None and self.proposed is not None
+        self.proposed = None if confirmed else wanted
+        if confirmed:
+            self.shares = wanted
+        return confirmed
 
     def restore(self, shares: Sequence[int]) -> bool:
         """Shares read back from a checkpoint, if they fit this run (as many replicas, the
@@ -143,7 +151,7 @@ class Balancer:
         fits = len(shares) == len(self.shares) and sum(shares) == sum(self.shares) and \
             all(s >= self.unit and s % self.unit == 0 for s in shares)
         if fits:
-            self.shares, self.window = tuple(int(s) for s in shares), []
+            self.shares, self.window, self.proposed = tuple(int(s) for s in shares), [], None
         return fits
 
 
@@ -204,6 +212,19 @@ def balance_warnings(cfg) -> list[str]:
                 f"parallel.dp={parallel.dp} replicas: no replica can give one up; raise "
                 f"train.global_batch or lower train.micro_batch"]
     return []
+
+
+def replica_speed_problem(speeds: Optional[Sequence[float]], dp: int) -> Optional[str]:
+    """Why ``cost.replica_speed`` cannot be priced on ``dp`` replicas (one line), else None."""
+    if speeds is None:
+        return None
+    values = list(speeds)
+    if len(values) != dp:
+        return (f"cost.replica_speed={values} names {len(values)} replicas but parallel.dp="
+                f"{dp}; give one speed per DP replica (1 = the device's)")
+    if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in values):
+        return f"cost.replica_speed={values} must be finite numbers > 0 (1 = the device's)"
+    return None
 
 
 def check_balance(parallel) -> None:
