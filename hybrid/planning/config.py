@@ -273,6 +273,10 @@ class CostConfig:
     inter_node_gbit: Optional[float] = None
     """The link between nodes in Gb/s instead of the device's (e.g. 10 for plain Ethernet):
     what-if pricing, e.g. of the DP options hybrid-plan compares."""
+    replica_speed: Optional[List[float]] = None
+    """Each DP replica's compute speed relative to the device (e.g. [1, 0.5]: the second at
+    half speed): hybrid-plan then predicts the step under even shares and under
+    parallel.dp_balance=dynamic's; None: every replica at the device's speed."""
 
 
 @dataclass(kw_only=True)

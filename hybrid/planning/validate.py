@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
-from hybrid.planning.balance import balance_warnings, check_balance
+from hybrid.planning.balance import balance_warnings, check_balance, replica_speed_problem
 from hybrid.planning.context import context_problem
 from hybrid.planning.data_sources import data_problem, eval_problem, eval_size_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
@@ -123,6 +123,9 @@ def _check_dp_options(cfg: Config) -> None:
     if problem:
         raise LayoutError(problem)
     check_balance(cfg.parallel)
+    problem = replica_speed_problem(cfg.cost.replica_speed, cfg.parallel.dp)
+    if problem:
+        raise LayoutError(problem)
 
 
 def _check_data(cfg: Config) -> None:
