@@ -181,7 +181,8 @@ def checked_records(run_dir) -> list[dict]:
     layers = sum(1 for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers)
     ring = cp_step_bytes(cfg, plan.layout, layers, plan.schedule.microbatches)
     for record in records:
-        predicted = rank_dp_bytes(cfg, plan, 0, record["step"])
+        predicted = rank_dp_bytes(cfg, plan, 0, record["step"],
+                                  rounds=max(record.get("dp_shares", [0])) or None)
         assert abs(record["comm_bytes"]["dp"] - predicted) <= 1e-9 * predicted, \
             (record["step"], record["comm_bytes"]["dp"], predicted)
         assert record["comm_bytes"]["cp"] == ring, (record["step"], record["comm_bytes"], ring)

@@ -140,7 +140,7 @@ class Trainer:
         self.counter.reset()
         self.watch.start_step(step)
         self._use_schedule_of(self.shares.mine)
-        self.sync.start_step(self.shares.mine, step=step)
+        self.sync.start_step(self.shares.mine, step=step, rounds=max(self.shares.shares))
         if self.weights is not None:
             self.weights.reset_peak()
         try:

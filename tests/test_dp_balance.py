@@ -15,7 +15,7 @@ from hybrid.data.loader import share_span
 from hybrid.data.synthetic import MarkovDataset
 from hybrid.planning.balance import (
     Balancer, balance_problem, balance_warnings, best_shares, decide_shares, even_shares,
-    per_microbatch_s, predicted_step_s, replica_compute,
+    fitted_model, predicted_step_s, replica_compute, window_medians,
 )
 from hybrid.planning.config import Config, ParallelConfig
 
@@ -56,7 +56,24 @@ def test_measurements_are_per_microbatch_medians_of_each_replicas_slowest_rank()
     assert replica_compute([0.1, 0.3, 0.2, 0.25], dp_of_rank=[0, 0, 1, 1], replicas=2) == \
         [0.3, 0.25]
     window = [[0.4, 0.8], [0.4, 9.0], [0.4, 0.8]]  # one disturbed step does not count
-    assert per_microbatch_s(window, (4, 4)) == [0.1, 0.2]
+    assert window_medians(window) == [0.4, 0.8]
+
+
+def test_a_replica_whose_time_did_not_fall_with_its_share_loses_no_more():
+    assert fitted_model({4: 0.8}, bubble=0.0) == (0.2, 0.0)  # one count: proportional
+    u, offset = fitted_model({4: 0.8, 2: 0.5}, bubble=0.0)  # 0.15 per micro-batch + 0.2
+    assert u == pytest.approx(0.15) and offset * u == pytest.approx(0.2)
+    u, offset = fitted_model({4: 0.8, 2: 0.8}, bubble=0.0)  # at least half proportional
+    assert u == pytest.approx(0.1) and offset * u == pytest.approx(0.5)
+    balancer = Balancer((4, 4), every=1)
+    for seconds in ([0.4, 0.8], [0.4, 0.8]):
+        balancer.observe(seconds)
+    assert balancer.shares == (6, 2)
+    # at 2 micro-batches replica 1 is hardly faster than at 4: its time is mostly fixed, so
+    # (7, 1) would not pay (taken as proportional, 0.39 s per micro-batch, it would)
+    for seconds in ([0.6, 0.78], [0.6, 0.78], [0.6, 0.78]):
+        balancer.observe(seconds)
+    assert balancer.shares == (6, 2), balancer.seconds_at
 
 
 def test_balancer_takes_new_shares_when_two_windows_in_a_row_ask_for_a_change():
@@ -98,7 +115,7 @@ def _parallel(**fields) -> ParallelConfig:
     ({"dp_sync_every": 4}, "cannot run with parallel.dp_sync_every=4: its maths assume equal"),
     ({"dp_compress": "powersgd"}, "cannot run with parallel.dp_compress=powersgd"),
     ({"dp_delay": 1}, "cannot run with parallel.dp_delay=1"),
-    ({"zero": 2}, "cannot run with parallel.zero=2: it communicates once per micro-batch"),
+    ({"zero": 2, "vpp": 2}, "with parallel.zero=2 needs one model chunk per pipeline rank"),
     ({"zero": 3}, "cannot run with parallel.zero=3"),
 ])
 def test_settings_it_cannot_run_are_one_line_each(fields, needle):
@@ -107,7 +124,8 @@ def test_settings_it_cannot_run_are_one_line_each(fields, needle):
 
 
 def test_what_it_runs_with():
-    for fields in ({}, {"zero": 1}, {"dp_compress": "bf16"}, {"dp_balance": "even", "zero": 3}):
+    for fields in ({}, {"zero": 1}, {"zero": 2}, {"dp_compress": "bf16"},
+                   {"dp_balance": "even", "zero": 3}):
         assert balance_problem(_parallel(**fields)) is None, fields
 
 

@@ -5,9 +5,11 @@ ranks decide, from the same all-gathered measurements, how many of the step's ``
 micro-batches each DP replica runs. The global batch is unchanged (replica ``r`` runs the
 ``r``-th contiguous run of ``shares[r]`` micro-batches); only who computes what moves.
 
-The model of a replica's step: ``u_r * (m_r + bubble)`` seconds, ``u_r`` its seconds per
-micro-batch (the slowest of its ranks' compute, divided by the micro-batches it ran) and
-``bubble`` the pipeline's fill and drain in micro-batches (``(pp - 1) / vpp``). The step ends
+The model of a replica's step: ``u_r * (m_r + b_r)`` seconds, ``u_r`` its seconds per
+micro-batch and ``b_r`` what its step costs whatever its share, in micro-batches: at first the
+pipeline's fill and drain (``(pp - 1) / vpp``) with the whole measured time (its slowest
+rank's compute) taken as proportional; once the replica ran two counts, a straight line
+through its measurements (``fitted_model``). The step ends
 when the slowest replica does, so the shares that minimise the largest predicted time are
 found greedily: every replica starts at the least the schedule needs, and each further unit
 goes to the replica that would finish it soonest.
@@ -24,17 +26,19 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from hybrid.planning.layout import LayoutError
 
 BALANCE_MODES = ("even", "dynamic")
 DEFAULT_EVERY = 5
 DEFAULT_MIN_SAVING = 0.1
+MIN_PROPORTIONAL = 0.5
+"""The least share of a replica's measured time the fitted line keeps per micro-batch."""
 CHECKPOINT_KEY = "train.dp_shares"
 """The shares' tensor in a checkpoint (int64, one count per replica)."""
-UNBALANCED_ZERO = 2
-"""The first ZeRO stage dynamic shares refuse (it reduce-scatters every micro-batch)."""
+UNBALANCED_ZERO = 3
+"""The first ZeRO stage dynamic shares refuse (it gathers weights every micro-batch)."""
 
 
 @dataclass(frozen=True)
@@ -59,27 +63,62 @@ def even_shares(total: int, replicas: int) -> tuple[int, ...]:
     return (total // replicas,) * replicas
 
 
-def predicted_step_s(per_mb_s: Sequence[float], shares: Sequence[int], bubble: float) -> float:
-    """The step's predicted seconds: the slowest replica's ``u_r * (m_r + bubble)``."""
-    return max(u * (m + bubble) for u, m in zip(per_mb_s, shares))
+Offset = Union[float, Sequence[float]]
+"""A replica's fixed cost in micro-batches of its own: the pipeline's fill and drain, and what
+a step costs whatever its share (one number for all replicas, or one each)."""
+
+
+def _offsets(bubble: Offset, replicas: int) -> list[float]:
+    return [float(bubble)] * replicas if isinstance(bubble, (int, float)) else list(bubble)
+
+
+def predicted_step_s(per_mb_s: Sequence[float], shares: Sequence[int],
+                     bubble: Offset = 0.0) -> float:
+    """The step's predicted seconds: the slowest replica's ``u_r * (m_r + bubble_r)``."""
+    offsets = _offsets(bubble, len(shares))
+    return max(u * (m + b) for u, m, b in zip(per_mb_s, shares, offsets))
 
 
 def best_shares(per_mb_s: Sequence[float], total: int, *, unit: int = 1,
-                bubble: float = 0.0) -> tuple[int, ...]:
+                bubble: Offset = 0.0) -> tuple[int, ...]:
     """Shares of ``total`` micro-batches (in steps of ``unit``, each at least ``unit``) that
     minimise the predicted step; ties go to the lower replica index (the same on every rank)."""
     replicas = len(per_mb_s)
     if total % unit or total // unit < replicas:
         raise ValueError(f"{total} micro-batches cannot give {replicas} replicas {unit} each")
+    offsets = _offsets(bubble, replicas)
     shares = [unit] * replicas
     for _ in range(total // unit - replicas):
-        finish = [u * (m + unit + bubble) for u, m in zip(per_mb_s, shares)]
+        finish = [u * (m + unit + b) for u, m, b in zip(per_mb_s, shares, offsets)]
         shares[finish.index(min(finish))] += unit
     return tuple(shares)
 
 
+def fitted_model(seconds_at: dict[int, float], bubble: float) -> tuple[float, float]:
+    """A replica's ``(seconds per micro-batch, offset in micro-batches)`` from its measured
+    step (``seconds_at[m]``: the median at ``m`` micro-batches). At one count the whole time
+    is taken as proportional (plus the bubble); once two counts were measured, a straight
+    line through them (least squares) says what the step costs whatever the share, so a
+    replica whose time did not fall with its share gets its micro-batches back."""
+    counts = sorted(seconds_at)
+    if len(counts) >= 2:
+        mean_m = statistics.fmean(counts)
+        mean_t = statistics.fmean(seconds_at[m] for m in counts)
+        spread = sum((m - mean_m) ** 2 for m in counts)
+        slope = sum((m - mean_m) * (seconds_at[m] - mean_t) for m in counts) / spread
+        # at least half of the time stays proportional: a line through two noisy points
+        # must not make a replica look free to load
+        proportional = min(seconds_at[m] / (m + bubble) for m in counts)
+        slope = max(slope, MIN_PROPORTIONAL * proportional)
+        fixed = max(mean_t - slope * mean_m, slope * bubble)
+        return slope, fixed / slope
+    m = counts[-1]
+    return seconds_at[m] / (m + bubble), bubble
+
+
 def decide_shares(per_mb_s: Sequence[float], current: Sequence[int], *, unit: int = 1,
-           bubble: float = 0.0, min_saving: float = DEFAULT_MIN_SAVING) -> BalanceDecision:
+                  bubble: Offset = 0.0,
+                  min_saving: float = DEFAULT_MIN_SAVING) -> BalanceDecision:
     """Keep ``current`` unless the best shares save at least ``min_saving`` of its predicted
     step (the hysteresis of the module doc)."""
     best = best_shares(per_mb_s, sum(current), unit=unit, bubble=bubble)
@@ -90,14 +129,12 @@ def decide_shares(per_mb_s: Sequence[float], current: Sequence[int], *, unit: in
     return BalanceDecision(tuple(current), now, now)
 
 
-def per_microbatch_s(replica_compute_s: Sequence[Sequence[float]],
-                     shares: Sequence[int], bubble: float = 0.0) -> list[float]:
-    """Each replica's seconds per micro-batch over a window of steps run at ``shares``:
-    ``replica_compute_s[step][r]`` is the slowest compute of replica ``r``'s ranks in that
-    step; the median over the window, so that one disturbed step does not move the shares."""
-    replicas = len(shares)
-    return [statistics.median(step[r] for step in replica_compute_s) / (shares[r] + bubble)
-            for r in range(replicas)]
+def window_medians(replica_compute_s: Sequence[Sequence[float]]) -> list[float]:
+    """Each replica's step over a window: ``replica_compute_s[step][r]`` is the slowest
+    compute of replica ``r``'s ranks in that step; the median over the window, so that one
+    disturbed step does not move the shares."""
+    replicas = len(replica_compute_s[0])
+    return [statistics.median(step[r] for step in replica_compute_s) for r in range(replicas)]
 
 
 def replica_compute(compute_s: Sequence[float], dp_of_rank: Sequence[int],
@@ -121,6 +158,8 @@ class Balancer:
     min_saving: float = DEFAULT_MIN_SAVING
 
     def __post_init__(self) -> None:
+        self.seconds_at: list[dict[int, float]] = [{} for _ in self.shares]
+        """Per replica, the median step measured at each count it ran (the latest window)."""
         self.window: list[list[float]] = []
         self.last: Optional[BalanceDecision] = None
         self.proposed: Optional[tuple[int, ...]] = None
@@ -134,10 +173,12 @@ class Balancer:
         self.window.append(list(replica_compute_s))
         if not (len(self.window) >= self.every if decide is None else decide):
             return False
-        per_mb = per_microbatch_s(self.window, self.shares, self.bubble)
+        for r, seconds in enumerate(window_medians(self.window)):
+            self.seconds_at[r][self.shares[r]] = seconds
         self.window = []
-        self.last = decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
-                                  min_saving=self.min_saving)
+        models = [fitted_model(at, self.bubble) for at in self.seconds_at]
+        self.last = decide_shares([u for u, _ in models], self.shares, unit=self.unit,
+                                  bubble=[b for _, b in models], min_saving=self.min_saving)
         wanted = self.last.shares if self.last.shares != self.shares else None
         confirmed = wanted is not None and self.proposed is not None
         self.proposed = None if confirmed else wanted
@@ -152,6 +193,7 @@ class Balancer:
             all(s >= self.unit and s % self.unit == 0 for s in shares)
         if fits:
             self.shares, self.window, self.proposed = tuple(int(s) for s in shares), [], None
+            self.seconds_at = [{} for _ in self.shares]
         return fits
 
 
@@ -195,6 +237,11 @@ def balance_problem(parallel) -> Optional[str]:
         return (f"parallel.dp_balance=dynamic cannot run with parallel.zero={parallel.zero}: "
                 f"it communicates once per micro-batch, so unequal shares would issue unequal "
                 f"collectives; use parallel.zero<={UNBALANCED_ZERO - 1} or dp_balance=even")
+    if parallel.zero == 2 and parallel.vpp > 1:
+        return (f"parallel.dp_balance=dynamic with parallel.zero=2 needs one model chunk per "
+                f"pipeline rank, not parallel.vpp={parallel.vpp}: replicas of unequal shares "
+                f"would reduce-scatter their chunks' buckets in different orders; use a "
+                f"one-chunk schedule or parallel.zero=1")
     return None
 
 
