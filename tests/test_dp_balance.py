@@ -15,7 +15,7 @@ from hybrid.data.loader import share_span
 from hybrid.data.synthetic import MarkovDataset
 from hybrid.planning.balance import (
     Balancer, balance_problem, balance_warnings, best_shares, decide_shares, even_shares,
-    fitted_model, predicted_step_s, replica_compute, window_medians,
+    predicted_step_s, replica_compute, window_medians,
 )
 from hybrid.planning.config import Config, ParallelConfig
 
@@ -57,23 +57,6 @@ def test_measurements_are_per_microbatch_medians_of_each_replicas_slowest_rank()
         [0.3, 0.25]
     window = [[0.4, 0.8], [0.4, 9.0], [0.4, 0.8]]  # one disturbed step does not count
     assert window_medians(window) == [0.4, 0.8]
-
-
-def test_a_replica_whose_time_did_not_fall_with_its_share_loses_no_more():
-    assert fitted_model({4: 0.8}, bubble=0.0) == (0.2, 0.0)  # one count: proportional
-    u, offset = fitted_model({4: 0.8, 2: 0.5}, bubble=0.0)  # 0.15 per micro-batch + 0.2
-    assert u == pytest.approx(0.15) and offset * u == pytest.approx(0.2)
-    u, offset = fitted_model({4: 0.8, 2: 0.8}, bubble=0.0)  # at least half proportional
-    assert u == pytest.approx(0.1) and offset * u == pytest.approx(0.5)
-    balancer = Balancer((4, 4), every=1)
-    for seconds in ([0.4, 0.8], [0.4, 0.8]):
-        balancer.observe(seconds)
-    assert balancer.shares == (6, 2)
-    # at 2 micro-batches replica 1 is hardly faster than at 4: its time is mostly fixed, so
-    # (7, 1) would not pay (taken as proportional, 0.39 s per micro-batch, it would)
-    for seconds in ([0.6, 0.78], [0.6, 0.78], [0.6, 0.78]):
-        balancer.observe(seconds)
-    assert balancer.shares == (6, 2), balancer.seconds_at
 
 
 def test_balancer_takes_new_shares_when_two_windows_in_a_row_ask_for_a_change():

@@ -64,7 +64,8 @@ def test_a_throttled_replica_gets_fewer_microbatches_and_the_losses_stay(layout,
 
 
 def test_an_undisturbed_run_keeps_even_shares_all_run(tmp_path):
-    records = train(tmp_path, "train.steps=30", "parallel.dp_balance=dynamic")
+    records = train(tmp_path, "train.steps=30", "parallel.dp_balance=dynamic",
+                    "parallel.dp_balance_every=10")
     assert [r["dp_shares"] for r in records] == [[4, 4]] * 30
 
 

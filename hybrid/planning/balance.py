@@ -5,11 +5,12 @@ ranks decide, from the same all-gathered measurements, how many of the step's ``
 micro-batches each DP replica runs. The global batch is unchanged (replica ``r`` runs the
 ``r``-th contiguous run of ``shares[r]`` micro-batches); only who computes what moves.
 
-The model of a replica's step: ``u_r * (m_r + b_r)`` seconds, ``u_r`` its seconds per
-micro-batch and ``b_r`` what its step costs whatever its share, in micro-batches: at first the
-pipeline's fill and drain (``(pp - 1) / vpp``) with the whole measured time (its slowest
-rank's compute) taken as proportional; once the replica ran two counts, a straight line
-through its measurements (``fitted_model``). The step ends
+The model of a replica's step: ``u_r * (m_r + bubble)`` seconds, ``u_r`` its seconds per
+micro-batch (the slowest of its ranks' compute over the last window, divided by the
+micro-batches it ran plus the bubble) and ``bubble`` the pipeline's fill and drain in
+micro-batches (``(pp - 1) / vpp``). Only the last window counts: a line fitted through the
+counts a replica ran was tried, and on a shared machine one disturbed window made a replica's
+extra micro-batches look nearly free, so it was given more work than its peers. The step ends
 when the slowest replica does, so the shares that minimise the largest predicted time are
 found greedily: every replica starts at the least the schedule needs, and each further unit
 goes to the replica that would finish it soonest.
@@ -33,8 +34,6 @@ from hybrid.planning.layout import LayoutError
 BALANCE_MODES = ("even", "dynamic")
 DEFAULT_EVERY = 5
 DEFAULT_MIN_SAVING = 0.1
-MIN_PROPORTIONAL = 0.5
-"""The least share of a replica's measured time the fitted line keeps per micro-batch."""
 CHECKPOINT_KEY = "train.dp_shares"
 """The shares' tensor in a checkpoint (int64, one count per replica)."""
 UNBALANCED_ZERO = 3
@@ -94,28 +93,6 @@ def best_shares(per_mb_s: Sequence[float], total: int, *, unit: int = 1,
     return tuple(shares)
 
 
-def fitted_model(seconds_at: dict[int, float], bubble: float) -> tuple[float, float]:
-    """A replica's ``(seconds per micro-batch, offset in micro-batches)`` from its measured
-    step (``seconds_at[m]``: the median at ``m`` micro-batches). At one count the whole time
-    is taken as proportional (plus the bubble); once two counts were measured, a straight
-    line through them (least squares) says what the step costs whatever the share, so a
-    replica whose time did not fall with its share gets its micro-batches back."""
-    counts = sorted(seconds_at)
-    if len(counts) >= 2:
-        mean_m = statistics.fmean(counts)
-        mean_t = statistics.fmean(seconds_at[m] for m in counts)
-        spread = sum((m - mean_m) ** 2 for m in counts)
-        slope = sum((m - mean_m) * (seconds_at[m] - mean_t) for m in counts) / spread
-        # at least half of the time stays proportional: a line through two noisy points
-        # must not make a replica look free to load
-        proportional = min(seconds_at[m] / (m + bubble) for m in counts)
-        slope = max(slope, MIN_PROPORTIONAL * proportional)
-        fixed = max(mean_t - slope * mean_m, slope * bubble)
-        return slope, fixed / slope
-    m = counts[-1]
-    return seconds_at[m] / (m + bubble), bubble
-
-
 def decide_shares(per_mb_s: Sequence[float], current: Sequence[int], *, unit: int = 1,
                   bubble: Offset = 0.0,
                   min_saving: float = DEFAULT_MIN_SAVING) -> BalanceDecision:
@@ -158,8 +135,6 @@ class Balancer:
     min_saving: float = DEFAULT_MIN_SAVING
 
     def __post_init__(self) -> None:
-        self.seconds_at: list[dict[int, float]] = [{} for _ in self.shares]
-        """Per replica, the median step measured at each count it ran (the latest window)."""
         self.window: list[list[float]] = []
         self.last: Optional[BalanceDecision] = None
         self.proposed: Optional[tuple[int, ...]] = None
@@ -173,12 +148,11 @@ class Balancer:
         self.window.append(list(replica_compute_s))
         if not (len(self.window) >= self.every if decide is None else decide):
             return False
-        for r, seconds in enumerate(window_medians(self.window)):
-            self.seconds_at[r][self.shares[r]] = seconds
+        per_mb = [seconds / (m + self.bubble)
+                  for seconds, m in zip(window_medians(self.window), self.shares)]
         self.window = []
-        models = [fitted_model(at, self.bubble) for at in self.seconds_at]
-        self.last = decide_shares([u for u, _ in models], self.shares, unit=self.unit,
-                                  bubble=[b for _, b in models], min_saving=self.min_saving)
+        self.last = decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
+                                  min_saving=self.min_saving)
         wanted = self.last.shares if self.last.shares != self.shares else None
         confirmed = wanted is not None and self.proposed is not None
         self.proposed = None if confirmed else wanted
@@ -193,7 +167,6 @@ class Balancer:
             all(s >= self.unit and s % self.unit == 0 for s in shares)
         if fits:
             self.shares, self.window, self.proposed = tuple(int(s) for s in shares), [], None
-            self.seconds_at = [{} for _ in self.shares]
         return fits
 
 
