@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from hybrid.planning.cost.flops import hardware_flops_per_step, model_flops_per_step
 from hybrid.planning.job import JobPlan, rank_dp_bytes
@@ -29,6 +30,8 @@ class StepReport:
     data_s: float = 0.0
     """The slowest rank's seconds building its micro-batches before the step (not in
     ``step_time_s``; Megatron-LM's batch-generator time)."""
+    dp_shares: Optional[list[int]] = None
+    """Micro-batches each DP replica ran (``parallel.dp_balance=dynamic``; else None)."""
 
 
 def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) -> dict:
@@ -40,11 +43,12 @@ def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) 
         "tokens_per_s": tokens_per_step / report.step_time_s,
         "step_time_s": report.step_time_s, "cpu_s": report.cpu_s, "data_s": report.data_s,
         "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in AXES},
-        "comm_bytes_dp_uncompressed": exact_dp_bytes(plan, step),
+        "comm_bytes_dp_uncompressed": exact_dp_bytes(plan, step, report.dp_shares),
         "comm_calls": {axis: report.comm[axis]["calls"] for axis in AXES},
         "peak_mem_bytes": report.peak_mem_bytes,
         "layout": {axis: plan.layout.size(axis) for axis in AXES}, **summary,
         **utilisation(plan, report.step_time_s),
+        **({"dp_shares": report.dp_shares} if report.dp_shares is not None else {}),
     }
 
 
@@ -60,7 +64,8 @@ def utilisation(plan: JobPlan, step_time_s: float) -> dict:
     return out
 
 
-def exact_dp_bytes(plan: JobPlan, step: int) -> float:
-    """What rank 0 would send over DP this step with exact reduction (same ZeRO stage)."""
+def exact_dp_bytes(plan: JobPlan, step: int, shares: Optional[list[int]] = None) -> float:
+    """What rank 0 would send over DP this step with exact reduction (same ZeRO stage;
+    ``shares``: the replicas' micro-batches under ``parallel.dp_balance=dynamic``)."""
     exact = DpOptions.of(plan.cfg.parallel).uncompressed()
-    return rank_dp_bytes(plan.cfg, plan, 0, step, exact)
+    return rank_dp_bytes(plan.cfg, plan, 0, step, exact, rounds=max(shares) if shares else None)

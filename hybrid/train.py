@@ -38,6 +38,7 @@ from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
+from hybrid.replica_balance import ReplicaShares
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.rank_check import RankPlan
 from hybrid.stall import who
@@ -76,11 +77,18 @@ class Trainer:
             run_dir, store
         self.device = groups.device
         self.chunks = {s: c.to(self.device) for s, c in build_chunks(plan, groups).items()}
-        self.schedule = lowered_schedule(plan)
+        dp_of_rank = [self.coords_of(r)["dp"] for r in range(dist.get_world_size())]
+        self.shares = ReplicaShares(plan, groups.data.rank(), dp_of_rank)
+        """The DP replicas' shares of the step's micro-batches (``parallel.dp_balance``)."""
+        self.m = plan.schedule.microbatches
+        """Micro-batches per replica under even shares (what each loss is divided by)."""
+        self.schedules = {self.m: lowered_schedule(plan)}
+        """Every pipeline rank's lists, by micro-batch count (dp_balance=dynamic runs several)."""
+        self.schedule, self._schedule_m = self.schedules[self.m], self.m
         self.actions = self.schedule[groups.pp_rank]
         self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
-        self.m = plan.schedule.microbatches
-        set_aux_loss_scale(self.chunks.values(), 1.0 / self.m)  # as the loss's 1/m
+        # as each micro-batch's loss is divided by the even count (replicas' shares or not)
+        set_aux_loss_scale(self.chunks.values(), 1.0 / self.m)
         # an indexed source is opened by the worker before torch.distributed starts
         self.dataset = dataset if dataset is not None else open_dataset(plan)
         self.watch = RankWatch(dist.get_rank())
@@ -94,7 +102,8 @@ class Trainer:
         self.counter = CommCounter(groups, watch=self.watch)
         self.slow = faults.slow_seconds(dist.get_rank())
         self.act_shape = activation_shape(plan)
-        self.checkpointer = Checkpointer(plan, groups, self.chunks, self.sync, run_dir)
+        self.checkpointer = Checkpointer(plan, groups, self.chunks, self.sync, run_dir,
+                                         shares=self.shares)
         self.start_step = self.checkpointer.resume()
         """The step the run resumes after (0: a fresh run)."""
 
@@ -123,7 +132,8 @@ class Trainer:
                                   micro_batch=t.micro_batch, dp=data.size(),
                                   dp_rank=data.rank(), seed=self.cfg.seed,
                                   cp=self.groups.context.size(),
-                                  cp_rank=self.groups.context.rank())
+                                  cp_rank=self.groups.context.rank(),
+                                  shares=self.shares.loader_shares())
         # No per-step id check here: validate_data scanned the token file before launch and
         # the dataset checks each window as it reads it (every model-parallel rank reads the
         # same windows, so a bad one stops them all alike).
@@ -137,7 +147,8 @@ class Trainer:
         start, cpu_start = time.perf_counter(), time.process_time()
         self.counter.reset()
         self.watch.start_step(step)
-        self.sync.start_step(self.m, step=step)
+        self._use_schedule_of(self.shares.mine)
+        self.sync.start_step(self.shares.mine, step=step, rounds=max(self.shares.shares))
         if self.weights is not None:
             self.weights.reset_peak()
         try:
@@ -166,7 +177,8 @@ class Trainer:
                           compute_s=[t[3] for t in times],
                           wait_s={axis: [t[4 + i] for t in times]
                                   for i, axis in enumerate(WAIT_AXES)},
-                          data_s=max(t[-1] for t in times))
+                          data_s=max(t[-1] for t in times),
+                          dp_shares=self.shares.record().get("dp_shares"))
 
     def _forward_backward(self, step: int, data, recorder) -> Optional[float]:
         if self.slow is not None and step >= self.slow[0]:
@@ -179,7 +191,17 @@ class Trainer:
                                                        self.cfg.model.vocab),
                 act_shape=self.act_shape, act_dtype=torch.float32, recorder=recorder,
                 recv_timeout_s=self.cfg.train.collective_timeout_s, progress=self.watch,
-                placement=self.groups.layout.stage_placement, weights=self.weights)
+                placement=self.groups.layout.stage_placement, weights=self.weights,
+                loss_divisor=self.m)
+
+    def _use_schedule_of(self, m: int) -> None:
+        """This step's action lists: the replica's own count's (built once per count)."""
+        if m == self._schedule_m:
+            return  # (a bench may have swapped in its own list for this count)
+        if m not in self.schedules:
+            self.schedules[m] = lowered_schedule(self.plan, m=m)
+        self.schedule, self._schedule_m = self.schedules[m], m
+        self.actions = self.schedule[self.groups.pp_rank]
 
     def _rank_plan(self) -> RankPlan:
         """``self.actions`` checked and planned once, not every step (a bench may swap in
@@ -187,7 +209,8 @@ class Trainer:
         if self._planned is None or self._planned[0] is not self.actions:
             layout = self.groups.layout
             plan = prepare_rank(self.actions, self.chunks, groups=self.groups, pp=layout.pp,
-                                vpp=layout.vpp, m=self.m, placement=layout.stage_placement)
+                                vpp=layout.vpp, m=self._schedule_m,
+                                placement=layout.stage_placement)
             self._planned = (self.actions, plan)
         return self._planned[1]
 
@@ -236,6 +259,7 @@ class Trainer:
                     self._check_memory(saved)
                     checking = False
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
+                self.shares.after_step(step, report.compute_s, say=is_rank0)
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
                 evaluation = self._evaluate(step)
@@ -332,7 +356,7 @@ class Trainer:
             return
         layout = self.groups.layout
         report = write_timeline(events, self.schedule, self.run_dir / "timeline", pp=layout.pp,
-                                m=self.m, vpp=layout.vpp,
+                                m=self.shares.mine, vpp=layout.vpp,
                                 placement=layout.stage_placement,
                                 title=f"{self.cfg.parallel.schedule} step {step}")
         write_text(self.run_dir / "timeline_bubble.json", json.dumps(report, indent=1))

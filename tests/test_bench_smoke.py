@@ -31,6 +31,7 @@ SMOKE: dict[str, list[str]] = {  # {tmp}: the test's scratch directory (where ru
                                 "--micro-batch", "2", "--layers", "1", "--hidden", "32",
                                 "--heads", "2", "--seq-len", "16"],
     "dp_options_loss.py": ["--smoke", "--out", "{tmp}"],
+    "dp_balance.py": ["--smoke", "--out", "{tmp}"],
     "dp_vs_ddp.py": ["--steps", "2", "--microbatches", "1", "--layers", "1", "--hidden", "32",
                      "--heads", "2", "--seq-len", "16"],
     "generate_cache.py": ["--new", "8", "--repeats", "1"],

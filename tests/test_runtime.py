@@ -267,7 +267,7 @@ def test_a_trainer_plans_its_list_once_and_again_only_when_the_list_changes(monk
     made = []
     monkeypatch.setattr(train, "prepare_rank", lambda actions, chunks, **kw: made.append(
         (actions, kw)) or object())
-    trainer = SimpleNamespace(actions=_rank_list("1f1b", 2, 4, 0), chunks={}, m=4,
+    trainer = SimpleNamespace(actions=_rank_list("1f1b", 2, 4, 0), chunks={}, _schedule_m=4,
                               groups=SimpleNamespace(layout=Layout(pp=2)), _planned=None)
     first = [train.Trainer._rank_plan(trainer) for _ in range(3)]
     assert first[0] is first[1] is first[2] and len(made) == 1

@@ -82,6 +82,14 @@ BAD = [
       "parallel.dp=1", "parallel.tp=1", "model.layers=8"],
      "launcher.min_nodes=1: no layout of the config fits 1 node(s) x 1 ranks"),
     (["launcher.min_nodes=1"], "launcher.min_nodes=1 is for jobs of several nodes"),
+    # parallel.dp_balance (#40)
+    (["parallel.dp_balance=fast"], "parallel.dp_balance='fast' is unknown; choose one of even"),
+    (["parallel.dp_balance=dynamic", "parallel.dp_balance_every=0"],
+     "parallel.dp_balance_every=0 must be an integer >= 1"),
+    (["parallel.dp_balance=dynamic", "parallel.dp_compress=powersgd"],
+     "parallel.dp_balance=dynamic cannot run with parallel.dp_compress=powersgd"),
+    (["parallel.dp_balance=dynamic", "parallel.zero=3"],
+     "parallel.dp_balance=dynamic cannot run with parallel.zero=3"),
 ]
 
 # One of each kind of refusal (a validation rule, Hydra's composition of a key, a preset and a

@@ -43,6 +43,7 @@ from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.shards import load_global_weights
 from hybrid.planning.config import to_dict
+from hybrid.planning.balance import CHECKPOINT_KEY as SHARES_KEY
 from hybrid.planning.layout import COORD_ORDER
 from hybrid.dp.option_state import PREFIX as OPTION_PREFIX
 from hybrid.dp.option_state import (
@@ -56,9 +57,11 @@ from hybrid.optim import unique_parameters
 class Checkpointer:
     """Saves and loads one rank's share of the job's state (model, AdamW, step, RNG)."""
 
-    def __init__(self, plan, groups, chunks: dict, sync, run_dir: Path):
+    def __init__(self, plan, groups, chunks: dict, sync, run_dir: Path, shares=None):
         """``plan``: the job's ``JobPlan``; for a run made by ``hybrid-train`` it names the
-        checkpoint directory and the checkpoint to resume from, checked before launch."""
+        checkpoint directory and the checkpoint to resume from, checked before launch.
+        ``shares``: the DP replicas' shares of the step (``hybrid.replica_balance``), saved
+        and restored with the rest."""
         cfg = plan.cfg
         self.plan, self.cfg, self.groups, self.sync = plan, cfg, groups, sync
         self.directory = Path(plan.checkpoint_dir) if plan.checkpoint_dir \
@@ -66,7 +69,7 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.rank, self.world = groups.world.rank(), groups.world.size()
         self.mesh = tp_mesh(groups)
-        self.chunks = chunks
+        self.chunks, self.shares = chunks, shares
         self.params = unique_parameters(chunks.values())
         self.specs = {spec.name: spec for spec, _ in self.params}
         # DCP's async save runs collectives from its own thread: never on the training groups.
@@ -94,6 +97,8 @@ class Checkpointer:
         state.update(option_state(self.sync))
         state["train.step"] = torch.tensor(step, dtype=torch.int64)
         state["rng.cpu"] = torch.get_rng_state()
+        if self.shares is not None:
+            state.update(self.shares.checkpoint_state())
         return state
 
     # ----- saving ----------------------------------------------------------------------------
@@ -237,6 +242,9 @@ class Checkpointer:
         manifest = read_manifest(path)
         verify_files(path, manifest, self.groups.world)
         targets, moments = self._targets()
+        shares = {} if self.shares is None else self.shares.checkpoint_targets(
+            manifest["tensors"])
+        targets.update(shares)
         options = same_option_layout(manifest["config"], self.cfg)
         if options:
             targets.update(option_targets(self.sync))
@@ -250,6 +258,8 @@ class Checkpointer:
         if options:
             load_option_state(self.sync, targets)
         torch.set_rng_state(targets["rng.cpu"])
+        if shares:
+            self.shares.load_checkpoint_state(targets)
         return int(targets["train.step"])
 
     def _targets(self) -> tuple[dict, dict]:
@@ -274,8 +284,9 @@ class Checkpointer:
         asked = self.groups.world.all_gather_objects(sorted(targets))
         saved = set(read_metadata(path).state_dict_metadata)
         # DP option state is left out on purpose where the layout changed (dp.option_state)
+        # ... and so are the DP shares of a dynamic run (hybrid.replica_balance)
         unused = sorted(key for key in saved - set().union(*map(set, asked))
-                        if not key.startswith(OPTION_PREFIX))
+                        if not key.startswith(OPTION_PREFIX) and key != SHARES_KEY)
         if unused:
             raise CheckpointError(f"checkpoint {path} holds {len(unused)} tensors this model "
                                   f"has no place for (first: {unused[0]}); check the model "

@@ -21,7 +21,7 @@ the uninterrupted run read.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -67,7 +67,8 @@ def global_batch_indices(step: int, *, num_samples: int, global_batch: int, seed
 
 def rank_microbatches(dataset: TokenDataset, step: int, *, global_batch: int,
                       micro_batch: int, dp: int, dp_rank: int, seed: int,
-                      cp: int = 1, cp_rank: int = 0) -> list[tuple[Any, Any]]:
+                      cp: int = 1, cp_rank: int = 0,
+                      shares: Optional[Sequence[int]] = None) -> list[tuple[Any, Any]]:
     """DP rank ``dp_rank``'s micro-batches of 0-based ``step``: ``(tokens, labels)`` pairs.
 
     Each tensor is ``torch.int64 [micro_batch, seq_len]``. The rank's share is the
@@ -75,6 +76,10 @@ def rank_microbatches(dataset: TokenDataset, step: int, *, global_batch: int,
     concatenation over DP ranks (in rank order) is the 1-process global batch. Under context
     parallelism every rank of a context group reads the same samples and keeps its own chunks
     of each sequence (``[micro_batch, seq_len / cp]``, ``hybrid.model.context.context_slice``).
+
+    ``shares``: micro-batches per DP rank (``parallel.dp_balance=dynamic``), summing to the
+    step's ``global_batch // micro_batch``; rank ``d`` then reads the ``d``-th contiguous run
+    of ``shares[d]`` micro-batches, so the concatenation is still the global batch. None: even.
     """
     import torch
 
@@ -88,8 +93,20 @@ def rank_microbatches(dataset: TokenDataset, step: int, *, global_batch: int,
                         f"that is a multiple of {dp * micro_batch}")
     indices = global_batch_indices(step, num_samples=len(dataset), global_batch=global_batch,
                                    seed=seed, ordered=getattr(dataset, "ordered", False))
-    share = global_batch // dp
-    mine = indices[dp_rank * share:(dp_rank + 1) * share]
+    start, stop = share_span(global_batch // micro_batch, dp, dp_rank, shares)
+    mine = indices[start * micro_batch:stop * micro_batch]
     samples = torch.from_numpy(np.stack([dataset[int(i)] for i in mine]))  # [share, seq_len+1]
     return [(context_slice(chunk[:, :-1], cp, cp_rank), context_slice(chunk[:, 1:], cp, cp_rank))
             for chunk in samples.split(micro_batch)]
+
+
+def share_span(microbatches: int, dp: int, dp_rank: int,
+               shares: Optional[Sequence[int]] = None) -> tuple[int, int]:
+    """The micro-batches ``[start, stop)`` of the step that DP rank ``dp_rank`` reads."""
+    if shares is None:
+        shares = [microbatches // dp] * dp
+    if len(shares) != dp or sum(shares) != microbatches or min(shares) < 1:
+        raise ValueError(f"shares {list(shares)} must be {dp} counts >= 1 summing to the "
+                         f"step's {microbatches} micro-batches")
+    start = sum(shares[:dp_rank])
+    return start, start + shares[dp_rank]

@@ -61,6 +61,11 @@ class Replicated:
         """End of the backward; True when this strategy finished the reduction itself."""
         return False
 
+    def pad_rounds(self, rounds: int) -> None:
+        """This step other replicas run ``rounds`` micro-batches more than this one
+        (``parallel.dp_balance=dynamic``): a strategy that communicates per micro-batch
+        takes part in theirs."""
+
     def after_optimizer_step(self) -> None:
         """What follows AdamW's step (a sharded strategy gathers the updated parameters)."""
 
@@ -116,6 +121,9 @@ class Zero2(Zero1):
     def flush(self):
         self.staged.flush()
         return True
+
+    def pad_rounds(self, rounds):
+        self.staged.extra_rounds = rounds
 
 
 class Zero3(Zero2):

@@ -176,10 +176,12 @@ class GradSync:
         return self.reducer.state_tensors()
 
     # ----- the step ----------------------------------------------------------------------
-    def start_step(self, num_microbatches: int, step: Optional[int] = None) -> None:
+    def start_step(self, num_microbatches: int, step: Optional[int] = None,
+                   rounds: Optional[int] = None) -> None:
         """Declare the step's micro-batch count: after that many accumulations per parameter
         its gradient is final. Call before the step's first backward. ``step``: the optimizer
-        step's number, 1-based (default: one more than the last)."""
+        step's number, 1-based (default: one more than the last). ``rounds``: the most
+        micro-batches any DP replica runs this step (unequal shares; default this one's)."""
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
                 or num_microbatches < 1:
             raise DataParallelConfigError(
@@ -191,6 +193,7 @@ class GradSync:
         self._next_launch = 0
         self.launched_in_backward = 0
         self._microbatches = num_microbatches
+        self.sharding.pad_rounds((rounds or num_microbatches) - num_microbatches)
         self.step = self.step + 1 if step is None else step
         self.reducer.start_step(self.step)
 

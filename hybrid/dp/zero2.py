@@ -35,6 +35,11 @@ class StagedShards:
         self.staging: dict[int, torch.Tensor] = {}
         self.arrived: dict[int, set] = {s.bucket.index: set() for s in self.shards}
         self.pending: deque = deque()
+        self.extra_rounds = 0
+        """Micro-batches other replicas run beyond this one's this step (unequal DP shares):
+        their reduce-scatters are matched with zeros at the end of the backward."""
+        self.launched: list[int] = []
+        """Buckets reduce-scattered during this step's backward, in order."""
 
     def accumulated(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: move ``param``'s gradient into the bucket's staging."""
@@ -48,6 +53,7 @@ class StagedShards:
         arrived = self.arrived[bucket.index]
         arrived.add(slot)
         if not bucket.late and len(arrived) == len(bucket.params):
+            self.launched.append(bucket.index)
             self._launch(self.shards[bucket.index])
 
     def _launch(self, shard: Shard) -> None:
@@ -71,7 +77,17 @@ class StagedShards:
 
     def flush(self) -> None:
         """End of the step's backward: reduce what is still staged (the late buckets, after
-        their own group's sum; any bucket a parameter sent no gradient to) and settle all."""
+        their own group's sum; any bucket a parameter sent no gradient to) and settle all.
+        Before them, ``extra_rounds`` rounds of zeros in the order of one micro-batch's
+        buckets, so every replica issues the same reduce-scatters in the same order."""
+        per_round = self.launched[:sum(not s.bucket.late for s in self.shards)]
+        for _ in range(self.extra_rounds):
+            for index in per_round:
+                shard = self.shards[index]
+                self.staging[index] = torch.zeros(shard.bucket.numel, dtype=GRAD_DTYPE,
+                                                  device=shard.grad.device)
+                self._launch(shard)
+        self.extra_rounds, self.launched = 0, []
         for shard in self.shards:
             bucket = shard.bucket
             if bucket.index not in self.staging:

@@ -9,7 +9,8 @@ Mixed precision: wrap the call in ``torch.autocast``; forwards run under it, bac
 
 Loss scaling: the last stage backpropagates ``loss_fn(output, labels) / m`` per micro-batch,
 so the accumulated gradients are those of the mean loss over the ``m`` equal micro-batches,
-exactly the 1-process model's mean over the whole batch. Gradients accumulate into ``.grad``
+exactly the 1-process model's mean over the whole batch (``loss_divisor`` replaces ``m`` when
+DP replicas run unequal shares of the step: ``parallel.dp_balance=dynamic``). Gradients accumulate into ``.grad``
 through autograd, once per parameter and micro-batch (in ``W`` for split backwards); no
 data-parallel flag is touched here.
 """
@@ -62,7 +63,8 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
                       recv_timeout_s: Optional[float] = None,
                       progress: Optional[Progress] = None,
                       placement: str = LOOP, forward_only: bool = False,
-                      weights: Optional[StageWeights] = None) -> Optional[float]:
+                      weights: Optional[StageWeights] = None,
+                      loss_divisor: Optional[int] = None) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
 
     ``actions``: a ``RankPlan`` from ``prepare_rank`` (checked once; what a trainer passes
@@ -85,7 +87,13 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
     (``GradSync.stage_weights``); a compute that needs its stage's weights waits for their
     gather first (``schedules.gathers.needs_weights``).
 
-    Returns the mean of the micro-batch losses on the rank holding the last stage, else None.
+    ``loss_divisor``: what each micro-batch's loss is divided by (default ``m``: the mean).
+    Under ``parallel.dp_balance=dynamic`` a replica running ``m_r`` of the step's ``M``
+    micro-batches divides by the even count ``M / dp``, so that after the DP mean (which
+    divides by ``dp``) its gradient weighs ``m_r / M``: by the tokens it processed.
+
+    Returns the sum of the micro-batch losses over ``loss_divisor`` (the mean, by default) on
+    the rank holding the last stage, else None.
     Every send has completed when it returns.
     """
     m = len(microbatches)
@@ -101,7 +109,7 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
                  loss_fn=loss_fn,
                  act_shape=tuple(act_shape), act_dtype=act_dtype, recorder=recorder,
                  recv_timeout_s=recv_timeout_s, progress=progress, forward_only=forward_only,
-                 weights=weights)
+                 weights=weights, loss_divisor=loss_divisor)
     with torch.no_grad() if forward_only else torch.enable_grad():
         return step.run(plan)
 

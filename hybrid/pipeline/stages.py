@@ -3,6 +3,8 @@ list (lowered and checked), and the shape of the activations stages exchange."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from hybrid.groups import ParallelGroups
@@ -30,10 +32,14 @@ def build_chunks(plan: JobPlan, groups: ParallelGroups) -> dict[int, nn.Module]:
     return {stage.index: nn.Sequential(*(built[b] for b in stage.blocks)) for stage in stages}
 
 
-def lowered_schedule(plan: JobPlan, forward: bool = False) -> list[list[Action]]:
+def lowered_schedule(plan: JobPlan, forward: bool = False,
+                     m: Optional[int] = None) -> list[list[Action]]:
     """Every pipeline rank's action list with sends/receives, and under ZeRO-3 its gathers
-    and releases, proved safe by the checker; ``forward``: an evaluation's (forwards only)."""
-    layout, m = plan.layout, plan.schedule.microbatches
+    and releases, proved safe by the checker; ``forward``: an evaluation's (forwards only);
+    ``m``: micro-batches per step (default the plan's; a replica's own under
+    ``parallel.dp_balance=dynamic``)."""
+    layout = plan.layout
+    m = plan.schedule.microbatches if m is None else m
     pp, vpp, placement = layout.pp, layout.vpp, layout.stage_placement
     lists = add_communication(build_schedule(plan.schedule.name, pp, m, vpp=vpp), pp, vpp,
                               placement)

@@ -39,9 +39,12 @@ class Step:
 
     def __init__(self, chunks, microbatches, *, groups, pp, vpp, placement, loss_fn, act_shape,
                  act_dtype, recorder, recv_timeout_s, progress, forward_only=False,
-                 weights=None):
+                 weights=None, loss_divisor=None):
         self.chunks, self.microbatches, self.groups = chunks, microbatches, groups
         self.pp, self.m, self.last_stage = pp, len(microbatches), pp * vpp - 1
+        self.loss_divisor = self.m if loss_divisor is None else loss_divisor
+        """What each micro-batch's loss is divided by: ``m``, or under unequal DP shares the
+        even count, so a replica's gradient weighs by the micro-batches it ran."""
         self.placement = placement
         self.loss_fn, self.act_shape, self.act_dtype = loss_fn, act_shape, act_dtype
         self.recorder, self.progress = recorder, progress
@@ -191,7 +194,7 @@ class Step:
             self.inputs[(stage, mb)] = stage_input
         output = self.chunks[stage](stage_input)
         if stage == self.last_stage:
-            loss = self.loss_fn(output, labels) / self.m
+            loss = self.loss_fn(output, labels) / self.loss_divisor
             self.losses.append(loss.detach())
             self.roots[(stage, mb)] = loss
             return
@@ -213,7 +216,7 @@ class Step:
             stage_input = self.arrived.pop(Action(stage, RECV_F, mb))
         output = self.chunks[stage](stage_input)
         if stage == self.last_stage:
-            self.losses.append(self.loss_fn(output, labels) / self.m)
+            self.losses.append(self.loss_fn(output, labels) / self.loss_divisor)
             return
         self._check_activation(stage, output)
         if not self._remote(stage, stage + 1):

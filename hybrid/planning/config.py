@@ -83,6 +83,15 @@ class ParallelConfig:
     dp_delay: int = 0
     """1 = apply each step's DP gradient mean one step late, its all-reduce overlapping the
     next step's compute (the first step takes no optimizer step); 0 = exact."""
+    dp_balance: str = "even"
+    """How the step's micro-batches are shared among the DP replicas: even (the same count
+    each) | dynamic (by each replica's measured compute rate, re-decided every dp_balance_every
+    steps; the global batch and the losses stay the same: docs/data-parallel.md)."""
+    dp_balance_every: int = 5
+    """dp_balance=dynamic: steps measured between two decisions of the shares."""
+    dp_balance_min_saving: float = 0.1
+    """dp_balance=dynamic: new shares are taken only when predicted to save at least this
+    share of the step (hysteresis: scheduling noise moves nothing)."""
 
 
 @dataclass(kw_only=True)
@@ -295,6 +304,10 @@ class CostConfig:
     inter_node_gbit: Optional[float] = None
     """The link between nodes in Gb/s instead of the device's (e.g. 10 for plain Ethernet):
     what-if pricing, e.g. of the DP options hybrid-plan compares."""
+    replica_speed: Optional[List[float]] = None
+    """Each DP replica's compute speed relative to the device (e.g. [1, 0.5]: the second at
+    half speed): hybrid-plan then predicts the step under even shares and under
+    parallel.dp_balance=dynamic's; None: every replica at the device's speed."""
 
 
 @dataclass(kw_only=True)

@@ -288,9 +288,11 @@ def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: in
 
 
 def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
-                  options: Optional[DpOptions] = None) -> float:
+                  options: Optional[DpOptions] = None, rounds: Optional[int] = None) -> float:
     """Bytes a rank of pipeline rank ``pp_rank`` sends over DP in step ``step`` under
-    ``options`` (default: the config's), as ``hybrid.comm.CommCounter`` counts them."""
+    ``options`` (default: the config's), as ``hybrid.comm.CommCounter`` counts them.
+    ``rounds``: the most micro-batches a replica ran in the step (``dp_balance=dynamic``:
+    ZeRO-2 reduce-scatters that many times on every replica; default the even count)."""
     blocks = [b for stage in plan.stages_of(pp_rank) for b in stage.blocks]
     shapes = rank_shapes(cfg.model, blocks, tp=plan.layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
@@ -301,5 +303,5 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
                                [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)],
                                policy=options.reshard)[1]
     return step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
-                      microbatches=microbatches(cfg), options=options,
+                      microbatches=rounds or microbatches(cfg), options=options,
                       bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)

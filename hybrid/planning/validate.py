@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
+from hybrid.planning.balance import balance_warnings, check_balance, replica_speed_problem
 from hybrid.planning.context import context_problem
 from hybrid.planning.data_sources import data_problem, eval_problem, eval_size_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
@@ -121,6 +122,10 @@ def _check_dp_options(cfg: Config) -> None:
         options, steps=cfg.train.steps, checkpoint_every=cfg.checkpoint.every)
     if problem:
         raise LayoutError(problem)
+    check_balance(cfg.parallel)
+    problem = replica_speed_problem(cfg.cost.replica_speed, cfg.parallel.dp)
+    if problem:
+        raise LayoutError(problem)
 
 
 def _check_data(cfg: Config) -> None:
@@ -195,7 +200,7 @@ def config_warnings(cfg: Config) -> list[str]:
         warnings.append(f"launcher.max_restarts={cfg.launcher.max_restarts} without "
                         f"checkpoint.every: a restarted group starts again from step 1; set "
                         f"checkpoint.every=N to resume from the newest checkpoint")
-    return warnings
+    return warnings + balance_warnings(cfg)
 
 
 def _check_model(cfg: Config, layout: Layout) -> None:

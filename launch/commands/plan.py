@@ -32,6 +32,7 @@ from hybrid.planning.job import plan_job
 from hybrid.planning.cost.block_costs import known_block_costs
 from hybrid.planning.view import format_plan, plan_dict
 from hybrid.planning.cost.search import format_search, no_layout_line, overrides_of, search
+from hybrid.planning.cost.replicas import replica_line, replica_prediction
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.cost.trust import assumption_line
 from hybrid.planning.validate import config_problems
@@ -68,6 +69,8 @@ def _plan(dict_cfg: DictConfig) -> None:
         "device": device.name, "assumes": assumption_line(device, cfg)}
     if job.layout.dp > 1:
         plan["dp_options"] = compare_dp_options(cfg, device)
+    if cfg.cost.replica_speed is not None:
+        plan["replica_balance"] = replica_prediction(job, device, cfg.cost.replica_speed)
     limit, memory_kind = memory_limit(cfg, device)
     if limit is not None:
         plan["memory_check"] = memory_verdict(cfg, limit, memory_kind)
@@ -80,6 +83,8 @@ def _plan(dict_cfg: DictConfig) -> None:
         print(f"\n{prediction_line(plan['predicted'])}")
         if "dp_options" in plan:
             print("\n" + format_dp_options(plan["dp_options"]))
+        if "replica_balance" in plan:
+            print("\n" + replica_line(plan["replica_balance"]))
 
 
 def write_run_files(job, run_dir: Path) -> None:

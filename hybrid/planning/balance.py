@@ -1,0 +1,253 @@
+"""Shares of a step's micro-batches per data-parallel replica, from their measured speed (pure).
+
+``parallel.dp_balance=dynamic`` (issue 40): every ``parallel.dp_balance_every`` steps the
+ranks decide, from the same all-gathered measurements, how many of the step's ``M``
+micro-batches each DP replica runs. The global batch is unchanged (replica ``r`` runs the
+``r``-th contiguous run of ``shares[r]`` micro-batches); only who computes what moves.
+
+The model of a replica's step: ``u_r * (m_r + bubble)`` seconds, ``u_r`` its seconds per
+micro-batch (the slowest of its ranks' compute over the last window, divided by the
+micro-batches it ran plus the bubble) and ``bubble`` the pipeline's fill and drain in
+micro-batches (``(pp - 1) / vpp``). Only the last window counts: a line fitted through the
+counts a replica ran was tried, and on a shared machine one disturbed window made a replica's
+extra micro-batches look nearly free, so it was given more work than its peers. The step ends
+when the slowest replica does, so the shares that minimise the largest predicted time are
+found greedily: every replica starts at the least the schedule needs, and each further unit
+goes to the replica that would finish it soonest.
+
+Hysteresis: new shares are taken only when they are predicted to save at least
+``min_saving`` of the current shares' predicted step, and when two windows in a row ask for
+a change. Scheduling noise on a shared machine
+moves a replica's time by some percent; with micro-batches as the unit, a move must save a
+whole micro-batch of the slowest replica, so an undisturbed run keeps even shares.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from hybrid.planning.layout import LayoutError
+
+BALANCE_MODES = ("even", "dynamic")
+DEFAULT_EVERY = 5
+DEFAULT_MIN_SAVING = 0.1
+CHECKPOINT_KEY = "train.dp_shares"
+"""The shares' tensor in a checkpoint (int64, one count per replica)."""
+UNBALANCED_ZERO = 3
+"""The first ZeRO stage dynamic shares refuse (it gathers weights every micro-batch)."""
+
+
+@dataclass(frozen=True)
+class BalanceDecision:
+    shares: tuple[int, ...]
+    """Micro-batches per replica from the next step on."""
+    current_s: float
+    """The current shares' predicted step (seconds)."""
+    predicted_s: float
+    """The best shares' predicted step (seconds)."""
+
+    @property
+    def saving(self) -> float:
+        """The share of the current step the best shares would save."""
+        return 1 - self.predicted_s / self.current_s if self.current_s > 0 else 0.0
+
+
+def even_shares(total: int, replicas: int) -> tuple[int, ...]:
+    """``total`` micro-batches over ``replicas`` (the even layout: ``total % replicas == 0``)."""
+    if replicas < 1 or total % replicas:
+        raise ValueError(f"{total} micro-batches do not split evenly over {replicas} replicas")
+    return (total // replicas,) * replicas
+
+
+Offset = Union[float, Sequence[float]]
+"""A replica's fixed cost in micro-batches of its own: the pipeline's fill and drain, and what
+a step costs whatever its share (one number for all replicas, or one each)."""
+
+
+def _offsets(bubble: Offset, replicas: int) -> list[float]:
+    return [float(bubble)] * replicas if isinstance(bubble, (int, float)) else list(bubble)
+
+
+def predicted_step_s(per_mb_s: Sequence[float], shares: Sequence[int],
+                     bubble: Offset = 0.0) -> float:
+    """The step's predicted seconds: the slowest replica's ``u_r * (m_r + bubble_r)``."""
+    offsets = _offsets(bubble, len(shares))
+    return max(u * (m + b) for u, m, b in zip(per_mb_s, shares, offsets))
+
+
+def best_shares(per_mb_s: Sequence[float], total: int, *, unit: int = 1,
+                bubble: Offset = 0.0) -> tuple[int, ...]:
+    """Shares of ``total`` micro-batches (in steps of ``unit``, each at least ``unit``) that
+    minimise the predicted step; ties go to the lower replica index (the same on every rank)."""
+    replicas = len(per_mb_s)
+    if total % unit or total // unit < replicas:
+        raise ValueError(f"{total} micro-batches cannot give {replicas} replicas {unit} each")
+    offsets = _offsets(bubble, replicas)
+    shares = [unit] * replicas
+    for _ in range(total // unit - replicas):
+        finish = [u * (m + unit + b) for u, m, b in zip(per_mb_s, shares, offsets)]
+        shares[finish.index(min(finish))] += unit
+    return tuple(shares)
+
+
+def decide_shares(per_mb_s: Sequence[float], current: Sequence[int], *, unit: int = 1,
+                  bubble: Offset = 0.0,
+                  min_saving: float = DEFAULT_MIN_SAVING) -> BalanceDecision:
+    """Keep ``current`` unless the best shares save at least ``min_saving`` of its predicted
+    step (the hysteresis of the module doc)."""
+    best = best_shares(per_mb_s, sum(current), unit=unit, bubble=bubble)
+    now = predicted_step_s(per_mb_s, current, bubble)
+    then = predicted_step_s(per_mb_s, best, bubble)
+    if then <= (1 - min_saving) * now:
+        return BalanceDecision(best, now, then)
+    return BalanceDecision(tuple(current), now, now)
+
+
+def window_medians(replica_compute_s: Sequence[Sequence[float]]) -> list[float]:
+    """Each replica's step over a window: ``replica_compute_s[step][r]`` is the slowest
+    compute of replica ``r``'s ranks in that step; the median over the window, so that one
+    disturbed step does not move the shares."""
+    replicas = len(replica_compute_s[0])
+    return [statistics.median(step[r] for step in replica_compute_s) for r in range(replicas)]
+
+
+def replica_compute(compute_s: Sequence[float], dp_of_rank: Sequence[int],
+                    replicas: int) -> list[float]:
+    """The slowest compute (seconds) among each replica's ranks, from every rank's."""
+    out = [0.0] * replicas
+    for rank, seconds in enumerate(compute_s):
+        out[dp_of_rank[rank]] = max(out[dp_of_rank[rank]], seconds)
+    return out
+
+
+@dataclass
+class Balancer:
+    """The decision state every rank keeps alike: the shares and the window since they were
+    set. Fed the same all-gathered times on every rank, it decides the same on every rank."""
+
+    shares: tuple[int, ...]
+    every: int
+    unit: int = 1
+    bubble: float = 0.0
+    min_saving: float = DEFAULT_MIN_SAVING
+
+    def __post_init__(self) -> None:
+        self.window: list[list[float]] = []
+        self.last: Optional[BalanceDecision] = None
+        self.proposed: Optional[tuple[int, ...]] = None
+        """The shares the last window asked for, if it asked for a change (``observe``)."""
+
+    def observe(self, replica_compute_s: Sequence[float], decide: Optional[bool] = None) -> bool:
+        """One step's per-replica compute; then decide when ``decide`` says so (default: once
+        the window holds ``every`` steps). New shares are taken when two windows in a row ask
+        for a change (a burst of scheduling noise lasts one window, a slow replica stays):
+        the second window's. Returns whether the shares changed (from the next step on)."""
+        self.window.append(list(replica_compute_s))
+        if not (len(self.window) >= self.every if decide is None else decide):
+            return False
+        per_mb = [seconds / (m + self.bubble)
+                  for seconds, m in zip(window_medians(self.window), self.shares)]
+        self.window = []
+        self.last = decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
+                                  min_saving=self.min_saving)
+        wanted = self.last.shares if self.last.shares != self.shares else None
+        confirmed = wanted is not None and self.proposed is not None
+        self.proposed = None if confirmed else wanted
+        if confirmed:
+            self.shares = wanted
+        return confirmed
+
+    def restore(self, shares: Sequence[int]) -> bool:
+        """Shares read back from a checkpoint, if they fit this run (as many replicas, the
+        same micro-batches, multiples of the unit); the window starts afresh."""
+        fits = len(shares) == len(self.shares) and sum(shares) == sum(self.shares) and \
+            all(s >= self.unit and s % self.unit == 0 for s in shares)
+        if fits:
+            self.shares, self.window, self.proposed = tuple(int(s) for s in shares), [], None
+        return fits
+
+
+def pipeline_bubble(pp: int, vpp: int) -> float:
+    """Fill and drain of a pipeline in micro-batches of one rank's compute."""
+    return (pp - 1) / vpp
+
+
+def share_unit(schedule: str, pp: int) -> int:
+    """What a replica's micro-batch count must be a multiple of under ``schedule``."""
+    from hybrid.planning.schedules import schedule_spec
+
+    return pp if schedule_spec(schedule).microbatches_multiple_of_pp else 1
+
+
+def balance_problem(parallel) -> Optional[str]:
+    """Why ``parallel``'s dp_balance settings cannot run (one line with the fix), else None."""
+    mode = parallel.dp_balance
+    if mode not in BALANCE_MODES:
+        return f"parallel.dp_balance={mode!r} is unknown; choose one of {', '.join(BALANCE_MODES)}"
+    every = parallel.dp_balance_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        return (f"parallel.dp_balance_every={every!r} must be an integer >= 1 (steps between "
+                f"decisions; {DEFAULT_EVERY} is the default)")
+    saving = parallel.dp_balance_min_saving
+    if not 0 < saving < 1:
+        return (f"parallel.dp_balance_min_saving={saving} must be in (0, 1) (the share of the "
+                f"step a change must save; {DEFAULT_MIN_SAVING} is the default)")
+    if mode == "even":
+        return None
+    equal_shares_assumed = {"parallel.dp_sync_every": parallel.dp_sync_every != 1,
+                            "parallel.dp_compress": parallel.dp_compress == "powersgd",
+                            "parallel.dp_delay": parallel.dp_delay != 0}
+    for field, used in equal_shares_assumed.items():
+        if used:
+            value = getattr(parallel, field.split(".")[1])
+            return (f"parallel.dp_balance=dynamic cannot run with {field}={value}: its maths "
+                    f"assume equal shares per replica; use parallel.dp_balance=even or the "
+                    f"default {field}")
+    if parallel.zero >= UNBALANCED_ZERO:
+        return (f"parallel.dp_balance=dynamic cannot run with parallel.zero={parallel.zero}: "
+                f"it communicates once per micro-batch, so unequal shares would issue unequal "
+                f"collectives; use parallel.zero<={UNBALANCED_ZERO - 1} or dp_balance=even")
+    if parallel.zero == 2 and parallel.vpp > 1:
+        return (f"parallel.dp_balance=dynamic with parallel.zero=2 needs one model chunk per "
+                f"pipeline rank, not parallel.vpp={parallel.vpp}: replicas of unequal shares "
+                f"would reduce-scatter their chunks' buckets in different orders; use a "
+                f"one-chunk schedule or parallel.zero=1")
+    return None
+
+
+def balance_warnings(cfg) -> list[str]:
+    """Dynamic balancing that can never move anything: one line each."""
+    parallel = cfg.parallel
+    if parallel.dp_balance != "dynamic":
+        return []
+    if parallel.dp == 1:
+        return ["parallel.dp_balance=dynamic with parallel.dp=1: one replica has nothing to "
+                "balance against; set parallel.dp > 1 or drop dp_balance"]
+    microbatches = cfg.train.global_batch // cfg.train.micro_batch
+    if microbatches // share_unit(parallel.schedule, parallel.pp) <= parallel.dp:
+        return [f"parallel.dp_balance=dynamic with {microbatches} micro-batches per step over "
+                f"parallel.dp={parallel.dp} replicas: no replica can give one up; raise "
+                f"train.global_batch or lower train.micro_batch"]
+    return []
+
+
+def replica_speed_problem(speeds: Optional[Sequence[float]], dp: int) -> Optional[str]:
+    """Why ``cost.replica_speed`` cannot be priced on ``dp`` replicas (one line), else None."""
+    if speeds is None:
+        return None
+    values = list(speeds)
+    if len(values) != dp:
+        return (f"cost.replica_speed={values} names {len(values)} replicas but parallel.dp="
+                f"{dp}; give one speed per DP replica (1 = the device's)")
+    if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in values):
+        return f"cost.replica_speed={values} must be finite numbers > 0 (1 = the device's)"
+    return None
+
+
+def check_balance(parallel) -> None:
+    problem = balance_problem(parallel)
+    if problem:
+        raise LayoutError(problem)

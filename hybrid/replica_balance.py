@@ -1,0 +1,93 @@
+"""``parallel.dp_balance=dynamic`` on a rank: the DP replicas' shares of a step's
+micro-batches, re-decided from the step times every rank already gathers.
+
+Every rank holds a ``ReplicaShares``. After each step it is fed every rank's compute seconds
+(the trainer's one all-gather over the job, the same numbers on every rank), takes each
+replica's slowest rank, and at every ``dp_balance_every``-th step (counted from step 0, so a
+resumed run decides at the same steps) lets the pure ``hybrid.planning.balance.Balancer``
+decide. Same inputs, same pure code: every rank holds the same shares, no extra collective.
+
+The shares travel in checkpoints (``train.dp_shares``) so a resumed run continues with them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from hybrid.planning.balance import (
+    CHECKPOINT_KEY, Balancer, even_shares, pipeline_bubble, replica_compute, share_unit,
+)
+from hybrid.planning.job import JobPlan
+
+
+class ReplicaShares:
+    """The shares every rank agrees on, and this rank's own count."""
+
+    def __init__(self, plan: JobPlan, dp_rank: int, dp_of_rank: Sequence[int]):
+        cfg, layout = plan.cfg, plan.layout
+        self.dp_rank, self.dp_of_rank = dp_rank, list(dp_of_rank)
+        self.even = plan.schedule.microbatches
+        """Micro-batches per replica under even shares (what every loss is divided by)."""
+        self.dynamic = cfg.parallel.dp_balance == "dynamic" and layout.dp > 1
+        self.balancer = Balancer(even_shares(self.even * layout.dp, layout.dp),
+                                 every=cfg.parallel.dp_balance_every,
+                                 unit=share_unit(cfg.parallel.schedule, layout.pp),
+                                 bubble=pipeline_bubble(layout.pp, layout.vpp),
+                                 min_saving=cfg.parallel.dp_balance_min_saving)
+        self.warm = False
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        return self.balancer.shares
+
+    @property
+    def mine(self) -> int:
+        """Micro-batches this rank's replica runs this step."""
+        return self.shares[self.dp_rank]
+
+    def loader_shares(self) -> Optional[tuple[int, ...]]:
+        """What the loader is told (None: even, the loader's own split)."""
+        return self.shares if self.dynamic else None
+
+    def after_step(self, step: int, compute_s: Sequence[float], *, say: bool) -> None:
+        """Feed one step's per-rank compute; decide at every ``every``-th step. ``say``: print
+        a line when the shares change (rank 0)."""
+        if not self.dynamic:
+            return
+        if not self.warm:  # the first step of a run (or of a resumed one) builds caches
+            self.warm = True
+            return
+        replicas = replica_compute(compute_s, self.dp_of_rank, len(self.shares))
+        before = self.shares
+        if self.balancer.observe(replicas, decide=step % self.balancer.every == 0) and say:
+            last = self.balancer.last
+            print(f"dp_balance: step {step + 1} on, micro-batches per replica "
+                  f"{list(before)} -> {list(self.shares)} (predicted step "
+                  f"{last.current_s * 1e3:.0f} -> {last.predicted_s * 1e3:.0f} ms)",
+                  file=sys.stderr, flush=True)
+
+    def record(self) -> dict:
+        """This step's ``metrics.jsonl`` fields (only under dynamic)."""
+        return {"dp_shares": list(self.shares)} if self.dynamic else {}
+
+    def checkpoint_state(self) -> dict:
+        import torch
+
+        return {CHECKPOINT_KEY: torch.tensor(self.shares, dtype=torch.int64)} \
+            if self.dynamic else {}
+
+    def checkpoint_targets(self, saved: dict) -> dict:
+        """What to load from a checkpoint whose manifest lists ``saved`` tensors: the shares,
+        when it has them for as many replicas."""
+        import torch
+
+        entry = saved.get(CHECKPOINT_KEY)
+        if not self.dynamic or entry is None or list(entry["shape"]) != [len(self.shares)]:
+            return {}
+        return {CHECKPOINT_KEY: torch.zeros(len(self.shares), dtype=torch.int64)}
+
+    def load_checkpoint_state(self, targets: dict) -> None:
+        """Continue with the saved shares (else even, when they do not fit this run)."""
+        if CHECKPOINT_KEY in targets:
+            self.balancer.restore(targets[CHECKPOINT_KEY].tolist())
