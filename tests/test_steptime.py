@@ -48,8 +48,9 @@ def test_ring_collectives():
 
 def test_one_device_runs_the_model_flops_at_the_device_rate():
     cfg = config(replace(GPT_175B, layers=4, hidden=1024, heads=16), global_batch=8)
-    # every width at full rate, no optimizer step: the model FLOPs alone
-    device = replace(PRESETS["h100-80gb"], matmul_half_width=0.0, optimizer_s_per_param=0.0)
+    # every width at full rate, no optimizer step, no memory-bound work: the model FLOPs alone
+    device = replace(PRESETS["h100-80gb"], matmul_half_width=0.0, optimizer_s_per_param=0.0,
+                     memory_bandwidth=0.0)
     p = predict_step(plan_job(cfg), device)
     assert p.step_time_s == pytest.approx(paper_flops_per_step(cfg) / device.flops["bf16"])
     assert p.tflops_per_device == pytest.approx(device.flops["bf16"] / 1e12)
