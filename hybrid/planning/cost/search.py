@@ -22,15 +22,17 @@ from typing import Iterator
 
 from hybrid.planning.config import Config
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.sizes import human_bytes
+from hybrid.planning.cost.memory_bound import layer_params
+from hybrid.planning.cost.sizes import activation_bytes_per_layer, human_bytes
 from hybrid.planning.job import plan_job
 from hybrid.planning.schedules import SCHEDULES
+from hybrid.planning.schedules.shapes import closed_form_schedule
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import (
     StepPrediction, closed_form_and_bound, predict_step, simulates,
 )
-from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes
+from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes, validate_config
 
 MICRO_BATCHES = (1, 2, 4, 8)
 OUT_OF_MEMORY = "does not fit in device memory"
@@ -131,6 +133,7 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     examples: dict[str, str] = {}
     priced = []
     lower: dict = {}  # layout (ZeRO stage aside) -> the plan of its last stage tried
+    verdicts: dict = {}  # settings but recompute -> validate_config's error, or None
     for order, candidate in enumerate(candidates(cfg, world)):
         layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
         skip = spec.searched_if_less_fails and _skipped(spec, lower.get(layout_key), device)
@@ -138,6 +141,10 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             rejected[skip] += 1
             continue
         try:
+            _validate_once(candidate, verdicts)
+            if _memory_floor(candidate) > device.memory_bytes:  # no need to plan it
+                rejected[OUT_OF_MEMORY] += 1
+                continue
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
             rejected[_reason(str(err))] += 1
@@ -160,6 +167,48 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
             "examples": examples,
             "why_cp": _why_cp(best, priced, device)}
+
+
+def _validate_once(candidate: Config, verdicts: dict) -> None:
+    """``validate_config``, once for the settings that differ only in ``model.recompute``
+    (which it checks only by name: the searched modes are all valid ones)."""
+    key = _without_zero(candidate)[:-1] + (candidate.parallel.zero,)
+    if key not in verdicts:
+        try:
+            validate_config(candidate)
+            verdicts[key] = None
+        except LayoutError as err:
+            verdicts[key] = str(err)
+    if verdicts[key] is not None:
+        raise LayoutError(verdicts[key])
+
+
+def _memory_floor(candidate: Config) -> int:
+    """Bytes some rank of a valid ``candidate`` holds at least, by ``estimate_memory``'s own
+    terms: the pipeline rank with the most layers holds ``layers / pp`` or more, and with the
+    uniform partition every virtual stage holds ``layers // (pp * vpp)`` or more, so the first
+    rank holds that many in each chunk with its schedule's peak of micro-batches in flight
+    (norms, biases, embeddings and padding only add). A layout over it is rejected for memory
+    without being planned: most of a large model's layouts."""
+    m, par, mb = candidate.model, candidate.parallel, candidate.train.micro_batch
+    precision, sp = candidate.train.precision, par.sequence_parallel
+    per_layer = activation_bytes_per_layer(m, mb, par.tp, sp, precision, m.recompute, par.cp)
+    working = (activation_bytes_per_layer(m, mb, par.tp, sp, precision, cp=par.cp)
+               if m.recompute == "full" else 0)
+
+    def held(layers: float, chunk_layers: float, inflight: int) -> int:
+        state = SHARDINGS[par.zero].closed_form_state(int(layers * layer_params(m) / par.tp),
+                                                      par.dp * par.cp)
+        return (state.param_bytes + state.grad_bytes + state.optimizer_bytes
+                + int(chunk_layers * per_layer * inflight) + working)
+
+    most = held(m.layers / par.pp, m.layers / par.pp / par.vpp, 1)
+    if par.partition != "uniform":
+        return most
+    each = m.layers // (par.pp * par.vpp)
+    microbatches = candidate.train.global_batch // (par.dp * mb)
+    first = closed_form_schedule(par.schedule, par.pp, microbatches, par.vpp)[1][0]
+    return max(most, held(each * par.vpp, each, first))
 
 
 def _skipped(spec, lower, device: Device) -> str | None:
