@@ -25,7 +25,13 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
     options = DpOptions.of(cfg.parallel)
     sharding, reduction = sharding_of(options), reduction_of(options)
     worst = (0.0, 0.0)
+    seen = set()  # ranks alike in what they hold and their backward time alike (searches)
     for r, est in enumerate(plan.memory):
+        held = tuple(b for st in plan.stages_of(r) for b in st.blocks)
+        key = (est, len(held), 0 in held, cfg.model.layers + 1 in held, last_backward[r])
+        if key in seen:
+            continue
+        seen.add(key)
         traffic = RankTraffic(lambda r=r: _shapes(plan, r), dp=width,
                               microbatches=plan.schedule.microbatches,
                               bucket_mb=cfg.parallel.bucket_mb,

@@ -5,22 +5,36 @@ virtual stage with ``forward`` and ``backward`` seconds (``steptime._StageTimes`
 
 from __future__ import annotations
 
+import functools
+
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules import build_schedule, schedule_spec
 from hybrid.planning.schedules.actions import stage_rank
 from hybrid.planning.schedules.registry import schedule_splits_backward
-from hybrid.planning.schedules.simulate import StageCosts, simulate
+from hybrid.planning.schedules.check import check_schedule
+from hybrid.planning.schedules.replay import replay
+from hybrid.planning.schedules.simulate import StageCosts
 
 
 def simulated_makespan(plan: JobPlan, times: list, p2p: float) -> float:
-    """The pipeline's time with the schedule simulated on these per-stage times."""
+    """The pipeline's time with the schedule simulated on these per-stage times (its action
+    lists built and checked once per shape: ``simulate`` would check them on every call)."""
     layout, m = plan.layout, plan.schedule.microbatches
     costs = StageCosts(F=tuple(t.forward for t in times), B=tuple(t.backward for t in times),
                        I=tuple(t.backward / 2 for t in times),
                        W=tuple(t.backward / 2 for t in times), p2p=p2p)
-    lists = build_schedule(plan.schedule.name, layout.pp, m, vpp=layout.vpp)
-    return simulate(lists, layout.pp, m, vpp=layout.vpp, costs=costs,
-                    placement=layout.stage_placement).makespan
+    lists = _checked_lists(plan.schedule.name, layout.pp, m, layout.vpp,
+                           layout.stage_placement)
+    timed = replay([list(actions) for actions in lists], layout.pp, layout.vpp, costs.of,
+                   costs.p2p, layout.stage_placement)
+    return max((t.end for t in timed), default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_lists(name: str, pp: int, m: int, vpp: int, placement: str) -> tuple:
+    lists = build_schedule(name, pp, m, vpp=vpp)
+    check_schedule(lists, pp, m, vpp, placement)
+    return tuple(tuple(actions) for actions in lists)
 
 
 def makespan_lower_bound(plan: JobPlan, times: list, p2p: float, busy: list[float]) -> float:

@@ -23,9 +23,11 @@ from typing import Iterator
 from hybrid.planning.config import Config
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.memory_bound import layer_params
-from hybrid.planning.cost.sizes import activation_bytes_per_layer, human_bytes
+from hybrid.planning.cost.sizes import (
+    activation_bytes_per_layer, head_activation_bytes, human_bytes,
+)
 from hybrid.planning.job import plan_job
-from hybrid.planning.schedules import SCHEDULES
+from hybrid.planning.schedules import SCHEDULES, schedule_spec
 from hybrid.planning.schedules.shapes import closed_form_schedule
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
@@ -35,6 +37,7 @@ from hybrid.planning.cost.steptime import (
 from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes, validate_config
 
 MICRO_BATCHES = (1, 2, 4, 8)
+FP32_BYTES = 4
 OUT_OF_MEMORY = "does not fit in device memory"
 LOWER_STAGE_FITS = "fit at a lower ZeRO stage"
 """Why a stage that is never faster than the one below (``searched_if_less_fails``: ZeRO-3,
@@ -78,6 +81,9 @@ def candidates(cfg: Config, world: int) -> Iterator[Config]:
     """Every combination of the searched settings for ``world`` devices."""
     m, launcher = cfg.model, replace(cfg.launcher, nnodes=1, nproc_per_node=None, node_rank=0)
     tps = [tp for tp in valid_tp_sizes(m) if world % tp == 0 and tp <= cfg.cost.gpus_per_node]
+    # one model and train section per setting, shared by candidates (none mutates its config)
+    models = {mode: replace(m, recompute=mode) for mode in RECOMPUTE}
+    trains = {mb: replace(cfg.train, micro_batch=mb) for mb in MICRO_BATCHES}
     for tp in tps:
         for cp in searched_cps(m.seq_len, world // tp):
             for pp in [p for p in valid_sizes(world // (tp * cp)) if p <= m.layers]:
@@ -87,8 +93,7 @@ def candidates(cfg: Config, world: int) -> Iterator[Config]:
                         cfg, launcher=launcher,
                         parallel=replace(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp, vpp=vpp,
                                          schedule=schedule, zero=zero, sequence_parallel=sp),
-                        train=replace(cfg.train, micro_batch=mb),
-                        model=replace(m, recompute=recompute))
+                        train=trains[mb], model=models[recompute])
 
 
 def searched_cps(seq_len: int, ranks: int) -> list[int]:
@@ -187,14 +192,18 @@ def _memory_floor(candidate: Config) -> int:
     """Bytes some rank of a valid ``candidate`` holds at least, by ``estimate_memory``'s own
     terms: the pipeline rank with the most layers holds ``layers / pp`` or more, and with the
     uniform partition every virtual stage holds ``layers // (pp * vpp)`` or more, so the first
-    rank holds that many in each chunk with its schedule's peak of micro-batches in flight
-    (norms, biases, embeddings and padding only add). A layout over it is rejected for memory
-    without being planned: most of a large model's layouts."""
+    rank holds that many in each chunk with its schedule's peak of micro-batches in flight,
+    and the rank with the head as many and the head's activations for the micro-batches its
+    schedule holds; ZeRO-3 gathers at least one layer's weights whole (norms, biases,
+    embeddings, padding and more micro-batches in flight only add). A layout over it is
+    rejected for memory without being planned: most of a large model's layouts."""
     m, par, mb = candidate.model, candidate.parallel, candidate.train.micro_batch
     precision, sp = candidate.train.precision, par.sequence_parallel
     per_layer = activation_bytes_per_layer(m, mb, par.tp, sp, precision, m.recompute, par.cp)
     working = (activation_bytes_per_layer(m, mb, par.tp, sp, precision, cp=par.cp)
                if m.recompute == "full" else 0)
+    if SHARDINGS[par.zero].gathers_params:  # a layer's weights gathered whole, at least
+        working += int(FP32_BYTES * layer_params(m) / par.tp)
 
     def held(layers: float, chunk_layers: float, inflight: int) -> int:
         state = SHARDINGS[par.zero].closed_form_state(int(layers * layer_params(m) / par.tp),
@@ -208,7 +217,10 @@ def _memory_floor(candidate: Config) -> int:
     each = m.layers // (par.pp * par.vpp)
     microbatches = candidate.train.global_batch // (par.dp * mb)
     first = closed_form_schedule(par.schedule, par.pp, microbatches, par.vpp)[1][0]
-    return max(most, held(each * par.vpp, each, first))
+    # the rank with the head keeps its activations for the micro-batches the schedule holds
+    head = (schedule_spec(par.schedule).last_stage_holds(microbatches)
+            * head_activation_bytes(m, mb, par.tp, sp, precision, par.cp))
+    return max(most, held(each * par.vpp, each, first), held(each * par.vpp, each, 1) + head)
 
 
 def _skipped(spec, lower, device: Device) -> str | None:
