@@ -28,8 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.planning.config import ModelConfig
-from hybrid.planning.models import BYTES
+from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.flops import attention_core_flops, layer_forward_flops
+from hybrid.planning.job import JobPlan
+from hybrid.planning.models import BYTES
 
 FORWARD_KERNELS = 13
 """Kernels one layer's forward launches: six multiplies (QKV, scores, their use, projection,
@@ -88,3 +90,44 @@ def head_traffic(m: ModelConfig, b: int, tp: int, cp: int) -> tuple[float, float
     about four fp32 passes forward, three backward)."""
     logits = b * m.seq_len / cp * m.padded_vocab / tp
     return logits * (2 + 4 * 4), logits * 3 * 4
+
+
+@dataclass(frozen=True)
+class StageBound:
+    """Memory-bound seconds of one micro-batch on one stage (``memory_bound``)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    scores: float = 0.0
+    """The attention scores' forward share (selective recompute's)."""
+
+
+def stage_memory_bound(plan: JobPlan, device: Device, blocks: range, layers: int,
+                       attention_s: float) -> StageBound:
+    """The element-wise kernels' bytes at the device's memory bandwidth and every kernel's
+    fixed cost (the layers', the head's cross entropy), the accumulation of the stage's
+    weight gradients, and where the attention core's multiplies are memory-bound what their
+    bytes take beyond their FLOPs (``attention_s``: one layer's, forward); nothing where the
+    device prices none (a calibrated CPU)."""
+    if not device.memory_bandwidth:
+        return StageBound()
+    cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
+    m, b, bw = cfg.model, cfg.train.micro_batch, device.memory_bandwidth
+    traffic = layer_traffic(m, b, tp, cp, cfg.parallel.sequence_parallel, cfg.train.precision,
+                            device.unfused_attention)
+    score_forward, score_backward = (nbytes / bw for nbytes in traffic.score_matmuls)
+    roofline_forward = max(0.0, score_forward - attention_s)
+    roofline_backward = max(0.0, score_backward - 2 * attention_s)
+    forward = layers * (traffic.forward / bw + FORWARD_KERNELS * device.kernel_s
+                        + roofline_forward)
+    backward = layers * (traffic.backward / bw + BACKWARD_KERNELS * device.kernel_s
+                         + roofline_backward)
+    params = layers * layer_params(m) / tp
+    if m.layers + 1 in blocks:
+        head_forward, head_backward = head_traffic(m, b, tp, cp)
+        forward += head_forward / bw
+        backward += head_backward / bw
+        params += m.hidden * m.padded_vocab / tp
+    backward += params * ACCUMULATE_BYTES_PER_PARAM / bw
+    return StageBound(forward=forward, backward=backward,
+                  scores=layers * (traffic.scores_forward / bw + roofline_forward))

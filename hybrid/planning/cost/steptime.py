@@ -31,10 +31,7 @@ from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import (
     attention_core_flops, head_forward_flops, layer_forward_flops, paper_flops_per_step,
 )
-from hybrid.planning.cost.memory_bound import (
-    ACCUMULATE_BYTES_PER_PARAM, BACKWARD_KERNELS, FORWARD_KERNELS, head_traffic, layer_params,
-    layer_traffic,
-)
+from hybrid.planning.cost.memory_bound import stage_memory_bound
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.cost.tp_time import tp_traffic
 from hybrid.planning.job import JobPlan
@@ -131,8 +128,8 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
                       else (0.0, 0.0))
     recompute_wire = recompute_calls = 0.0
     extra = 0.0
-    bound = _memory_bound_s(plan, device, blocks, layers, attention_core_flops(m, b) / tp / cp
-                            / rate)
+    bound = stage_memory_bound(plan, device, blocks, layers,
+                               attention_core_flops(m, b) / tp / cp / rate)
     compute += bound.forward
     if m.recompute == "full":
         extra = layers * layer + bound.forward
@@ -152,47 +149,6 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
                                 + all_calls * (call - call_cpu)),
                        cp_ring=layers * (ring.forward_s + ring.backward_s),
                        cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """Memory-bound seconds of one micro-batch on one stage (``memory_bound``)."""
-
-    forward: float = 0.0
-    backward: float = 0.0
-    scores: float = 0.0
-    """The attention scores' forward share (selective recompute's)."""
-
-
-def _memory_bound_s(plan: JobPlan, device: Device, blocks: range, layers: int,
-                    attention_s: float) -> _Bound:
-    """The element-wise kernels' bytes at the device's memory bandwidth and every kernel's
-    fixed cost (the layers', the head's cross entropy), the accumulation of the stage's
-    weight gradients, and where the attention core's multiplies are memory-bound what their
-    bytes take beyond their FLOPs (``attention_s``: one layer's, forward); nothing where the
-    device prices none (a calibrated CPU)."""
-    if not device.memory_bandwidth:
-        return _Bound()
-    cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
-    m, b, bw = cfg.model, cfg.train.micro_batch, device.memory_bandwidth
-    traffic = layer_traffic(m, b, tp, cp, cfg.parallel.sequence_parallel, cfg.train.precision,
-                            device.unfused_attention)
-    score_forward, score_backward = (nbytes / bw for nbytes in traffic.score_matmuls)
-    roofline_forward = max(0.0, score_forward - attention_s)
-    roofline_backward = max(0.0, score_backward - 2 * attention_s)
-    forward = layers * (traffic.forward / bw + FORWARD_KERNELS * device.kernel_s
-                        + roofline_forward)
-    backward = layers * (traffic.backward / bw + BACKWARD_KERNELS * device.kernel_s
-                         + roofline_backward)
-    params = layers * layer_params(m) / tp
-    if m.layers + 1 in blocks:
-        head_forward, head_backward = head_traffic(m, b, tp, cp)
-        forward += head_forward / bw
-        backward += head_backward / bw
-        params += m.hidden * m.padded_vocab / tp
-    backward += params * ACCUMULATE_BYTES_PER_PARAM / bw
-    return _Bound(forward=forward, backward=backward,
-                  scores=layers * (traffic.scores_forward / bw + roofline_forward))
 
 
 SIMULATE_UP_TO = 4096
