@@ -177,15 +177,27 @@ def plan_job(cfg: Config, simulated: bool = True,
     chunks = [[list(stages[s].blocks) for s in by_rank[r]] for r in range(pp)]
     memory = _ranks_memory(cfg, layout, chunks, schedule.peak_inflight, simulated)
     if gather_policy(cfg) is not None:
-        memory = tuple(replace(est, gathered_bytes=_gathered_bytes(
-            cfg, layout, r, list(zip(by_rank[r], chunks[r])), simulated))
-            for r, est in enumerate(memory))
+        memory = _with_gathered(cfg, layout, memory, by_rank, chunks, simulated)
     placed = ranks_per_node(cfg, layout)
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
                    schedule=schedule, memory=memory, by_rank=by_rank,
                    priced_ranks_per_node=_priced_ranks_per_node(cfg, layout, placed),
                    block_costs=tuple(costs) if cfg.parallel.partition == "measured" else None,
                    costs_measured=measured)
+
+
+def _with_gathered(cfg: Config, layout: Layout, memory: tuple[MemoryEstimate, ...],
+                   by_rank: tuple, chunks: list[list[list[int]]], exact: bool
+                   ) -> tuple[MemoryEstimate, ...]:
+    """``memory`` with ZeRO-3's gathered working set; in closed form, ranks alike in chunk
+    shape gather alike, and it is computed once for them."""
+    keys = [r if exact else _chunk_shape(cfg, chunks[r]) for r in range(layout.pp)]
+    gathered: dict = {}
+    for r, key in enumerate(keys):
+        if key not in gathered:
+            gathered[key] = _gathered_bytes(cfg, layout, r, list(zip(by_rank[r], chunks[r])),
+                                            exact)
+    return tuple(replace(est, gathered_bytes=gathered[key]) for est, key in zip(memory, keys))
 
 
 def _gathered_bytes(cfg: Config, layout: Layout, pp_rank: int,
@@ -239,17 +251,23 @@ def _ranks_memory(cfg: Config, layout: Layout, chunks: list[list[list[int]]],
     if exact:
         return tuple(_rank_memory(cfg, layout, chunks[r], (inflight[r],), exact=True)[0]
                      for r in range(layout.pp))
-    edges = (0, cfg.model.layers + 1)
     alike: dict = {}  # chunk shape -> (first rank of it, {in-flight count: its index})
     shape_of = []
     for r in range(layout.pp):
-        key = tuple((len(chunk), *(edge in chunk for edge in edges)) for chunk in chunks[r])
+        key = _chunk_shape(cfg, chunks[r])
         first, counts = alike.setdefault(key, (r, {}))
         counts.setdefault(inflight[r], len(counts))
         shape_of.append(key)
     estimates = {key: _rank_memory(cfg, layout, chunks[first], tuple(counts), exact=False)
                  for key, (first, counts) in alike.items()}
     return tuple(estimates[key][alike[key][1][inflight[r]]] for r, key in enumerate(shape_of))
+
+
+def _chunk_shape(cfg: Config, chunks: list[list[int]]) -> tuple:
+    """What a rank's closed-form estimates read of its chunks: each one's number of blocks
+    and whether it holds the embedding or the head (the layers are all alike)."""
+    edges = (0, cfg.model.layers + 1)
+    return tuple((len(chunk), *(edge in chunk for edge in edges)) for chunk in chunks)
 
 
 def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]],

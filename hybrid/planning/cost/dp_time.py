@@ -26,9 +26,11 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
     sharding, reduction = sharding_of(options), reduction_of(options)
     worst = (0.0, 0.0)
     seen = set()  # ranks alike in what they hold and their backward time alike (searches)
+    head = cfg.model.layers + 1
     for r, est in enumerate(plan.memory):
-        held = tuple(b for st in plan.stages_of(r) for b in st.blocks)
-        key = (est, len(held), 0 in held, cfg.model.layers + 1 in held, last_backward[r])
+        stages = [plan.stages[s].blocks for s in plan.by_rank[r]]
+        key = (est, sum(map(len, stages)), any(0 in b for b in stages),
+               any(head in b for b in stages), last_backward[r])
         if key in seen:
             continue
         seen.add(key)
