@@ -1,7 +1,8 @@
 """The cost model against published iteration times: Korthikanti et al. 2022, Table 5
 (22B-1T GPT on A100-80GB, full recompute, and sequence parallelism + selective recompute),
 predicted with the ``a100-80gb`` preset and the schedule simulated (the runs the preset was
-fitted to); then the held-out runs of Narayanan et al. 2021 (``held_out.py``). Prints each
+checked against); then the held-out runs of Narayanan et al. 2021 and MT-NLG 530B
+(``held_out.py``). Prints each
 run, the error, and ``ratio=<largest |error| of the fitted runs / 15%>`` last.
 
     .venv/bin/python bench/published_runs.py
@@ -9,7 +10,9 @@ run, the error, and ``ratio=<largest |error| of the fitted runs / 15%>`` last.
 
 from __future__ import annotations
 
-from hybrid.planning.cost.held_out import format_held_out, held_out_rows
+from hybrid.planning.cost.held_out import (
+    format_held_out, format_other, held_out_rows, other_rows,
+)
 from hybrid.planning.cost.published import compare_with_published
 
 BOUND = 0.15
@@ -23,6 +26,8 @@ def main() -> None:
               f"{r['predicted_s']:>11.2f} {r['error']:>+7.1%}")
     print("\nheld out (Narayanan et al. 2021, Table 1; not used in the fit):")
     print(format_held_out(held_out_rows()))
+    print("\nother published runs (in no fit):")
+    print(format_other(other_rows()))
     worst = max(abs(r["error"]) for r in rows)
     mean = sum(abs(r["error"]) for r in rows) / len(rows)
     print(f"mean_abs_error={mean:.1%} worst={worst:.1%} bound={BOUND:.0%} "

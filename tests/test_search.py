@@ -131,3 +131,32 @@ def test_the_printed_run_the_best_line_composes_to_the_config_searched():
     assert (trained.model.layers, trained.model.seq_len, trained.train.global_batch,
             trained.train.precision, trained.parallel.dp * trained.parallel.tp
             * trained.parallel.pp * trained.parallel.cp) == (24, 1024, 64, "bf16", 16)
+
+
+def test_the_memory_floor_is_never_above_the_planned_memory(monkeypatch):
+    """#42 item 4: the search rejects a layout for memory without planning it only when a
+    floor of the plan's own terms is over the device; the floor must never exceed what the
+    plan then holds, so no layout that fits is dropped, and the search finds the same."""
+    from hybrid.planning.cost import search as search_module
+    from hybrid.planning.validate import validate_config
+
+    rng = random.Random(1)
+    checked = 0
+    for model, batch, world in [(GPT_1B, 64, 16), (GPT_7B, 256, 32),
+                                (replace(GPT_1B, seq_len=8192), 64, 64)]:
+        for cfg in rng.sample(list(candidates(config(model, batch), world)), 150):
+            try:
+                validate_config(cfg)
+            except LayoutError:
+                continue
+            plan = plan_job(cfg, simulated=False)
+            assert search_module._memory_floor(cfg) <= max(e.total_bytes for e in plan.memory)
+            checked += 1
+    assert checked > 200
+    small = replace(A100, memory_bytes=12 * 2**30)  # most layouts of the 7.5B do not fit
+    pruned = search(config(GPT_7B, 256), 32, small, top=5)
+    monkeypatch.setattr(search_module, "_memory_floor", lambda cfg: 0)
+    planned = search(config(GPT_7B, 256), 32, small, top=5)
+    assert pruned["candidates"] == planned["candidates"]
+    assert pruned["rejected"] == planned["rejected"]
+    assert pruned["rejected"]["does not fit in device memory"] > 100

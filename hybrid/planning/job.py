@@ -23,7 +23,7 @@ from typing import Optional
 
 from hybrid.planning.config import Config
 from hybrid.planning.cost.gathered import closed_form_gathered, gather_policy, rank_gathers
-from hybrid.planning.cost.sizes import MemoryEstimate, block_params, estimate_memory
+from hybrid.planning.cost.sizes import MemoryEstimate, block_params, estimate_memories
 from hybrid.planning.cost.dp_traffic import dp_state_bytes, step_bytes
 from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes
 from hybrid.planning.layout import EMBEDDING, ROLES, Layout
@@ -177,15 +177,27 @@ def plan_job(cfg: Config, simulated: bool = True,
     chunks = [[list(stages[s].blocks) for s in by_rank[r]] for r in range(pp)]
     memory = _ranks_memory(cfg, layout, chunks, schedule.peak_inflight, simulated)
     if gather_policy(cfg) is not None:
-        memory = tuple(replace(est, gathered_bytes=_gathered_bytes(
-            cfg, layout, r, list(zip(by_rank[r], chunks[r])), simulated))
-            for r, est in enumerate(memory))
+        memory = _with_gathered(cfg, layout, memory, by_rank, chunks, simulated)
     placed = ranks_per_node(cfg, layout)
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
                    schedule=schedule, memory=memory, by_rank=by_rank,
                    priced_ranks_per_node=_priced_ranks_per_node(cfg, layout, placed),
                    block_costs=tuple(costs) if cfg.parallel.partition == "measured" else None,
                    costs_measured=measured)
+
+
+def _with_gathered(cfg: Config, layout: Layout, memory: tuple[MemoryEstimate, ...],
+                   by_rank: tuple, chunks: list[list[list[int]]], exact: bool
+                   ) -> tuple[MemoryEstimate, ...]:
+    """``memory`` with ZeRO-3's gathered working set; in closed form, ranks alike in chunk
+    shape gather alike, and it is computed once for them."""
+    keys = [r if exact else _chunk_shape(cfg, chunks[r]) for r in range(layout.pp)]
+    gathered: dict = {}
+    for r, key in enumerate(keys):
+        if key not in gathered:
+            gathered[key] = _gathered_bytes(cfg, layout, r, list(zip(by_rank[r], chunks[r])),
+                                            exact)
+    return tuple(replace(est, gathered_bytes=gathered[key]) for est, key in zip(memory, keys))
 
 
 def _gathered_bytes(cfg: Config, layout: Layout, pp_rank: int,
@@ -233,44 +245,53 @@ def _schedule_plan(name: str, pp: int, m: int, vpp: int, simulated: bool) -> Sch
 def _ranks_memory(cfg: Config, layout: Layout, chunks: list[list[list[int]]],
                   inflight: tuple[int, ...], exact: bool) -> tuple[MemoryEstimate, ...]:
     """Each pipeline rank's estimate. In closed form, ranks whose chunks hold the same
-    numbers of layers (and the embedding or head alike) with as many micro-batches in flight
-    get the same estimate: it is computed once (a search plans layouts of 128 stages)."""
+    numbers of layers (and the embedding or head alike) are estimated together, what they
+    share computed once, for each number of micro-batches in flight they keep (a search plans
+    layouts of 128 stages)."""
     if exact:
-        return tuple(_rank_memory(cfg, layout, chunks[r], inflight[r], exact=True)
+        return tuple(_rank_memory(cfg, layout, chunks[r], (inflight[r],), exact=True)[0]
                      for r in range(layout.pp))
-    edges = (0, cfg.model.layers + 1)
-    seen: dict = {}
-    out = []
+    alike: dict = {}  # chunk shape -> (first rank of it, {in-flight count: its index})
+    shape_of = []
     for r in range(layout.pp):
-        key = (inflight[r], tuple((len(chunk), *(edge in chunk for edge in edges))
-                                  for chunk in chunks[r]))
-        if key not in seen:
-            seen[key] = _rank_memory(cfg, layout, chunks[r], inflight[r], exact=False)
-        out.append(seen[key])
-    return tuple(out)
+        key = _chunk_shape(cfg, chunks[r])
+        first, counts = alike.setdefault(key, (r, {}))
+        counts.setdefault(inflight[r], len(counts))
+        shape_of.append(key)
+    estimates = {key: _rank_memory(cfg, layout, chunks[first], tuple(counts), exact=False)
+                 for key, (first, counts) in alike.items()}
+    return tuple(estimates[key][alike[key][1][inflight[r]]] for r, key in enumerate(shape_of))
 
 
-def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]], inflight: int,
-                 exact: bool) -> MemoryEstimate:
-    """``exact``: weights, gradients and optimizer state byte for byte as the trainer
-    allocates them on DP rank 0 (``rank_state_bytes``), else in closed form (searches)."""
+def _chunk_shape(cfg: Config, chunks: list[list[int]]) -> tuple:
+    """What a rank's closed-form estimates read of its chunks: each one's number of blocks
+    and whether it holds the embedding or the head (the layers are all alike)."""
+    edges = (0, cfg.model.layers + 1)
+    return tuple((len(chunk), *(edge in chunk for edge in edges)) for chunk in chunks)
+
+
+def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]],
+                 inflights: tuple[int, ...], exact: bool) -> list[MemoryEstimate]:
+    """The rank's estimate with each of ``inflights`` micro-batches in flight. ``exact``:
+    weights, gradients and optimizer state byte for byte as the trainer allocates them on DP
+    rank 0 (``rank_state_bytes``), else in closed form (searches)."""
     held = [block for chunk in chunks for block in chunk]
     state = rank_state_bytes(cfg, layout, held, dp_rank=0) if exact else None
-    estimate = estimate_memory(
+    estimates = estimate_memories(
         cfg.model, chunks, tp=layout.tp, cp=layout.cp, dp=layout.role_size("sharding"),
         zero=cfg.parallel.zero,
-        micro_batch=cfg.train.micro_batch, inflight=inflight,
+        micro_batch=cfg.train.micro_batch, inflights=inflights,
         sp=cfg.parallel.sequence_parallel, precision=cfg.train.precision,
         embedding_copy=cfg.model.tie_embeddings and 0 not in held,
         head_inflight=schedule_spec(cfg.parallel.schedule).last_stage_holds(microbatches(cfg)),
         state=state)
     options = DpOptions.of(cfg.parallel)
     if exact or reduction_of(options).exact:  # (searches plan exact options only: fast)
-        return estimate
+        return estimates
     shapes = rank_shapes(cfg.model, held, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
                          pp=layout.pp)
-    return replace(estimate, dp_state_bytes=dp_state_bytes(
-        shapes, dp=layout.role_size("gradient"), options=options))
+    extra = dp_state_bytes(shapes, dp=layout.role_size("gradient"), options=options)
+    return [replace(estimate, dp_state_bytes=extra) for estimate in estimates]
 
 
 def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: int

@@ -5,12 +5,14 @@ achieves (not the datasheet peak), its memory, and the links between ranks insid
 across nodes (the bandwidth a collective achieves per rank, and a per-message latency).
 ``cost.device`` names a preset or a JSON file of the same fields (``Device.to_dict``).
 
-The GPU presets are the datasheet peaks scaled by what large multiplies achieve (80% of the
-dense peak for wide ones, half of that at a weight width of 400: ``matmul_half_width``) and
-links at 80% of line rate (NVLink, and a 200/400 Gb/s NIC per GPU). The two compute figures
-were chosen so that the A100 preset reproduces the iteration times Korthikanti et al. 2022
-published for 22B-1T models (``hybrid/planning/cost/published.py``: all eight within 7%); the H100 and H200
-presets assume the same fractions. ``hybrid-plan calibrate`` measures a machine instead.
+The GPU presets are datasheet figures scaled by what published micro-benchmarks achieve, each
+constant below saying where it comes from: large multiplies at 80% of the dense peak, a fixed
+cost per kernel (what makes small multiplies less efficient), memory-bound kernels at 90% of
+the HBM bandwidth (``hybrid.planning.cost.memory_bound``), links at 80% of line rate
+(NVLink, and a 200/400 Gb/s NIC per GPU). Nothing is fitted to a training run: the A100
+preset reproduces the iteration times Korthikanti et al. 2022 published for 22B-1T models
+within 10% (``hybrid/planning/cost/published.py``); the H100 and H200 presets assume the
+same fractions. ``hybrid-plan calibrate`` measures a machine instead.
 """
 
 from __future__ import annotations
@@ -24,8 +26,19 @@ from hybrid.errors import UserError
 
 GIB = 2**30
 ACHIEVED_COMPUTE = 0.8
-MATMUL_HALF_WIDTH = 400.0
+"""Of the dense peak, what large multiplies achieve: A100 bf16 GEMMs reach 80-86% of 312
+TFLOP/s (NVIDIA's Matrix Multiplication Background guide; Bekman's Machine Learning
+Engineering, "maximum achievable matmul FLOPS": 268 TFLOP/s on A100 SXM)."""
 ACHIEVED_LINK = 0.8
+"""NCCL's bus bandwidth over the line rate: about 230 of 300 GB/s NVLink on a DGX A100, and
+about 20 of 25 GB/s per 200 Gb/s HDR InfiniBand port (nccl-tests)."""
+ACHIEVED_MEMORY = 0.9
+"""Of the HBM bandwidth, what large element-wise kernels achieve (Isaev et al. 2023,
+Calculon's A100-80GB system file: 90% from 100 MB up)."""
+KERNEL_S = 3e-6
+"""Fixed cost of a kernel on an A100: Calculon's A100 GEMM efficiency by size (60%, 90%, 95%
+of the peak at 1, 16, 128 GFLOP) is a large multiply's rate plus 2.3-3.6 us per GEMM; CUDA's
+launch latency is of the same order."""
 
 
 class DeviceError(UserError):
@@ -57,6 +70,28 @@ class Device:
     ``flops * k / (k + matmul_half_width)`` (0: every width at ``flops``)."""
     matmul_half_rows: float = 0.0
     """Likewise for few tokens per micro-batch: ``rows / (rows + matmul_half_rows)``."""
+    memory_bandwidth: float = 0.0
+    """Bytes per second memory-bound kernels achieve (``hybrid.planning.cost.memory_bound``:
+    norms, activations, dropout, residual adds, gradient accumulation); 0: not priced apart
+    (a calibrated CPU's layer timing already holds them)."""
+    kernel_s: float = 0.0
+    """Fixed seconds each kernel costs beyond its work (launch, ramp-up, tail): what makes a
+    small multiply less efficient than a large one."""
+    unfused_attention: bool = False
+    """The software writes the attention scores out (softmax and dropout as their own kernels
+    over ``b·a·s²`` scores, as Megatron-LM did in 2021-2022); hybrid's layer runs a fused
+    kernel that keeps none."""
+    blocking_p2p: bool = False
+    """A pipeline rank waits for each exchange of activations or gradients before it goes on
+    (Megatron-LM 2021 synchronised the device after every batched send and receive): the
+    message's time is part of every chunk's forward and backward, so interleaving, with
+    ``vpp`` times the exchanges, pays for each."""
+    dp_after_backward: bool = False
+    """The software reduces gradients only after the pipeline's last backward (Megatron-LM's
+    ``local`` DDP), so none of the reduction hides behind it."""
+    p2p_scatter_gather: bool = False
+    """Between nodes, each TP rank sends ``1 / tp`` of an activation over its own NIC and the
+    receiving node gathers it over NVLink (Narayanan et al. 2021, section 4.1)."""
     optimizer_s_per_param: float = 0.0
     """Seconds of the AdamW step per parameter a rank updates (not overlapped)."""
     cores: int = 0
@@ -170,9 +205,10 @@ ADAMW_BYTES_PER_PARAM = 28
 
 UNCALIBRATED_CPU = ("uncalibrated round figures, not this machine: a sweep here ran 17x slower "
                     "than they predict; run hybrid-plan calibrate, then cost.device=calibrated")
-A100_ERROR_FRACTION = 0.11
-A100_ERROR = ("fitted to Korthikanti 2022 (8 runs, within 7%); on Narayanan 2021's 10 held-out "
-              "runs mean |error| 11%, worst +32% on the smallest (docs/sweeps.md)")
+A100_ERROR_FRACTION = 0.13
+A100_ERROR = ("published A100 figures, nothing fitted; Korthikanti 2022's 8 runs within 10%; on "
+              "Narayanan 2021's 10 held-out runs mean |error| 13%, worst +22% on the smallest "
+              "(docs/sweeps.md)")
 UNCHECKED_GPU = ("not checked against measured runs: the A100 preset's achieved fractions on "
                  "this device's datasheet")
 
@@ -187,14 +223,14 @@ def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
         memory_bytes=int(memory_gib * GIB),
         intra=Link(bandwidth=nvlink_gbs * 1e9 * ACHIEVED_LINK, latency=5e-6),
         inter=Link(bandwidth=nic_gbit / 8 * 1e9 * ACHIEVED_LINK, latency=10e-6),
-        matmul_half_width=MATMUL_HALF_WIDTH,
-        optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / (hbm_tbs * 1e12 * ACHIEVED_LINK),
+        memory_bandwidth=hbm_tbs * 1e12 * ACHIEVED_MEMORY, kernel_s=KERNEL_S,
+        optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / (hbm_tbs * 1e12 * ACHIEVED_MEMORY),
         error=error, error_fraction=error_fraction)
 
 
 PRESETS = {
     # bf16 dense peak, fp32 (TF32) peak, memory, NVLink per direction, NIC per GPU, HBM TB/s
-    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.0, A100_ERROR,
+    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.039, A100_ERROR,
                       A100_ERROR_FRACTION),
     "h100-80gb": _gpu("h100-80gb", 989e12, 494e12, 80, 450, 400, 3.35),
     "h200": _gpu("h200", 989e12, 494e12, 141e9 / GIB, 450, 400, 4.8),
@@ -236,6 +272,12 @@ def load_device(name: str) -> Device:
                   inter=Link(**data["inter"]),
                   matmul_half_width=float(data.get("matmul_half_width", 0.0)),
                   matmul_half_rows=float(data.get("matmul_half_rows", 0.0)),
+                  memory_bandwidth=float(data.get("memory_bandwidth", 0.0)),
+                  kernel_s=float(data.get("kernel_s", 0.0)),
+                  unfused_attention=bool(data.get("unfused_attention", False)),
+                  blocking_p2p=bool(data.get("blocking_p2p", False)),
+                  p2p_scatter_gather=bool(data.get("p2p_scatter_gather", False)),
+                  dp_after_backward=bool(data.get("dp_after_backward", False)),
                   optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
                   cores=int(data.get("cores", 0)),
                   thread_speedup=float(data.get("thread_speedup", 1.0)),

@@ -25,7 +25,15 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
     options = DpOptions.of(cfg.parallel)
     sharding, reduction = sharding_of(options), reduction_of(options)
     worst = (0.0, 0.0)
+    seen = set()  # ranks alike in what they hold and their backward time alike (searches)
+    head = cfg.model.layers + 1
     for r, est in enumerate(plan.memory):
+        stages = [plan.stages[s].blocks for s in plan.by_rank[r]]
+        key = (est, sum(map(len, stages)), any(0 in b for b in stages),
+               any(head in b for b in stages), last_backward[r])
+        if key in seen:
+            continue
+        seen.add(key)
         traffic = RankTraffic(lambda r=r: _shapes(plan, r), dp=width,
                               microbatches=plan.schedule.microbatches,
                               bucket_mb=cfg.parallel.bucket_mb,

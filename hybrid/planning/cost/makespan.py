@@ -6,21 +6,25 @@ virtual stage with ``forward`` and ``backward`` seconds (``steptime._StageTimes`
 from __future__ import annotations
 
 from hybrid.planning.job import JobPlan
-from hybrid.planning.schedules import build_schedule, schedule_spec
+from hybrid.planning.schedules import schedule_spec
 from hybrid.planning.schedules.actions import stage_rank
 from hybrid.planning.schedules.registry import schedule_splits_backward
-from hybrid.planning.schedules.simulate import StageCosts, simulate
+from hybrid.planning.schedules.replay import replay
+from hybrid.planning.schedules.shapes import checked_schedule
+from hybrid.planning.schedules.simulate import StageCosts
 
 
 def simulated_makespan(plan: JobPlan, times: list, p2p: float) -> float:
-    """The pipeline's time with the schedule simulated on these per-stage times."""
+    """The pipeline's time with the schedule simulated on these per-stage times (its action
+    lists built and checked once per shape: ``simulate`` would check them on every call)."""
     layout, m = plan.layout, plan.schedule.microbatches
     costs = StageCosts(F=tuple(t.forward for t in times), B=tuple(t.backward for t in times),
                        I=tuple(t.backward / 2 for t in times),
                        W=tuple(t.backward / 2 for t in times), p2p=p2p)
-    lists = build_schedule(plan.schedule.name, layout.pp, m, vpp=layout.vpp)
-    return simulate(lists, layout.pp, m, vpp=layout.vpp, costs=costs,
-                    placement=layout.stage_placement).makespan
+    lists = checked_schedule(plan.schedule.name, layout.pp, m, layout.vpp)
+    timed = replay([list(actions) for actions in lists], layout.pp, layout.vpp, costs.of,
+                   costs.p2p, layout.stage_placement)
+    return max((t.end for t in timed), default=0)
 
 
 def makespan_lower_bound(plan: JobPlan, times: list, p2p: float, busy: list[float]) -> float:
@@ -31,13 +35,21 @@ def makespan_lower_bound(plan: JobPlan, times: list, p2p: float, busy: list[floa
     layout = plan.layout
     rank_of = [stage_rank(k, layout.pp, layout.stage_placement) for k in range(len(times))]
     splits = schedule_splits_backward(plan.schedule.name)
+    # sums over the stages below each stage, added in model order as sum() would (one pass:
+    # a search bounds layouts of hundreds of stages)
+    crossings, forward, backward = [0], [0], [0]
+    for k, t in enumerate(times[:-1]):
+        crossings.append(crossings[-1] + (rank_of[k + 1] != rank_of[k]))
+        forward.append(forward[-1] + t.forward)
+        backward.append(backward[-1] + t.backward)
+    firsts: dict[int, int] = {}
+    for k, r in enumerate(rank_of):
+        firsts.setdefault(r, k)
     bound = 0.0
     for r in range(layout.pp):
-        first = rank_of.index(r)
-        crossings = sum(1 for k in range(1, first + 1) if rank_of[k] != rank_of[k - 1])
-        head = sum(t.forward for t in times[:first]) + crossings * p2p
-        tail = 0.0 if splits else (sum(t.backward for t in times[:first])
-                                   + crossings * p2p)
+        first = firsts[r]
+        head = forward[first] + crossings[first] * p2p
+        tail = 0.0 if splits else backward[first] + crossings[first] * p2p
         bound = max(bound, head + busy[r] + tail)
     return bound
 

@@ -22,17 +22,22 @@ from typing import Iterator
 
 from hybrid.planning.config import Config
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.sizes import human_bytes
+from hybrid.planning.cost.memory_bound import layer_params
+from hybrid.planning.cost.sizes import (
+    activation_bytes_per_layer, head_activation_bytes, human_bytes,
+)
 from hybrid.planning.job import plan_job
-from hybrid.planning.schedules import SCHEDULES
+from hybrid.planning.schedules import SCHEDULES, schedule_spec
+from hybrid.planning.schedules.shapes import closed_form_schedule
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import (
     StepPrediction, closed_form_and_bound, predict_step, simulates,
 )
-from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes
+from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes, validate_config
 
 MICRO_BATCHES = (1, 2, 4, 8)
+FP32_BYTES = 4
 OUT_OF_MEMORY = "does not fit in device memory"
 LOWER_STAGE_FITS = "fit at a lower ZeRO stage"
 """Why a stage that is never faster than the one below (``searched_if_less_fails``: ZeRO-3,
@@ -76,17 +81,27 @@ def candidates(cfg: Config, world: int) -> Iterator[Config]:
     """Every combination of the searched settings for ``world`` devices."""
     m, launcher = cfg.model, replace(cfg.launcher, nnodes=1, nproc_per_node=None, node_rank=0)
     tps = [tp for tp in valid_tp_sizes(m) if world % tp == 0 and tp <= cfg.cost.gpus_per_node]
+    # one model and train section per setting, shared by candidates (none mutates its config)
+    models = {mode: replace(m, recompute=mode) for mode in RECOMPUTE}
+    trains = {mb: replace(cfg.train, micro_batch=mb) for mb in MICRO_BATCHES}
     for tp in tps:
         for cp in searched_cps(m.seq_len, world // tp):
             for pp in [p for p in valid_sizes(world // (tp * cp)) if p <= m.layers]:
                 dp = world // (tp * cp * pp)
                 for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp * cp, tp):
-                    yield replace(
+                    yield _copied(
                         cfg, launcher=launcher,
-                        parallel=replace(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp, vpp=vpp,
+                        parallel=_copied(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp, vpp=vpp,
                                          schedule=schedule, zero=zero, sequence_parallel=sp),
-                        train=replace(cfg.train, micro_batch=mb),
-                        model=replace(m, recompute=recompute))
+                        train=trains[mb], model=models[recompute])
+
+
+def _copied(section, **changes):
+    """``dataclasses.replace`` for the config's plain dataclasses (no ``__post_init__``, no
+    init-only fields), a few times faster: a search builds tens of thousands of candidates."""
+    new = object.__new__(type(section))
+    vars(new).update(vars(section), **changes)
+    return new
 
 
 def searched_cps(seq_len: int, ranks: int) -> list[int]:
@@ -123,14 +138,16 @@ def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
 def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first.
 
-    Exact whatever ``top`` is: every layout that fits is priced in closed form and bounded
-    from below (``step_lower_bound``); layouts are then finished (their schedule simulated)
+    Exact whatever ``top`` is: every layout that fits is priced in closed form and, where
+    ``predict_step`` would simulate its schedule, bounded from below (``step_lower_bound``;
+    elsewhere the closed form is final); layouts are then finished (their schedule simulated)
     in the order of their bound until the next bound is above the ``top``-th best finished
     time, so no layout left unsimulated could have entered the list."""
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
     priced = []
     lower: dict = {}  # layout (ZeRO stage aside) -> the plan of its last stage tried
+    verdicts: dict = {}  # settings but recompute -> validate_config's error, or None
     for order, candidate in enumerate(candidates(cfg, world)):
         layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
         skip = spec.searched_if_less_fails and _skipped(spec, lower.get(layout_key), device)
@@ -138,6 +155,10 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             rejected[skip] += 1
             continue
         try:
+            _validate_once(candidate, verdicts)
+            if _memory_floor(candidate) > device.memory_bytes:  # no need to plan it
+                rejected[OUT_OF_MEMORY] += 1
+                continue
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
             rejected[_reason(str(err))] += 1
@@ -147,10 +168,12 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
         if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
             rejected[OUT_OF_MEMORY] += 1
             continue
-        closed, bound = closed_form_and_bound(plan, device)
-        final = None if simulates(plan) else closed  # else the closed form is final
-        priced.append((bound if final is None else closed.step_time_s, order, closed,
-                       candidate, final))
+        if simulates(plan):  # finished in the order of its bound, if it can enter the list
+            closed, bound = closed_form_and_bound(plan, device)
+            priced.append((bound, order, closed, candidate, None))
+        else:  # the closed form is final: no bound needed
+            closed = predict_step(plan, device, simulated=False)
+            priced.append((closed.step_time_s, order, closed, candidate, closed))
     best = _finish(priced, device, max(1, top))
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
@@ -160,6 +183,56 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
             "examples": examples,
             "why_cp": _why_cp(best, priced, device)}
+
+
+def _validate_once(candidate: Config, verdicts: dict) -> None:
+    """``validate_config``, once for the settings that differ only in ``model.recompute``
+    (which it checks only by name: the searched modes are all valid ones)."""
+    key = _without_zero(candidate)[:-1] + (candidate.parallel.zero,)
+    if key not in verdicts:
+        try:
+            validate_config(candidate)
+            verdicts[key] = None
+        except LayoutError as err:
+            verdicts[key] = str(err)
+    if verdicts[key] is not None:
+        raise LayoutError(verdicts[key])
+
+
+def _memory_floor(candidate: Config) -> int:
+    """Bytes some rank of a valid ``candidate`` holds at least, by ``estimate_memory``'s own
+    terms: the pipeline rank with the most layers holds ``layers / pp`` or more, and with the
+    uniform partition every virtual stage holds ``layers // (pp * vpp)`` or more, so the first
+    rank holds that many in each chunk with its schedule's peak of micro-batches in flight,
+    and the rank with the head as many and the head's activations for the micro-batches its
+    schedule holds; ZeRO-3 gathers at least one layer's weights whole (norms, biases,
+    embeddings, padding and more micro-batches in flight only add). A layout over it is
+    rejected for memory without being planned: most of a large model's layouts."""
+    m, par, mb = candidate.model, candidate.parallel, candidate.train.micro_batch
+    precision, sp = candidate.train.precision, par.sequence_parallel
+    per_layer = activation_bytes_per_layer(m, mb, par.tp, sp, precision, m.recompute, par.cp)
+    working = (activation_bytes_per_layer(m, mb, par.tp, sp, precision, cp=par.cp)
+               if m.recompute == "full" else 0)
+    weights = layer_params(m)
+    if SHARDINGS[par.zero].gathers_params:  # a layer's weights gathered whole, at least
+        working += int(FP32_BYTES * weights / par.tp)
+
+    def held(layers: float, chunk_layers: float, inflight: int) -> int:
+        state = SHARDINGS[par.zero].closed_form_state(int(layers * weights / par.tp),
+                                                      par.dp * par.cp)
+        return (state.param_bytes + state.grad_bytes + state.optimizer_bytes
+                + int(chunk_layers * per_layer * inflight) + working)
+
+    most = held(m.layers / par.pp, m.layers / par.pp / par.vpp, 1)
+    if par.partition != "uniform":
+        return most
+    each = m.layers // (par.pp * par.vpp)
+    microbatches = candidate.train.global_batch // (par.dp * mb)
+    first = closed_form_schedule(par.schedule, par.pp, microbatches, par.vpp)[1][0]
+    # the rank with the head keeps its activations for the micro-batches the schedule holds
+    head = (schedule_spec(par.schedule).last_stage_holds(microbatches)
+            * head_activation_bytes(m, mb, par.tp, sp, precision, par.cp))
+    return max(most, held(each * par.vpp, each, first), held(each * par.vpp, each, 1) + head)
 
 
 def _skipped(spec, lower, device: Device) -> str | None:

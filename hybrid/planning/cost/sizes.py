@@ -118,20 +118,43 @@ def estimate_memory(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int
     activations while it is recomputed. ``state``: the exact bytes of weights, gradients and
     optimizer state (``hybrid.planning.cost.state_bytes``), else the closed form without bucket padding
     and AdamW's step counts."""
+    return estimate_memories(m, chunks, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch,
+                             inflights=(inflight,), sp=sp, precision=precision, cp=cp,
+                             embedding_copy=embedding_copy, head_inflight=head_inflight,
+                             state=state)[0]
+
+
+def estimate_memories(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: int, zero: int,
+                      micro_batch: int, inflights: tuple[int, ...], sp: bool, precision: str,
+                      cp: int = 1, embedding_copy: bool = False, head_inflight: int = 1,
+                      state: Optional[StateBytes] = None) -> list[MemoryEstimate]:
+    """``estimate_memory`` for each of ``inflights`` (the same blocks with as many
+    micro-batches in flight), the rest computed once: 1F1B's ranks hold alike blocks with
+    ``pp - r`` micro-batches in flight, and a search plans layouts of 128 ranks."""
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
     params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)
     layers = max((sum(1 for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
-    act = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute, cp)
-    act *= layers * inflight
+    per_layer = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute, cp)
+    extra = 0  # added after the in-flight layers, in this order, as ever
     if m.recompute == "full" and layers:
-        act += activation_bytes_per_layer(m, micro_batch, tp, sp, precision, cp=cp)
+        extra = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, cp=cp)
+    head = None
     if any(m.layers + 1 in chunk for chunk in chunks):
-        act += head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision, cp)
+        head = head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision, cp)
     if state is None:
         state = SHARDINGS[zero].closed_form_state(params, dp)
-    return MemoryEstimate(params=params, param_bytes=state.param_bytes,
-                          grad_bytes=state.grad_bytes, optimizer_bytes=state.optimizer_bytes,
-                          activation_bytes=int(act), dp_state_bytes=state.dp_state_bytes)
+    out = []
+    for inflight in inflights:
+        act = per_layer * (layers * inflight)
+        if extra:
+            act += extra
+        if head is not None:
+            act += head
+        out.append(MemoryEstimate(
+            params=params, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
+            optimizer_bytes=state.optimizer_bytes, activation_bytes=int(act),
+            dp_state_bytes=state.dp_state_bytes))
+    return out
 
 
 def human_bytes(n: float) -> str:

@@ -22,13 +22,16 @@ compares with their tables.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from dataclasses import replace as dc_replace
 
+from hybrid.planning.cost.collectives import ring_gather
 from hybrid.planning.cost.context_time import ring_times
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import (
     attention_core_flops, head_forward_flops, layer_forward_flops, paper_flops_per_step,
 )
+from hybrid.planning.cost.memory_bound import stage_memory_bound
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.cost.tp_time import tp_traffic
 from hybrid.planning.job import JobPlan
@@ -69,9 +72,22 @@ class StepPrediction:
 
 def _link(plan: JobPlan, device: Device, axis: str) -> Link:
     """Between nodes, or inside one: there, as measured with as many processes as the node
-    runs (on shared CPU cores the ranks that are not in the group still compete)."""
-    crossing = plan.layout.crosses_nodes(axis, plan.priced_ranks_per_node)
-    return device.inter if crossing else device.intra_for(plan.priced_ranks_per_node)
+    runs (on shared CPU cores the ranks that are not in the group still compete). A GPU
+    group with ``g`` members on each node it spans crosses between nodes on ``g`` NICs at
+    once (a DGX A100 has one 200 Gb/s HCA per GPU; NCCL spreads its rings over them), so
+    its ring runs at ``g`` NICs' bandwidth, at most the node's own link's."""
+    per_node = plan.priced_ranks_per_node
+    if not plan.layout.crosses_nodes(axis, per_node):
+        return device.intra_for(per_node)
+    if device.cores or axis == "pp":  # a pipeline message leaves on its sender's NIC only
+        return device.inter
+    layout = plan.layout
+    stride = layout.rank(**{axis: 1})  # consecutive members' distance in ranks
+    members = min(layout.size(axis), per_node // stride) if stride < per_node else 1
+    if members <= 1:
+        return device.inter
+    return Link(bandwidth=min(device.intra.bandwidth, members * device.inter.bandwidth),
+                latency=device.inter.latency)
 
 
 @dataclass(frozen=True)
@@ -112,15 +128,19 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
                       else (0.0, 0.0))
     recompute_wire = recompute_calls = 0.0
     extra = 0.0
+    bound = stage_memory_bound(plan, device, blocks, layers,
+                               attention_core_flops(m, b) / tp / cp / rate)
+    compute += bound.forward
     if m.recompute == "full":
-        extra = layers * layer
+        extra = layers * layer + bound.forward
         recompute_wire, recompute_calls = traffic.layers
     elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
-        extra = layers * attention_core_flops(m, b) / tp / rate
+        extra = layers * attention_core_flops(m, b) / tp / rate + bound.scores
     tp_fwd, tp_bwd = fwd_wire + fwd_calls * call, bwd_wire + bwd_calls * call
     recompute_comm = recompute_wire + recompute_calls * call
     all_calls = fwd_calls + bwd_calls + recompute_calls
-    backward_compute = 2 * compute * (device.split_backward_factor if split else 1.0)
+    backward_compute = ((2 * (compute - bound.forward) + bound.backward)
+                        * (device.split_backward_factor if split else 1.0))
     return _StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s,
                        backward=(backward_compute + tp_bwd + extra + recompute_comm
                                  + layers * ring.backward_exposed_s),
@@ -142,6 +162,9 @@ class _Parts:
 
     times: list[_StageTimes]
     p2p: float
+    """What a pipeline message adds between two ranks' actions (0 where it blocks a rank:
+    then it is in the actions' times)."""
+    message: float
     busy: list[float]
     cpu_busy: list[float]
     wire: list[float]
@@ -152,12 +175,26 @@ def _parts(plan: JobPlan, device: Device) -> _Parts:
     # Zero-bubble schedules split every stage's backward but the first's (it has no input
     # gradient to hurry: its I is empty and its W the whole backward).
     splits = schedule_splits_backward(plan.schedule.name)
-    times = [_stage_times(plan, device, stage.blocks, split=splits and stage.index > 0)
-             for stage in plan.stages]
+    edges = (0, plan.cfg.model.layers + 1)
+    known: dict = {}  # stages alike in layers, edges and split cost alike (searches: 128)
+    times = []
+    for stage in plan.stages:
+        split = splits and stage.index > 0
+        key = (len(stage.blocks), *(edge in stage.blocks for edge in edges), split)
+        if key not in known:
+            known[key] = _stage_times(plan, device, stage.blocks, split=split)
+        times.append(known[key])
+    message = _p2p_time(plan, device)
+    link_p2p = message
+    if device.blocking_p2p and plan.layout.pp > 1:
+        # the rank waits for each exchange: one after each forward and backward of a chunk
+        times = [dc_replace(t, forward=t.forward + message, backward=t.backward + message)
+                 for t in times]
+        link_p2p = 0.0
     m = plan.schedule.microbatches
     per_rank = [[times[st.index] for st in plan.stages_of(r)] for r in range(plan.layout.pp)]
     return _Parts(
-        times=times, p2p=_p2p_time(plan, device),
+        times=times, p2p=link_p2p, message=message,
         busy=[m * sum(t.forward + t.backward for t in ts) for ts in per_rank],
         cpu_busy=[m * sum(t.forward + t.backward - t.tp_wire for t in ts) for ts in per_rank],
         wire=[m * sum(t.tp_wire for t in ts) for ts in per_rank],
@@ -213,9 +250,10 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
     dp_link = _link(plan, device, "dp")
     last_backward = [sum(t.backward for t in ts) for ts in per_rank]
     dp_s, dp_exposed = dp_times(plan, device, dp_link, last_backward, makespan)
-    if device.cores:
+    if device.cores or device.dp_after_backward:
         # gloo reduces on the cores that compute (the link was measured with every rank of
-        # the node reducing at once): nothing of it hides behind the backward.
+        # the node reducing at once), and some software reduces only after the last
+        # backward: nothing of it hides behind the backward.
         dp_exposed = dp_s
     optimizer = parts.optimizer
     step = max(makespan + dp_exposed + max(optimizer),
@@ -225,7 +263,7 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
     return StepPrediction(
         step_time_s=step, compute_s=parts.busy[busiest],
         bubble_s=makespan - parts.busy[busiest],
-        tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=parts.p2p, dp_s=dp_s,
+        tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=parts.message, dp_s=dp_s,
         dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
         tflops_per_device=(paper_flops_per_step(cfg) / step / layout.world_size / 1e12
                            if step else 0.0),
@@ -265,12 +303,20 @@ def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: f
 
 
 def _p2p_time(plan: JobPlan, device: Device) -> float:
+    """One activation (or its gradient) to the next stage. With sequence parallelism a TP rank
+    holds and sends ``1 / tp`` of it; without, between nodes, software that scatters it
+    (``p2p_scatter_gather``: each TP rank sends ``1 / tp`` over its own NIC) gathers it back
+    over the node's link (Narayanan et al. 2021, section 4.1)."""
     if plan.layout.pp == 1:
         return 0.0
-    cfg = plan.cfg
+    cfg, tp = plan.cfg, plan.layout.tp
     nbytes = (cfg.train.micro_batch * cfg.model.seq_len // plan.layout.cp * cfg.model.hidden
               * BYTES[cfg.train.precision])
-    if cfg.parallel.sequence_parallel:
-        nbytes /= plan.layout.tp
     link = _link(plan, device, "pp")
-    return nbytes / link.bandwidth + link.latency + device.collective_overhead_s
+    gather = 0.0
+    if cfg.parallel.sequence_parallel:
+        nbytes /= tp
+    elif device.p2p_scatter_gather and tp > 1 and link is device.inter:
+        nbytes /= tp
+        gather = ring_gather(nbytes * tp, tp, device.intra_for(tp))
+    return nbytes / link.bandwidth + link.latency + device.collective_overhead_s + gather

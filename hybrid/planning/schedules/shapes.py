@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import functools
 
+from hybrid.planning.schedules.check import check_schedule
 from hybrid.planning.schedules.registry import build_schedule, schedule_spec
 from hybrid.planning.schedules.simulate import Costs, SimResult, simulate
+
+
+@functools.lru_cache(maxsize=64)
+def checked_schedule(schedule: str, pp: int, m: int, vpp: int) -> tuple:
+    """The schedule's action lists, built and checked once per shape (the unit-cost
+    simulation and every pricing of a layout of that shape replay the same lists)."""
+    lists = build_schedule(schedule, pp, m, vpp=vpp)
+    check_schedule(lists, pp, m, vpp, schedule_spec(schedule).placement)
+    return tuple(tuple(actions) for actions in lists)
 
 
 @functools.lru_cache(maxsize=64)
 def simulate_unit_costs(schedule: str, pp: int, m: int, vpp: int) -> SimResult:
     """The schedule simulated with unit costs (no p2p time); one simulation per schedule
     shape, since the memory check's candidate layouts share most."""
-    return simulate(build_schedule(schedule, pp, m, vpp=vpp), pp, m, vpp=vpp, costs=Costs(),
-                    placement=schedule_spec(schedule).placement)
+    lists = [list(actions) for actions in checked_schedule(schedule, pp, m, vpp)]
+    return simulate(lists, pp, m, vpp=vpp, costs=Costs(),
+                    placement=schedule_spec(schedule).placement, checked=True)
 
 
 def closed_form_schedule(schedule: str, pp: int, m: int, vpp: int) -> tuple[float, tuple]:

@@ -78,9 +78,11 @@ class SimResult:
 
 def simulate(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
              costs: Costs | StageCosts = Costs(F=1, B=2, I=1, W=1, p2p=0),
-             placement: str = LOOP) -> SimResult:
-    """Check ``lists`` (compute-only or lowered), then time it with ``costs``."""
-    check_schedule(lists, pp, m, vpp, placement)
+             placement: str = LOOP, checked: bool = False) -> SimResult:
+    """Check ``lists`` (compute-only or lowered; ``checked``: already), then time it with
+    ``costs``."""
+    if not checked:
+        check_schedule(lists, pp, m, vpp, placement)
     timed = sorted(replay(lists, pp, vpp, costs.of, costs.p2p, placement),
                    key=lambda t: (t.rank, t.step))
     makespan = max((t.end for t in timed), default=0)

@@ -65,7 +65,7 @@ def option_problem(options: DpOptions, dp: int) -> Optional[str]:
     if options.zero not in SHARDINGS:
         return (f"parallel.zero={options.zero} is unknown; choose one of "
                 f"{', '.join(map(str, SHARDINGS))}")
-    if options.compress not in compress_names():
+    if options.compress != "none" and options.compress not in compress_names():  # (cheap first)
         return (f"parallel.dp_compress={options.compress!r} is unknown; choose one of "
                 f"{', '.join(compress_names())}")
     for spec in REDUCTIONS.values():
