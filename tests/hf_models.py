@@ -50,3 +50,29 @@ def load_hf(path: Path):
 
     model, info = GPT2LMHeadModel.from_pretrained(path, output_loading_info=True)
     return model.eval(), info
+
+
+def assert_exported_equals(original: Path, exported: Path, hf_class) -> None:
+    """``exported`` (an HF folder hybrid-ckpt wrote) holds every tensor of ``original``'s
+    safetensors, bitwise, and ``hf_class`` loads it with no key missing, unexpected or
+    mismatched."""
+    import torch
+    from safetensors.torch import load_file
+
+    before = load_file(original / "model.safetensors")
+    after = load_file(exported / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    _, info = hf_class.from_pretrained(exported, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+
+
+def hybrid_logits(rank, world, hf_dir, tokens):
+    """A spawned rank: the logits of ``tokens`` from the HF folder ``hf_dir`` loaded as
+    hybrid-generate loads it (one process)."""
+    import torch
+
+    from hybrid.generate import load_source, one_process_model
+
+    with one_process_model(load_source(hf_dir)) as model, torch.no_grad():
+        return model.logits(tokens)

@@ -62,6 +62,17 @@ def kill_node(proc: subprocess.Popen) -> set[int]:
     return family
 
 
+def start_two_nodes(tmp_path: Path, endpoint: str, extra: tuple) -> tuple:
+    """Node 1 (whose rank is slowed after step 5, so a kill lands inside a step) and node 0,
+    each ``hybrid-train`` in ``tmp_path/nodeN``: (node 0, node 1)."""
+    node1 = subprocess.Popen(node_command(tmp_path / "node1", 1, endpoint, *extra, base=BASE),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "HYBRID_TEST_FAULT": SLOW_AFTER_5})
+    node0 = subprocess.Popen(node_command(tmp_path / "node0", 0, endpoint, *extra, base=BASE),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return node0, node1
+
+
 @pytest.mark.parametrize("layout, shrunk", [
     (("parallel.dp=2", "parallel.tp=2", "parallel.pp=2"), {"dp": 1, "cp": 1, "tp": 2, "pp": 2}),
     (("parallel.dp=4", "parallel.tp=2", "parallel.pp=1"), {"dp": 2, "cp": 1, "tp": 2, "pp": 1}),
@@ -71,11 +82,7 @@ def test_a_killed_node_leaves_and_node_0_finishes_on_fewer_with_the_same_losses(
     endpoint = f"127.0.0.1:{free_port()}"
     extra = (*layout, "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}",
              "launcher.min_nodes=1", "train.collective_timeout_s=60")
-    node1 = subprocess.Popen(node_command(tmp_path / "node1", 1, endpoint, *extra, base=BASE),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "HYBRID_TEST_FAULT": SLOW_AFTER_5})
-    node0 = subprocess.Popen(node_command(tmp_path / "node0", 0, endpoint, *extra, base=BASE),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0, node1 = start_two_nodes(tmp_path, endpoint, extra)
     family: set[int] = set()
     try:
         _wait_for(lambda: 5 in last_loss_per_step(tmp_path / "node0"), 300, "step 5")
@@ -133,11 +140,7 @@ def test_a_stopped_node_is_named_by_the_hang_diagnosis_and_left_behind(reference
     endpoint = f"127.0.0.1:{free_port()}"
     extra = ("checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "launcher.min_nodes=1",
              "train.collective_timeout_s=30", "launcher.silence_timeout_s=10")
-    node1 = subprocess.Popen(node_command(tmp_path / "node1", 1, endpoint, *extra, base=BASE),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "HYBRID_TEST_FAULT": SLOW_AFTER_5})
-    node0 = subprocess.Popen(node_command(tmp_path / "node0", 0, endpoint, *extra, base=BASE),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0, node1 = start_two_nodes(tmp_path, endpoint, extra)
     family: set[int] = set()
     try:
         _wait_for(lambda: 5 in last_loss_per_step(tmp_path / "node0"), 300, "step 5")

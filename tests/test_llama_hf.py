@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_models import assert_exported_equals, hybrid_logits
 from hybrid.testing import spawn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,29 +62,15 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_import_then_export_changes_no_tensor(kind, hf_dirs, tmp_path):
-    from safetensors.torch import load_file
-
     done = run(CKPT, "import", hf_dirs[kind], tmp_path / "imported")
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
     assert manifest["config"]["model"]["family"] == "llama"
     done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
     assert done.returncode == 0, done.stderr
-    before = load_file(hf_dirs[kind] / "model.safetensors")
-    after = load_file(tmp_path / "out" / "model.safetensors")
-    assert sorted(before) == sorted(after)
-    assert all(torch.equal(before[name], after[name]) for name in before)
     from transformers import LlamaForCausalLM
 
-    _, info = LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-
-
-def _hybrid_logits(rank, world, hf_dir, tokens):
-    from hybrid.generate import load_source, one_process_model
-
-    with one_process_model(load_source(hf_dir)) as model, torch.no_grad():
-        return model.logits(tokens)
+    assert_exported_equals(hf_dirs[kind], tmp_path / "out", LlamaForCausalLM)
 
 
 @pytest.mark.parametrize("kind", ["untied", "tied"])
@@ -91,7 +78,7 @@ def test_an_imported_llama_gives_hfs_logits(kind, hf_dirs):
     from transformers import LlamaForCausalLM
 
     tokens = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(4))
-    logits, = spawn(_hybrid_logits, 1, str(hf_dirs[kind]), tokens, timeout=150)
+    logits, = spawn(hybrid_logits, 1, str(hf_dirs[kind]), tokens, timeout=150)
     model = LlamaForCausalLM.from_pretrained(hf_dirs[kind]).eval()
     with torch.no_grad():
         hf_logits = model(tokens).logits

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_models import assert_exported_equals, hybrid_logits
 from hybrid.testing import spawn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,8 +76,6 @@ def test_transformers_writes_the_per_expert_layout_and_holds_the_fused_one(hf_di
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_import_then_export_gives_every_tensor_back(layout, hf_dirs, tmp_path):
-    from safetensors.torch import load_file
-
     done = run(CKPT, "import", hf_dirs[layout], tmp_path / "imported")
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
@@ -84,21 +83,10 @@ def test_import_then_export_gives_every_tensor_back(layout, hf_dirs, tmp_path):
     assert "model.experts=4" in done.stdout and "model.experts_topk=2" in done.stdout
     done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
     assert done.returncode == 0, done.stderr
-    before = load_file(hf_dirs["per_expert"] / "model.safetensors")  # the same weights
-    after = load_file(tmp_path / "out" / "model.safetensors")
-    assert sorted(before) == sorted(after)
-    assert all(torch.equal(before[name], after[name]) for name in before)
     from transformers import MixtralForCausalLM
 
-    _, info = MixtralForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-
-
-def _hybrid_logits(rank, world, hf_dir, tokens):
-    from hybrid.generate import load_source, one_process_model
-
-    with one_process_model(load_source(hf_dir)) as model, torch.no_grad():
-        return model.logits(tokens)
+    # either layout holds the same weights; export writes the per-expert one
+    assert_exported_equals(hf_dirs["per_expert"], tmp_path / "out", MixtralForCausalLM)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
@@ -106,7 +94,7 @@ def test_an_imported_mixtral_gives_hfs_logits(layout, hf_dirs):
     from transformers import MixtralForCausalLM
 
     tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(4))
-    logits, = spawn(_hybrid_logits, 1, str(hf_dirs[layout]), tokens, timeout=150)
+    logits, = spawn(hybrid_logits, 1, str(hf_dirs[layout]), tokens, timeout=150)
     model = MixtralForCausalLM.from_pretrained(hf_dirs["per_expert"]).eval()
     with torch.no_grad():
         hf_logits = model(tokens).logits
