@@ -3,7 +3,7 @@
     python -m launch.commands.config_reference > docs/config.md
 
 A test regenerates it and compares, so the page cannot drift from the schema
-(``hybrid/planning/config.py`` and ``run_config.py``).
+(``hybrid/planning/config.py``, ``model_config.py`` and ``run_config.py``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _show(value: object) -> str:
 
 def render() -> str:
     lines = ["# Config reference", "",
-             "Generated from `hybrid/planning/config.py` (and `run_config.py`) by "
+             "Generated from `hybrid/planning/config.py` (and `model_config.py`, `run_config.py`) by "
              "`python -m launch.commands.config_reference`; every key "
              "is typed, so a misspelt key or a wrong type fails when Hydra composes the config.",
              "Override any key on the command line: `hybrid-train parallel.tp=2 train.steps=50`.",

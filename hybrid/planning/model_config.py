@@ -1,0 +1,94 @@
+"""The schema of the model (``model.*``): the family, its shape and its options, one keyword-only
+dataclass, a field of ``hybrid.planning.config.Config`` (``conf/model/*.yaml`` are its presets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for display."""
+    family: str = "gpt2"
+    """The model family (hybrid.planning.models; docs/models.md): gpt2, or one registered by
+    family_module."""
+    family_module: Optional[str] = None
+    """A module to import before the family is looked up (in the launcher and on every rank),
+    which registers model.family: for a family defined outside hybrid (on PYTHONPATH)."""
+    layers: int = 4
+    """Number of transformer layers."""
+    hidden: int = 32
+    """Hidden size h."""
+    heads: int = 4
+    """Attention heads; must divide hidden."""
+    kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention, family llama): must divide heads, and tp must
+    divide it; None means heads (multi-head attention)."""
+    ffn_hidden: Optional[int] = None
+    """MLP inner size; None means 4 * hidden."""
+    vocab: int = 256
+    """Vocabulary size before padding (256 = byte-level tokens)."""
+    vocab_pad_multiple: int = 64
+    """The vocabulary is padded up to a multiple of this (independent of TP, so every layout
+    trains the same model); tp must divide the padded size."""
+    seq_len: int = 32
+    """Maximum sequence length (rows of the learned position table); also the training length."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (GPT-2 style)."""
+    recompute: str = "none"
+    """none | selective (keep each layer's activations except the attention core's, which
+    the backward recomputes: Korthikanti et al. 2022) | full (keep only each transformer
+    layer's input and recompute the whole layer in the backward)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    norm_eps: float = 1e-5
+    """The norms' epsilon (LayerNorm for gpt2, RMSNorm for llama)."""
+    rope_base: float = 10000.0
+    """Rotary position embeddings' base (family llama; HF's rope_theta)."""
+    experts: int = 0
+    """Mixture of experts (family llama; docs/moe.md): experts per MoE layer, whose sparse MLP
+    replaces the SwiGLU MLP; 0 = a dense model."""
+    experts_topk: int = 2
+    """Experts each token is routed to (experts > 0)."""
+    moe_ffn_hidden: Optional[int] = None
+    """One expert's SwiGLU inner size; None means ffn_hidden."""
+    moe_every: int = 1
+    """Every this many layers is an MoE layer, starting with the first (megatron's
+    moe_layer_freq); the others keep the dense MLP."""
+    moe_aux_loss: float = 0.0
+    """Coefficient of the Switch/GShard load-balancing loss added to each MoE layer's
+    gradient (0 = off; 0.01 is common)."""
+    moe_capacity_factor: Optional[float] = None
+    """None: dropless (every routed token is computed). A number > 0: each expert takes at
+    most ceil(factor * tokens * topk / experts) of a micro-batch's tokens, in token order,
+    and drops the rest."""
+    moe_router: str = "softmax_topk"
+    """softmax_topk (Mixtral: softmax over the experts, top-k, renormalised) | topk_softmax
+    (top-k of the logits, softmax over those k: megatron's default; the same weights in exact
+    arithmetic)."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def moe_ffn(self) -> int:
+        """One expert's inner size (``moe_ffn_hidden``, or ``ffn``)."""
+        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
+
+    def is_moe_layer(self, block_id: int) -> bool:
+        """Whether block ``block_id`` (1..layers) has a sparse MLP: the first layer, then
+        every ``moe_every``-th."""
+        return self.experts > 0 and (block_id - 1) % self.moe_every == 0
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads (``kv_heads``, or ``heads`` when unset)."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_pad_multiple
+        return -(-self.vocab // m) * m
