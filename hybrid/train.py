@@ -38,6 +38,7 @@ from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
+from hybrid.relayout import relayout_asked
 from hybrid.replica_balance import ReplicaShares
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.rank_check import RankPlan
@@ -58,11 +59,6 @@ def stop_if_not_finite(step: int, loss: float, grad_norm: float, lr: float) -> N
     raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}; the update was "
                          f"not applied and training stopped. Lower optim.lr (this step's lr "
                          f"{lr:.3g}) or resume from an earlier checkpoint")
-
-
-RELAYOUT_KEY = "relayout"
-"""The key an elastic launcher sets in the attempt's store to stop the workers at the next
-checkpoint (``launch.launchers.elastic``)."""
 
 
 class Trainer:
@@ -270,7 +266,7 @@ class Trainer:
                 if recorder is not None:
                     self._write_timeline(recorder, step)
                 self.checkpointer.after_step(step)
-                if step < cfg.train.steps and self._relayout_asked(step):
+                if step < cfg.train.steps and relayout_asked(cfg, self.store, self.groups, step):
                     stopped_at = step
                     break
             self.checkpointer.close()
@@ -284,20 +280,6 @@ class Trainer:
                 "run_dir": str(self.run_dir),
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from,
                 "relayout_at": stopped_at}
-
-    def _relayout_asked(self, step: int) -> bool:
-        """An elastic job (``launcher.min_nodes``) whose launcher asks, in the store, to stop
-        for a new layout (a node came back): asked at each checkpoint step, so that the next
-        attempt resumes from this step's checkpoint. Rank 0 reads the store; every rank
-        follows its answer (one all-reduce, so all stop at the same step)."""
-        every = self.cfg.checkpoint.every
-        if self.cfg.launcher.min_nodes is None or every <= 0 or step % every or \
-                self.store is None:
-            return False
-        asked = float(dist.get_rank() == 0 and self.store.check([RELAYOUT_KEY]))
-        flag = torch.tensor([asked], device=self.device)
-        self.groups.world.all_reduce(flag)
-        return bool(flag.item())
 
     def _say_where_it_starts(self) -> None:
         """Before the first step: the checkpoint this run (or this attempt, after a restart)
