@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-PRELOAD = ["torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.groups"]
+PRELOAD = ["torch", "torch.distributed", "hybrid.model.megatron_adapter", "hybrid.groups"]
 _CONTEXT = None
 
 

@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from hybrid.data.dataset import DataError
+from hybrid.megatron_import import import_megatron
 from hybrid.planning.data_sources import SPLITS
 
 CACHE_FILES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy",
@@ -69,7 +70,7 @@ class _DatasetTokenizer:
 
 
 def _config(spec: IndexedSpec, cache_dir: str, defer: bool):
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    GPTDatasetConfig = import_megatron("megatron.core.datasets.gpt_dataset").GPTDatasetConfig
 
     config = GPTDatasetConfig(
         random_seed=spec.seed, sequence_length=spec.seq_len,
@@ -89,6 +90,7 @@ def _config(spec: IndexedSpec, cache_dir: str, defer: bool):
 def _build(spec: IndexedSpec, cache_dir: str, defer: bool) -> list:
     """[train, valid, test] (None for a split of size 0)."""
     with _quiet_megatron():
+        import_megatron()
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder)
         from megatron.core.datasets.gpt_dataset import GPTDataset

@@ -1,4 +1,5 @@
-"""The one seam between hybrid and megatron-core: nothing else imports ``megatron.core``.
+"""The one seam between hybrid and megatron-core's layers (``hybrid.megatron_import`` imports
+it; ``hybrid.data.megatron`` uses its datasets).
 
 What we take from megatron-core: the tensor-parallel layers' parameter layout and their
 layout-independent CPU initialisation (every rank draws the full master weight from the same
@@ -39,10 +40,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import ModelParallelConfig
-from megatron.core import tensor_parallel as _mcore_tp
 
 from hybrid.comm import Group
+from hybrid.megatron_import import import_megatron
 from hybrid.model.linear import linear
 from hybrid.model.mappings import (
     copy_to_tensor_region, reduce_from_tensor_region, reduce_scatter_to_sequence_parallel_region,
@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 InitMethod = Callable[[torch.Tensor], None]
+ModelParallelConfig = import_megatron().ModelParallelConfig
+_mcore_tp = import_megatron("megatron.core.tensor_parallel")
 
 
 def _layer_config() -> ModelParallelConfig:

@@ -32,7 +32,7 @@ from launch.launchers.failures import (LaunchInterrupted, RestartNotices, Worker
                              worker_failure_from)
 from launch.launchers.rendezvous import Rendezvous, rendezvous_failure, wait_for_node0
 
-WORKER_PRELOAD = ("torch", "torch.distributed", "megatron.core.tensor_parallel", "hybrid.train")
+WORKER_PRELOAD = ("torch", "torch.distributed", "hybrid.model.megatron_adapter", "hybrid.train")
 """Imported once by the fork server, before any worker exists (no torch compute has run)."""
 MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 """PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
