@@ -22,7 +22,9 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-PRELOAD = ["torch", "torch.distributed", "hybrid.model.megatron_adapter", "hybrid.groups"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybrid.model.megatron_adapter",
+           "hybrid.groups"]
+"""What the fork server imports once (``launch.launchers.agent.WORKER_PRELOAD`` says why)."""
 _CONTEXT = None
 
 

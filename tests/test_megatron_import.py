@@ -13,14 +13,16 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_a_worker_fork_servers_imports_load_no_compiler():
     """What the fork server preloads (``WORKER_PRELOAD``): megatron-core's layers and datasets
-    are there, TorchDynamo and Inductor are not, and ``torch.compile`` is torch's own again."""
+    are there, Inductor's compiler and Dynamo's repro tools (what megatron's decorators
+    imported) are not, and ``torch.compile`` is torch's own again."""
     from launch.launchers.agent import WORKER_PRELOAD
 
     code = ("import sys, importlib, torch\n"
             f"for name in {list(WORKER_PRELOAD)!r}: importlib.import_module(name)\n"
             "from hybrid.data.megatron import _config\n"
             "import megatron.core.datasets.gpt_dataset, megatron.core.fusions.fused_bias_geglu\n"
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules),"
+            "print(sorted(m for m in ('torch._inductor.compile_fx', 'torch._dynamo.repro')"
+            " if m in sys.modules),"
             " torch.compile.__module__, 'megatron.core.tensor_parallel' in sys.modules)")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
                           text=True, timeout=100)

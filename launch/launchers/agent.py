@@ -32,8 +32,12 @@ from launch.launchers.failures import (LaunchInterrupted, RestartNotices, Worker
                              worker_failure_from)
 from launch.launchers.rendezvous import Rendezvous, rendezvous_failure, wait_for_node0
 
-WORKER_PRELOAD = ("torch", "torch.distributed", "hybrid.model.megatron_adapter", "hybrid.train")
-"""Imported once by the fork server, before any worker exists (no torch compute has run)."""
+WORKER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hybrid.model.megatron_adapter",
+                  "hybrid.train")
+"""Imported once by the fork server, before any worker exists (no torch compute has run).
+TorchDynamo is among them because torch's ``Optimizer`` imports it when the first one is built
+(about 1 s): once here rather than in every worker; Inductor's compiler is not
+(``hybrid.megatron_import``)."""
 MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 """PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
 and Apex are absent, expected on CPU and noise on a console."""
