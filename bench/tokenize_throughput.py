@@ -119,7 +119,8 @@ def main() -> None:
     if args.smoke:  # what the command line gave explicitly stays
         args = parser.parse_args(namespace=argparse.Namespace(mb=0.05, workers=1, rounds=1,
                                                               steps=3))
-        job, job_name = ["parallel=single", "model=tiny"], "1 process, model tiny"
+        job, job_name = (["parallel=single", "model=tiny", "train.global_batch=2",
+                          "train.micro_batch=1"], "1 process, model tiny, batch 2")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         source, texts = corpus(folder, args.mb)
