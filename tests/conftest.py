@@ -32,14 +32,14 @@ def user_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory) -> tuple[Path, str]:
-    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 100
+    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 110
     and 120, which changes nothing in training): its run directory and console output."""
     import subprocess
     import sys
 
     run_dir = tmp_path_factory.mktemp("main-job")
     done = subprocess.run([str(Path(sys.executable).parent / "hybrid-train"),
-                           f"hydra.run.dir={run_dir}", "checkpoint.every=100"],
+                           f"hydra.run.dir={run_dir}", "checkpoint.every=110"],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout
@@ -91,3 +91,58 @@ def hf_imported(hf_gpt2, tmp_path_factory) -> Path:
                            str(hf_gpt2), str(out)], capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+CPU_LOG = "HYBRID_TEST_CPU_LOG"
+"""Where to append each test's CPU seconds (its whole process tree: jobs, fork servers,
+workers), one JSON line each, when set: what the suite spends, per test, independent of the
+machine's other load (``cpuacct`` of a cgroup v1 per pytest process; Linux, root)."""
+
+
+def _cpu_cgroup():
+    import os
+
+    root = Path("/sys/fs/cgroup/cpuacct")
+    if not os.environ.get(CPU_LOG) or not root.is_dir():
+        return None
+    group = root / f"hybrid-tests-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``HYBRID_TEST_CPU_LOG`` set, the test's CPU seconds (setup, call and teardown)
+    and wall seconds are appended to that file."""
+    import json
+    import os
+    import time
+
+    group = getattr(pytest_runtest_protocol, "group", None)
+    if group is None and os.environ.get(CPU_LOG):
+        group = pytest_runtest_protocol.group = _cpu_cgroup()
+    if group is None:
+        yield
+        return
+    before, start = int((group / "cpuacct.usage").read_text()), time.monotonic()
+    yield
+    cpu = (int((group / "cpuacct.usage").read_text()) - before) / 1e9
+    with open(os.environ[CPU_LOG], "a") as log:
+        log.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu, 2),
+                              "wall_s": round(time.monotonic() - start, 2)}) + "\n")
+
+
+def pytest_unconfigure(config):
+    """The CPU log's cgroup goes when its pytest process ends (the process moved out first)."""
+    import contextlib
+    import os
+
+    group = getattr(pytest_runtest_protocol, "group", None)
+    if group is not None:
+        with contextlib.suppress(OSError):
+            (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()

@@ -3,10 +3,11 @@ exported as a user does: in a new run directory each, which reads the built-in c
 machine's cache, not from the saved run's directory (#43: resume compared the data's paths and
 refused every new run directory).
 
-The main job (``main_job``: 2x2x2, 1F1B, 120 steps) saves at steps 100 and 120. Each resume
-continues it from step 100 and must give the uninterrupted run's losses, validation loss
+The main job (``main_job``: 2x2x2, 1F1B, 120 steps) saves at steps 110 and 120. Each resume
+continues it from step 110 and must give the uninterrupted run's losses, validation loss
 included: bitwise on the same layout (from a data folder moved after the save), within float
-tolerance on another layout, and again from that run's ZeRO-3 checkpoint into one process.
+tolerance on another layout (4 ranks, dp 2 x tp 2 with ZeRO-3: another world size, no
+pipeline, sharded weights), and again from that run's ZeRO-3 checkpoint into one process.
 """
 
 import shutil
@@ -20,8 +21,9 @@ from hybrid.testing import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 CKPT = str(Path(sys.executable).parent / "hybrid-ckpt")
-RESHARDED = ["parallel.dp=2", "parallel.tp=4", "parallel.pp=1", "parallel.zero=3",
-             "checkpoint.every=10"]
+RESUMED_AT = 110  # main_job's checkpoint.every
+RESHARDED = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=3",
+             "checkpoint.every=5"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -46,9 +48,9 @@ def resume(run_dir: Path, checkpoint: Path, *overrides: str) -> subprocess.Compl
 
 @pytest.fixture(scope="module")
 def resharded(main_job, tmp_path_factory) -> Path:
-    """The main job resumed from step 100 on dp 2 x tp 4 with ZeRO-3, saving at 110 and 120."""
+    """The main job resumed from step 110 on dp 2 x tp 2 with ZeRO-3, saving at 115 and 120."""
     run_dir = tmp_path_factory.mktemp("resharded")
-    resume(run_dir, step_dir(main_job[0], 100), *RESHARDED)
+    resume(run_dir, step_dir(main_job[0], RESUMED_AT), *RESHARDED)
     return run_dir
 
 
@@ -58,19 +60,19 @@ def test_a_resume_on_the_same_layout_from_a_moved_data_folder_is_bitwise(main_jo
     moved = tmp_path / "moved-cache"
     shutil.move(user_cache / "examples", moved / "examples")
     try:
-        done = resume(tmp_path / "run", step_dir(source, 100), f"data.cache_dir={moved}")
+        done = resume(tmp_path / "run", step_dir(source, RESUMED_AT), f"data.cache_dir={moved}")
     finally:
         shutil.move(moved / "examples", user_cache / "examples")
     assert "data: built python-docs" not in done.stderr  # read where it lies, not rebuilt
     resumed, expected = losses(tmp_path / "run"), losses(source)
-    assert sorted(resumed) == list(range(101, 121))
+    assert sorted(resumed) == list(range(RESUMED_AT + 1, 121))
     assert [resumed[s] for s in resumed] == [expected[s] for s in resumed]  # bitwise
     assert losses(tmp_path / "run", "eval_loss") == {120: losses(source, "eval_loss")[120]}
 
 
 def test_a_resume_on_another_layout_continues_the_main_job(main_job, resharded):
     resumed, expected = losses(resharded), losses(main_job[0])
-    assert sorted(resumed) == list(range(101, 121))
+    assert sorted(resumed) == list(range(RESUMED_AT + 1, 121))
     assert [resumed[s] for s in resumed] == pytest.approx([expected[s] for s in resumed],
                                                           rel=1e-4)
     assert losses(resharded, "eval_loss")[120] == pytest.approx(
@@ -78,26 +80,26 @@ def test_a_resume_on_another_layout_continues_the_main_job(main_job, resharded):
 
 
 def test_a_zero3_checkpoint_of_it_resumes_in_one_process(main_job, resharded, tmp_path):
-    resume(tmp_path, step_dir(resharded, 110), "parallel=single")
+    resume(tmp_path, step_dir(resharded, RESUMED_AT + 5), "parallel=single")
     resumed, expected = losses(tmp_path), losses(main_job[0])
-    assert sorted(resumed) == list(range(111, 121))
+    assert sorted(resumed) == list(range(RESUMED_AT + 6, 121))
     assert [resumed[s] for s in resumed] == pytest.approx([expected[s] for s in resumed],
                                                           rel=1e-4)
 
 
 def test_an_export_of_it_gives_the_one_process_model_its_loss(main_job, tmp_path):
-    """``hybrid-ckpt export`` of step 100, loaded into the 1-process model, gives the loss the
-    2x2x2 run had on step 101's global batch of the same data."""
+    """``hybrid-ckpt export`` of step 110, loaded into the 1-process model, gives the loss the
+    2x2x2 run had on step 111's global batch of the same data."""
     source = main_job[0]
     out = tmp_path / "model.pt"
-    done = subprocess.run([CKPT, "export", str(step_dir(source, 100)), str(out)],
+    done = subprocess.run([CKPT, "export", str(step_dir(source, RESUMED_AT)), str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     from hybrid.testing import spawn
 
-    batch = _global_batch(source, 101)
+    batch = _global_batch(source, RESUMED_AT + 1)
     (loss,) = spawn(_loss_of_exported, 1, str(out), str(source), batch)
-    assert loss == pytest.approx(losses(source)[101], rel=1e-5)
+    assert loss == pytest.approx(losses(source)[RESUMED_AT + 1], rel=1e-5)
 
 
 def _global_batch(run_dir: Path, step: int):
