@@ -18,7 +18,9 @@ Bytes per token of one layer, in activation elements of ``e`` bytes (bf16: 2) un
   Megatron-LM's scale-mask-softmax and dropout over ``b·(a/tp)·s²`` scores; hybrid's own layer
   runs a fused kernel that keeps none): forward softmax (read, write) and dropout (read, write,
   a one-byte mask); backward the same two in reverse (dropout: read, mask, write; softmax:
-  read its output and gradient, write).
+  read its output and gradient, write); and with them Megatron-LM's attention block's own
+  passes: the QKV bias added apart from its multiply, the context's copy back to tokens-first,
+  and the concatenation that is the backward of splitting Q, K and V (``layer_traffic``).
 
 Full recompute runs the forward's traffic once more; selective recompute the scores' part.
 """
@@ -71,6 +73,12 @@ def layer_traffic(m: ModelConfig, b: int, tp: int, cp: int, sp: bool, precision:
     backward += tokens * 4 * e * f / tp
     scores = 0.0
     if unfused_attention:
+        # Megatron-LM's attention block: the QKV bias added apart from its multiply (PyTorch's
+        # F.linear on 3-D input: read, write 3h; backward: the bias gradient's read), the
+        # context copied from heads-first back to tokens-first (read, write h each way), and
+        # the backward of splitting QKV into three views, a concatenation (read, write 3h)
+        forward += tokens * (2 * 3 * e * h + 2 * e * h) / tp
+        backward += tokens * (3 * e * h + 2 * e * h + 2 * 3 * e * h) / tp
         per_score = b * (m.heads / tp) * m.seq_len * m.seq_len / cp
         scores = per_score * (4 * e + 1)
         backward += per_score * (5 * e + 1)
