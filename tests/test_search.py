@@ -137,7 +137,7 @@ def test_the_memory_floor_is_never_above_the_planned_memory(monkeypatch):
     """#42 item 4: the search rejects a layout for memory without planning it only when a
     floor of the plan's own terms is over the device; the floor must never exceed what the
     plan then holds, so no layout that fits is dropped, and the search finds the same."""
-    from hybrid.planning.cost import search as search_module
+    from hybrid.planning.cost import search_prune
     from hybrid.planning.validate import validate_config
 
     rng = random.Random(1)
@@ -150,12 +150,12 @@ def test_the_memory_floor_is_never_above_the_planned_memory(monkeypatch):
             except LayoutError:
                 continue
             plan = plan_job(cfg, simulated=False)
-            assert search_module._memory_floor(cfg) <= max(e.total_bytes for e in plan.memory)
+            assert search_prune.memory_floor(cfg) <= max(e.total_bytes for e in plan.memory)
             checked += 1
     assert checked > 200
     small = replace(A100, memory_bytes=12 * 2**30)  # most layouts of the 7.5B do not fit
     pruned = search(config(GPT_7B, 256), 32, small, top=5)
-    monkeypatch.setattr(search_module, "_memory_floor", lambda cfg: 0)
+    monkeypatch.setattr(search_prune, "memory_floor", lambda cfg, memo=None: 0)
     planned = search(config(GPT_7B, 256), 32, small, top=5)
     assert pruned["candidates"] == planned["candidates"]
     assert pruned["rejected"] == planned["rejected"]

@@ -29,10 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid.planning.config import ModelConfig
+from hybrid.planning.config import Config, ModelConfig
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.flops import attention_core_flops, layer_forward_flops
-from hybrid.planning.job import JobPlan
 from hybrid.planning.models import BYTES
 
 FORWARD_KERNELS = 13
@@ -110,16 +109,15 @@ class StageBound:
     """The attention scores' forward share (selective recompute's)."""
 
 
-def stage_memory_bound(plan: JobPlan, device: Device, blocks: range, layers: int,
-                       attention_s: float) -> StageBound:
+def stage_memory_bound(cfg: Config, tp: int, cp: int, device: Device, blocks: range,
+                       layers: int, attention_s: float) -> StageBound:
     """The element-wise kernels' bytes at the device's memory bandwidth and every kernel's
-    fixed cost (the layers', the head's cross entropy), the accumulation of the stage's
-    weight gradients, and where the attention core's multiplies are memory-bound what their
+    fixed cost (the layers', the head's cross entropy; ``layers`` of ``blocks``, on a rank of
+    ``tp`` x ``cp``), the accumulation of the stage's weight gradients, and where the attention core's multiplies are memory-bound what their
     bytes take beyond their FLOPs (``attention_s``: one layer's, forward); nothing where the
     device prices none (a calibrated CPU)."""
     if not device.memory_bandwidth:
         return StageBound()
-    cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
     m, b, bw = cfg.model, cfg.train.micro_batch, device.memory_bandwidth
     traffic = layer_traffic(m, b, tp, cp, cfg.parallel.sequence_parallel, cfg.train.precision,
                             device.unfused_attention)

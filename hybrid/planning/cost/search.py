@@ -21,14 +21,14 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from hybrid.planning.config import Config
+from hybrid.planning.cost import search_prune
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.memory_bound import layer_params
-from hybrid.planning.cost.sizes import (
-    activation_bytes_per_layer, head_activation_bytes, human_bytes,
+from hybrid.planning.cost.search_prune import (  # noqa: F401 (LOWER_STAGE_FITS: tests)
+    LOWER_STAGE_FITS, OUT_OF_MEMORY, zero_stage_skip,
 )
+from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.job import plan_job
-from hybrid.planning.schedules import SCHEDULES, schedule_spec
-from hybrid.planning.schedules.shapes import closed_form_schedule
+from hybrid.planning.schedules import SCHEDULES
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import (
@@ -37,11 +37,6 @@ from hybrid.planning.cost.steptime import (
 from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes, validate_config
 
 MICRO_BATCHES = (1, 2, 4, 8)
-FP32_BYTES = 4
-OUT_OF_MEMORY = "does not fit in device memory"
-LOWER_STAGE_FITS = "fit at a lower ZeRO stage"
-"""Why a stage that is never faster than the one below (``searched_if_less_fails``: ZeRO-3,
-whose gathers come on top of ZeRO-2's traffic) is not tried on a layout."""
 MIN_CP_TOKENS = 2048
 """The fewest tokens per rank the search splits a sequence down to with context parallelism
 (Megatron-LM's guidance: context parallelism pays from sequences of about 4-8K tokens)."""
@@ -148,15 +143,17 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     priced = []
     lower: dict = {}  # layout (ZeRO stage aside) -> the plan of its last stage tried
     verdicts: dict = {}  # settings but recompute -> validate_config's error, or None
+    floors: dict = {}  # what memory floors share
     for order, candidate in enumerate(candidates(cfg, world)):
         layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
-        skip = spec.searched_if_less_fails and _skipped(spec, lower.get(layout_key), device)
+        skip = (spec.searched_if_less_fails
+                and zero_stage_skip(spec, lower.get(layout_key), device))
         if skip:
             rejected[skip] += 1
             continue
         try:
             _validate_once(candidate, verdicts)
-            if _memory_floor(candidate) > device.memory_bytes:  # no need to plan it
+            if search_prune.memory_floor(candidate, floors) > device.memory_bytes:
                 rejected[OUT_OF_MEMORY] += 1
                 continue
             plan = plan_job(candidate, simulated=False)
@@ -197,57 +194,6 @@ def _validate_once(candidate: Config, verdicts: dict) -> None:
             verdicts[key] = str(err)
     if verdicts[key] is not None:
         raise LayoutError(verdicts[key])
-
-
-def _memory_floor(candidate: Config) -> int:
-    """Bytes some rank of a valid ``candidate`` holds at least, by ``estimate_memory``'s own
-    terms: the pipeline rank with the most layers holds ``layers / pp`` or more, and with the
-    uniform partition every virtual stage holds ``layers // (pp * vpp)`` or more, so the first
-    rank holds that many in each chunk with its schedule's peak of micro-batches in flight,
-    and the rank with the head as many and the head's activations for the micro-batches its
-    schedule holds; ZeRO-3 gathers at least one layer's weights whole (norms, biases,
-    embeddings, padding and more micro-batches in flight only add). A layout over it is
-    rejected for memory without being planned: most of a large model's layouts."""
-    m, par, mb = candidate.model, candidate.parallel, candidate.train.micro_batch
-    precision, sp = candidate.train.precision, par.sequence_parallel
-    per_layer = activation_bytes_per_layer(m, mb, par.tp, sp, precision, m.recompute, par.cp)
-    working = (activation_bytes_per_layer(m, mb, par.tp, sp, precision, cp=par.cp)
-               if m.recompute == "full" else 0)
-    weights = layer_params(m)
-    if SHARDINGS[par.zero].gathers_params:  # a layer's weights gathered whole, at least
-        working += int(FP32_BYTES * weights / par.tp)
-
-    def held(layers: float, chunk_layers: float, inflight: int) -> int:
-        state = SHARDINGS[par.zero].closed_form_state(int(layers * weights / par.tp),
-                                                      par.dp * par.cp)
-        return (state.param_bytes + state.grad_bytes + state.optimizer_bytes
-                + int(chunk_layers * per_layer * inflight) + working)
-
-    most = held(m.layers / par.pp, m.layers / par.pp / par.vpp, 1)
-    if par.partition != "uniform":
-        return most
-    each = m.layers // (par.pp * par.vpp)
-    microbatches = candidate.train.global_batch // (par.dp * mb)
-    first = closed_form_schedule(par.schedule, par.pp, microbatches, par.vpp)[1][0]
-    # the rank with the head keeps its activations for the micro-batches the schedule holds
-    head = (schedule_spec(par.schedule).last_stage_holds(microbatches)
-            * head_activation_bytes(m, mb, par.tp, sp, precision, par.cp))
-    return max(most, held(each * par.vpp, each, first), held(each * par.vpp, each, 1) + head)
-
-
-def _skipped(spec, lower, device: Device) -> str | None:
-    """Why a stage tried only where lower ones fail is not tried on a layout: a lower stage
-    fits (it is never faster), or even its memory floor, from the lower stage's plan, does
-    not (then planning it is wasted: most of a large model's layouts)."""
-    if lower is None:
-        return None
-    totals = [est.total_bytes for est in lower.memory]
-    if max(totals) <= device.memory_bytes:
-        return LOWER_STAGE_FITS
-    d = lower.layout.role_size("sharding")
-    if min(spec.memory_floor(est, d) for est in lower.memory) > device.memory_bytes:
-        return OUT_OF_MEMORY
-    return None
 
 
 def _without_zero(candidate: Config) -> tuple:
