@@ -160,3 +160,13 @@ def test_the_memory_floor_is_never_above_the_planned_memory(monkeypatch):
     assert pruned["candidates"] == planned["candidates"]
     assert pruned["rejected"] == planned["rejected"]
     assert pruned["rejected"]["does not fit in device memory"] > 100
+
+
+def test_a_search_where_nothing_fits_says_so_in_one_line():
+    """1T parameters on 8 A100s: every layout is rejected for memory, and the line names one
+    with what it needs (it raised a KeyError: memory rejections had no example)."""
+    from hybrid.planning.cost.search import no_layout_line
+    cfg = config(replace(GPT_1B, layers=128, hidden=25600, heads=160), 64)
+    line = no_layout_line(search(cfg, 8, A100, top=3))
+    assert "\n" not in line and "have does not fit in device memory, e.g. parallel.dp=" in line
+    assert "or more of 80.0 GiB (a100-80gb)" in line

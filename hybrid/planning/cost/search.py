@@ -26,6 +26,9 @@ from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.search_prune import (  # noqa: F401 (LOWER_STAGE_FITS: tests)
     LOWER_STAGE_FITS, OUT_OF_MEMORY, zero_stage_skip,
 )
+from hybrid.planning.cost.search_report import (  # noqa: F401 (hybrid-plan, tests)
+    format_search, no_layout_line, overrides_of,
+)
 from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.job import plan_job
 from hybrid.planning.schedules import SCHEDULES
@@ -63,13 +66,6 @@ def settings_of(cfg: Config) -> dict:
             "schedule": par.schedule,
             "micro_batch": cfg.train.micro_batch, "zero": par.zero,
             "sequence_parallel": par.sequence_parallel, "recompute": cfg.model.recompute}
-
-
-def overrides_of(settings: dict) -> list[str]:
-    """The command-line overrides that select a candidate."""
-    names = {"micro_batch": "train.micro_batch", "recompute": "model.recompute"}
-    return [f"{names.get(key, 'parallel.' + key)}={str(value).lower()}"
-            for key, value in settings.items()]
 
 
 def candidates(cfg: Config, world: int) -> Iterator[Config]:
@@ -149,12 +145,13 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
         skip = (spec.searched_if_less_fails
                 and zero_stage_skip(spec, lower.get(layout_key), device))
         if skip:
-            rejected[skip] += 1
+            _reject(rejected, examples, skip, candidate, device)
             continue
         try:
             _validate_once(candidate, verdicts)
-            if search_prune.memory_floor(candidate, floors) > device.memory_bytes:
-                rejected[OUT_OF_MEMORY] += 1
+            floor = search_prune.memory_floor(candidate, floors)
+            if floor > device.memory_bytes:
+                _reject(rejected, examples, OUT_OF_MEMORY, candidate, device, floor)
                 continue
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
@@ -162,8 +159,9 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             examples.setdefault(_reason(str(err)), str(err))
             continue
         lower[layout_key] = plan
-        if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
-            rejected[OUT_OF_MEMORY] += 1
+        need = max(est.total_bytes for est in plan.memory)
+        if need > device.memory_bytes:
+            _reject(rejected, examples, OUT_OF_MEMORY, candidate, device, need)
             continue
         if simulates(plan):  # finished in the order of its bound, if it can enter the list
             closed, bound = closed_form_and_bound(plan, device)
@@ -180,6 +178,16 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
             "examples": examples,
             "why_cp": _why_cp(best, priced, device)}
+
+
+def _reject(rejected: Counter, examples: dict, why: str, candidate: Config, device: Device,
+            need: int = 0) -> None:
+    """Count a rejection; the first of each reason is the example ``no_layout_line`` names."""
+    rejected[why] += 1
+    if why not in examples:
+        examples[why] = f"{' '.join(overrides_of(settings_of(candidate)))}: {why}" + (
+            f", needs {human_bytes(need)} or more of {human_bytes(device.memory_bytes)} "
+            f"({device.name})" if need else "")
 
 
 def _validate_once(candidate: Config, verdicts: dict) -> None:
@@ -229,16 +237,6 @@ def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
     return [final for _, _, final in finished[:top]]
 
 
-def no_layout_line(result: dict) -> str:
-    """Why a search found nothing to run, as one line: the commonest reason and an instance."""
-    reasons = sorted(result["rejected"].items(), key=lambda item: -item[1])
-    if not reasons:
-        return f"search.world={result['world']}: no layout to try"
-    why, count = reasons[0]
-    return (f"no layout of {result['world']} devices runs this config: {count} of "
-            f"{result['considered']} have {why}, e.g. {result['examples'][why]}")
-
-
 def _why_cp(best: list[Candidate], priced: list, device: Device) -> str | None:
     """Why the best layout splits sequences (None when it does not): no layout without
     context parallelism fits, or the best one without it (found as exactly) is slower."""
@@ -257,39 +255,3 @@ def _reason(message: str) -> str:
     """``parallel.tp=3 does not divide ...`` -> ``invalid parallel.tp``."""
     field = re.match(r"([\w.]+)=", message)
     return f"invalid {field[1]}" if field else message.split(";")[0]
-
-
-def format_search(result: dict) -> str:
-    """The table ``hybrid-plan search.world=N`` prints, best first."""
-    lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
-             f"{result['world']} devices ({result['device']}), by predicted step time:",
-             " #   dp  cp  tp  pp vpp schedule          mb zero sp  recompute  step s   "
-             "TFLOP/s   mem/rank"]
-    for i, c in enumerate(result["candidates"], 1):
-        s, p = c["settings"], c["predicted"]
-        lines.append(
-            f"{i:>2} {s['dp']:>4} {s['cp']:>3} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} "
-            f"{s['schedule']:<17} "
-            f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
-            f"{s['recompute']:>9} {p['step_time_s']:>7.3g} "
-            f"{p['tflops_per_device']:>9.4g} {human_bytes(p['mem_bytes_per_rank']):>10}")
-    if result["rejected"]:
-        lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in
-                                              sorted(result["rejected"].items())))
-    if result.get("why_cp"):
-        lines.append("why " + result["why_cp"])
-    if result.get("assumes"):
-        lines.append(result["assumes"])
-    tied = result.get("within_error_of_best")
-    if tied and tied > 1:
-        which = (f"all {tied} printed are" if tied == len(result["candidates"])
-                 else f"the first {tied} are")
-        lines.append(f"{which} within the model's measured error "
-                     f"({result['error_fraction']:.0%}) of the best: it cannot rank them; "
-                     f"measure them (search.run=true)")
-    if result.get("run_best"):  # the whole command, from hybrid-plan's own overrides
-        lines.append(f"run the best: {result['run_best']}")
-    elif result["candidates"]:
-        lines.append("run the best: hybrid-train " + " ".join(
-            overrides_of(result["candidates"][0]["settings"])))
-    return "\n".join(lines)

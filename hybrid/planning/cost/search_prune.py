@@ -11,7 +11,9 @@ from __future__ import annotations
 from hybrid.planning.config import Config
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.memory_bound import layer_params
-from hybrid.planning.cost.sizes import activation_bytes_per_layer, head_activation_bytes
+from hybrid.planning.cost.sizes import (
+    activation_bytes_per_layer, block_params, head_activation_bytes,
+)
 from hybrid.planning.schedules import schedule_spec
 from hybrid.planning.schedules.shapes import closed_form_schedule
 from hybrid.planning.strategies import SHARDINGS
@@ -25,11 +27,11 @@ whose gathers come on top of ZeRO-2's traffic) is not tried on a layout."""
 
 def memory_floor(candidate: Config, memo: dict | None = None) -> int:
     """Bytes some rank of a valid ``candidate`` holds at least, by ``estimate_memory``'s own
-    terms: the pipeline rank with the most layers holds ``layers / pp`` or more, and with the
-    uniform partition every virtual stage holds ``layers // (pp * vpp)`` or more, so the first
-    rank holds that many in each chunk with its schedule's peak of micro-batches in flight,
-    and the rank with the head as many and the head's activations for the micro-batches its
-    schedule holds; ZeRO-3 gathers at least one layer's weights whole (norms, biases,
+    terms: the pipeline rank with the most layers holds ``ceil(layers / pp)`` or more (whole
+    layers), and with the uniform partition every virtual stage holds ``layers // (pp * vpp)``
+    or more, so the first rank holds that many in each chunk with its schedule's peak of
+    micro-batches in flight, and the embedding, and the rank with the head as many and the
+    head's activations for the micro-batches its schedule holds; ZeRO-3 gathers at least one layer's weights whole (norms, biases,
     embeddings, padding and more micro-batches in flight only add). A layout over it is
     rejected for memory without being planned: most of a large model's layouts. ``memo``:
     what candidates of one search share, computed once (layers' and head's activations,
@@ -47,13 +49,14 @@ def memory_floor(candidate: Config, memo: dict | None = None) -> int:
     if SHARDINGS[par.zero].gathers_params:  # a layer's weights gathered whole, at least
         working += int(FP32_BYTES * weights / par.tp)
 
-    def held(layers: float, chunk_layers: float, inflight: int) -> int:
-        state = SHARDINGS[par.zero].closed_form_state(int(layers * weights / par.tp),
-                                                      par.dp * par.cp)
+    def held(layers: float, chunk_layers: float, inflight: int, more_params: int = 0) -> int:
+        state = SHARDINGS[par.zero].closed_form_state(
+            int(layers * weights / par.tp) + more_params, par.dp * par.cp)
         return (state.param_bytes + state.grad_bytes + state.optimizer_bytes
                 + int(chunk_layers * per_layer * inflight) + working)
 
-    most = held(m.layers / par.pp, m.layers / par.pp / par.vpp, 1)
+    most_layers = -(-m.layers // par.pp)  # whole layers: some rank holds this many
+    most = held(most_layers, most_layers / par.vpp, 1)
     if par.partition != "uniform":
         return most
     each = m.layers // (par.pp * par.vpp)
@@ -65,7 +68,10 @@ def memory_floor(candidate: Config, memo: dict | None = None) -> int:
                      schedule_spec(par.schedule).last_stage_holds(microbatches)
                      * head_activation_bytes(m, mb, par.tp, sp, precision, par.cp))
     first, head = memo[key]
-    return max(most, held(each * par.vpp, each, first), held(each * par.vpp, each, 1) + head)
+    # the first rank holds the embedding too
+    embedding = block_params(m)[0].per_rank(par.tp)
+    return max(most, held(each * par.vpp, each, first, embedding),
+               held(each * par.vpp, each, 1) + head)
 
 
 def zero_stage_skip(spec, lower, device: Device) -> str | None:
