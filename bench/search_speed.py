@@ -1,7 +1,8 @@
 """How long ``hybrid-plan search.world=3072`` takes for the 1T-parameter GPT (the issue's
 bound: 10 s) while another heavy job runs: the bench starts one busy process per core first
 (``--load``), runs the search in-process so that start-up is not counted, stops them, and
-prints the best layout, the search's CPU time, and ``ratio=<wall seconds / 10 s>`` last.
+prints the best layout, the search's CPU time, the machine's load average (on a shared
+machine the wall time is mostly other work's), and ``ratio=<wall seconds / 10 s>`` last.
 
     .venv/bin/python bench/search_speed.py
     .venv/bin/python bench/search_speed.py --load 0                     # on an idle machine
@@ -48,6 +49,7 @@ def main() -> None:
     cfg = compose_plan_config([f"model={args.model}", f"train.global_batch={args.world}",
                                "train.precision=bf16"]).job()
     device = load_device("a100-80gb")
+    before = os.getloadavg()[0]
     with busy_cores(args.load):
         started, cpu = time.perf_counter(), time.process_time()
         result = search(cfg, args.world, device, top=10)
@@ -57,7 +59,9 @@ def main() -> None:
           f"{result['rejected']}")
     print(f"best: {best['settings']} predicted {best['predicted']['step_time_s']:.1f} s/step, "
           f"{best['predicted']['tflops_per_device']:.1f} TFLOP/s per device")
-    print(f"load={args.load} busy processes on {os.cpu_count()} cores; search cpu_s={cpu_s:.2f}")
+    print(f"load={args.load} busy processes on {os.cpu_count()} cores; load average "
+          f"{before:.1f} before, {os.getloadavg()[0]:.1f} after (other work on the machine "
+          f"included); search cpu_s={cpu_s:.2f}")
     print(f"search_s={seconds:.2f} bound_s={BOUND_S:g} ratio={seconds / BOUND_S:.3f}")
 
 

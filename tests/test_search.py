@@ -137,7 +137,7 @@ def test_the_memory_floor_is_never_above_the_planned_memory(monkeypatch):
     """#42 item 4: the search rejects a layout for memory without planning it only when a
     floor of the plan's own terms is over the device; the floor must never exceed what the
     plan then holds, so no layout that fits is dropped, and the search finds the same."""
-    from hybrid.planning.cost import search as search_module
+    from hybrid.planning.cost import search_prune
     from hybrid.planning.validate import validate_config
 
     rng = random.Random(1)
@@ -150,13 +150,23 @@ def test_the_memory_floor_is_never_above_the_planned_memory(monkeypatch):
             except LayoutError:
                 continue
             plan = plan_job(cfg, simulated=False)
-            assert search_module._memory_floor(cfg) <= max(e.total_bytes for e in plan.memory)
+            assert search_prune.memory_floor(cfg) <= max(e.total_bytes for e in plan.memory)
             checked += 1
     assert checked > 200
     small = replace(A100, memory_bytes=12 * 2**30)  # most layouts of the 7.5B do not fit
     pruned = search(config(GPT_7B, 256), 32, small, top=5)
-    monkeypatch.setattr(search_module, "_memory_floor", lambda cfg: 0)
+    monkeypatch.setattr(search_prune, "memory_floor", lambda cfg, memo=None: 0)
     planned = search(config(GPT_7B, 256), 32, small, top=5)
     assert pruned["candidates"] == planned["candidates"]
     assert pruned["rejected"] == planned["rejected"]
     assert pruned["rejected"]["does not fit in device memory"] > 100
+
+
+def test_a_search_where_nothing_fits_says_so_in_one_line():
+    """1T parameters on 8 A100s: every layout is rejected for memory, and the line names one
+    with what it needs (it raised a KeyError: memory rejections had no example)."""
+    from hybrid.planning.cost.search import no_layout_line
+    cfg = config(replace(GPT_1B, layers=128, hidden=25600, heads=160), 64)
+    line = no_layout_line(search(cfg, 8, A100, top=3))
+    assert "\n" not in line and "have does not fit in device memory, e.g. parallel.dp=" in line
+    assert "or more of 80.0 GiB (a100-80gb)" in line

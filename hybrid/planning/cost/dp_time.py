@@ -25,11 +25,13 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
     options = DpOptions.of(cfg.parallel)
     sharding, reduction = sharding_of(options), reduction_of(options)
     worst = (0.0, 0.0)
-    seen = set()  # ranks alike in what they hold and their backward time alike (searches)
+    seen = set()  # ranks alike in their weights, blocks and backward time (searches)
     head = cfg.model.layers + 1
     for r, est in enumerate(plan.memory):
+        # what the reduction reads of a rank: its weights' count and shapes (its blocks: the
+        # layers are alike, the embedding and head not) and its backward, not its activations
         stages = [plan.stages[s].blocks for s in plan.by_rank[r]]
-        key = (est, sum(map(len, stages)), any(0 in b for b in stages),
+        key = (est.params, sum(map(len, stages)), any(0 in b for b in stages),
                any(head in b for b in stages), last_backward[r])
         if key in seen:
             continue

@@ -27,7 +27,8 @@ GPT_175B = GptRun("175B", 96, 12288, 96, 8, 12, 96, 12)
 def tflops(run: GptRun, tp: int, pp: int, batch: int, micro_batch: int = 1,
            vpp: int = 1) -> float:
     """The model's TFLOP/s per GPU (the paper's count) for ``run`` at this layout, as
-    Megatron-LM ran it (``published.megatron_lm``): full recompute, 16-bit gradients."""
+    Megatron-LM ran it (``published.megatron_lm``, its ``local`` DDP as the figures' scripts
+    set): full recompute, 16-bit gradients."""
     cfg = a100_gpt(run, "full", tp, pp)
     cfg.train = replace(cfg.train, micro_batch=micro_batch, global_batch=batch)
     cfg.parallel = replace(cfg.parallel, vpp=vpp,

@@ -18,7 +18,9 @@ Bytes per token of one layer, in activation elements of ``e`` bytes (bf16: 2) un
   Megatron-LM's scale-mask-softmax and dropout over ``b·(a/tp)·s²`` scores; hybrid's own layer
   runs a fused kernel that keeps none): forward softmax (read, write) and dropout (read, write,
   a one-byte mask); backward the same two in reverse (dropout: read, mask, write; softmax:
-  read its output and gradient, write).
+  read its output and gradient, write); and with them Megatron-LM's attention block's own
+  passes: the QKV bias added apart from its multiply, the context's copy back to tokens-first,
+  and the concatenation that is the backward of splitting Q, K and V (``layer_traffic``).
 
 Full recompute runs the forward's traffic once more; selective recompute the scores' part.
 """
@@ -27,10 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid.planning.config import ModelConfig
+from hybrid.planning.config import Config, ModelConfig
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.flops import attention_core_flops, layer_forward_flops
-from hybrid.planning.job import JobPlan
 from hybrid.planning.models import BYTES
 
 FORWARD_KERNELS = 13
@@ -71,6 +72,12 @@ def layer_traffic(m: ModelConfig, b: int, tp: int, cp: int, sp: bool, precision:
     backward += tokens * 4 * e * f / tp
     scores = 0.0
     if unfused_attention:
+        # Megatron-LM's attention block: the QKV bias added apart from its multiply (PyTorch's
+        # F.linear on 3-D input: read, write 3h; backward: the bias gradient's read), the
+        # context copied from heads-first back to tokens-first (read, write h each way), and
+        # the backward of splitting QKV into three views, a concatenation (read, write 3h)
+        forward += tokens * (2 * 3 * e * h + 2 * e * h) / tp
+        backward += tokens * (3 * e * h + 2 * e * h + 2 * 3 * e * h) / tp
         per_score = b * (m.heads / tp) * m.seq_len * m.seq_len / cp
         scores = per_score * (4 * e + 1)
         backward += per_score * (5 * e + 1)
@@ -102,16 +109,15 @@ class StageBound:
     """The attention scores' forward share (selective recompute's)."""
 
 
-def stage_memory_bound(plan: JobPlan, device: Device, blocks: range, layers: int,
-                       attention_s: float) -> StageBound:
+def stage_memory_bound(cfg: Config, tp: int, cp: int, device: Device, blocks: range,
+                       layers: int, attention_s: float) -> StageBound:
     """The element-wise kernels' bytes at the device's memory bandwidth and every kernel's
-    fixed cost (the layers', the head's cross entropy), the accumulation of the stage's
-    weight gradients, and where the attention core's multiplies are memory-bound what their
+    fixed cost (the layers', the head's cross entropy; ``layers`` of ``blocks``, on a rank of
+    ``tp`` x ``cp``), the accumulation of the stage's weight gradients, and where the attention core's multiplies are memory-bound what their
     bytes take beyond their FLOPs (``attention_s``: one layer's, forward); nothing where the
     device prices none (a calibrated CPU)."""
     if not device.memory_bandwidth:
         return StageBound()
-    cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
     m, b, bw = cfg.model, cfg.train.micro_batch, device.memory_bandwidth
     traffic = layer_traffic(m, b, tp, cp, cfg.parallel.sequence_parallel, cfg.train.precision,
                             device.unfused_attention)

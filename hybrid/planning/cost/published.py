@@ -71,13 +71,33 @@ def a100_gpt(run: GptRun, recompute: str, tp: int, pp: int, sequence_parallel: b
     return cfg
 
 
-def megatron_lm(device):
+MIXED_PRECISION_STEP_BYTES = 44
+"""Bytes per parameter Megatron-LM's mixed-precision optimizer step moves
+(``Float16OptimizerWithFloat16Params.step``): the 16-bit gradients copied to 32-bit main
+gradients (read 2, write 4), their norm for clipping (read 4), Adam on the main weights (read
+weight, gradient and two moments, write three: 28) and the main weights copied back to the
+16-bit model (read 4, write 2); hybrid's own step is Adam's 28 alone."""
+TORCH_DDP_BYTES = 12
+"""PyTorch's DDP (``--DDP-impl torch``; ``gradient_as_bucket_view`` off, its default) copies
+each 16-bit gradient into its bucket, divides the bucket by the group's size before the
+all-reduce and copies it back after: three read-write passes of 2 bytes."""
+LOCAL_DDP_BYTES = 2
+"""Megatron-LM's ``local`` DDP zeroes its 16-bit gradient buffer every step."""
+
+
+def megatron_lm(device, torch_ddp: bool = False):
     """``device`` running the software these runs used: Megatron-LM writes the attention
     scores out (its fused scale-mask-softmax, then dropout: Korthikanti et al.'s selective
     recompute exists to drop them), where hybrid's own layer runs a fused attention kernel;
     its pipeline ranks wait for every exchange, which it scatters over the nodes' NICs and
-    gathers over NVLink (Narayanan et al. 2021, section 4.1)."""
-    return replace(device, unfused_attention=True, blocking_p2p=True, p2p_scatter_gather=True)
+    gathers over NVLink (Narayanan et al. 2021, section 4.1); its optimizer step moves
+    ``MIXED_PRECISION_STEP_BYTES`` a parameter and its DDP ``TORCH_DDP_BYTES`` (PyTorch's,
+    ``torch_ddp``) or ``LOCAL_DDP_BYTES`` (its own) more, at the memory bandwidth. The 2021
+    scripts' ``--fp16`` adds a pass unscaling the gradients (8 bytes), not counted:
+    docs/sweeps.md says what it would change."""
+    step = MIXED_PRECISION_STEP_BYTES + (TORCH_DDP_BYTES if torch_ddp else LOCAL_DDP_BYTES)
+    return replace(device, unfused_attention=True, blocking_p2p=True, p2p_scatter_gather=True,
+                   optimizer_s_per_param=step / device.memory_bandwidth)
 
 
 KORTHIKANTI_2022 = (

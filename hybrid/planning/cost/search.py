@@ -21,14 +21,17 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from hybrid.planning.config import Config
+from hybrid.planning.cost import search_prune
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.memory_bound import layer_params
-from hybrid.planning.cost.sizes import (
-    activation_bytes_per_layer, head_activation_bytes, human_bytes,
+from hybrid.planning.cost.search_prune import (  # noqa: F401 (LOWER_STAGE_FITS: tests)
+    LOWER_STAGE_FITS, OUT_OF_MEMORY, zero_stage_skip,
 )
+from hybrid.planning.cost.search_report import (  # noqa: F401 (hybrid-plan, tests)
+    format_search, no_layout_line, overrides_of,
+)
+from hybrid.planning.cost.sizes import human_bytes
 from hybrid.planning.job import plan_job
-from hybrid.planning.schedules import SCHEDULES, schedule_spec
-from hybrid.planning.schedules.shapes import closed_form_schedule
+from hybrid.planning.schedules import SCHEDULES
 from hybrid.planning.strategies import SHARDINGS
 from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.cost.steptime import (
@@ -37,11 +40,6 @@ from hybrid.planning.cost.steptime import (
 from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes, validate_config
 
 MICRO_BATCHES = (1, 2, 4, 8)
-FP32_BYTES = 4
-OUT_OF_MEMORY = "does not fit in device memory"
-LOWER_STAGE_FITS = "fit at a lower ZeRO stage"
-"""Why a stage that is never faster than the one below (``searched_if_less_fails``: ZeRO-3,
-whose gathers come on top of ZeRO-2's traffic) is not tried on a layout."""
 MIN_CP_TOKENS = 2048
 """The fewest tokens per rank the search splits a sequence down to with context parallelism
 (Megatron-LM's guidance: context parallelism pays from sequences of about 4-8K tokens)."""
@@ -68,13 +66,6 @@ def settings_of(cfg: Config) -> dict:
             "schedule": par.schedule,
             "micro_batch": cfg.train.micro_batch, "zero": par.zero,
             "sequence_parallel": par.sequence_parallel, "recompute": cfg.model.recompute}
-
-
-def overrides_of(settings: dict) -> list[str]:
-    """The command-line overrides that select a candidate."""
-    names = {"micro_batch": "train.micro_batch", "recompute": "model.recompute"}
-    return [f"{names.get(key, 'parallel.' + key)}={str(value).lower()}"
-            for key, value in settings.items()]
 
 
 def candidates(cfg: Config, world: int) -> Iterator[Config]:
@@ -148,16 +139,19 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     priced = []
     lower: dict = {}  # layout (ZeRO stage aside) -> the plan of its last stage tried
     verdicts: dict = {}  # settings but recompute -> validate_config's error, or None
+    floors: dict = {}  # what memory floors share
     for order, candidate in enumerate(candidates(cfg, world)):
         layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
-        skip = spec.searched_if_less_fails and _skipped(spec, lower.get(layout_key), device)
+        skip = (spec.searched_if_less_fails
+                and zero_stage_skip(spec, lower.get(layout_key), device))
         if skip:
-            rejected[skip] += 1
+            _reject(rejected, examples, skip, candidate, device)
             continue
         try:
             _validate_once(candidate, verdicts)
-            if _memory_floor(candidate) > device.memory_bytes:  # no need to plan it
-                rejected[OUT_OF_MEMORY] += 1
+            floor = search_prune.memory_floor(candidate, floors)
+            if floor > device.memory_bytes:
+                _reject(rejected, examples, OUT_OF_MEMORY, candidate, device, floor)
                 continue
             plan = plan_job(candidate, simulated=False)
         except LayoutError as err:
@@ -165,8 +159,9 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             examples.setdefault(_reason(str(err)), str(err))
             continue
         lower[layout_key] = plan
-        if max(est.total_bytes for est in plan.memory) > device.memory_bytes:
-            rejected[OUT_OF_MEMORY] += 1
+        need = max(est.total_bytes for est in plan.memory)
+        if need > device.memory_bytes:
+            _reject(rejected, examples, OUT_OF_MEMORY, candidate, device, need)
             continue
         if simulates(plan):  # finished in the order of its bound, if it can enter the list
             closed, bound = closed_form_and_bound(plan, device)
@@ -185,6 +180,16 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             "why_cp": _why_cp(best, priced, device)}
 
 
+def _reject(rejected: Counter, examples: dict, why: str, candidate: Config, device: Device,
+            need: int = 0) -> None:
+    """Count a rejection; the first of each reason is the example ``no_layout_line`` names."""
+    rejected[why] += 1
+    if why not in examples:
+        examples[why] = f"{' '.join(overrides_of(settings_of(candidate)))}: {why}" + (
+            f", needs {human_bytes(need)} or more of {human_bytes(device.memory_bytes)} "
+            f"({device.name})" if need else "")
+
+
 def _validate_once(candidate: Config, verdicts: dict) -> None:
     """``validate_config``, once for the settings that differ only in ``model.recompute``
     (which it checks only by name: the searched modes are all valid ones)."""
@@ -197,57 +202,6 @@ def _validate_once(candidate: Config, verdicts: dict) -> None:
             verdicts[key] = str(err)
     if verdicts[key] is not None:
         raise LayoutError(verdicts[key])
-
-
-def _memory_floor(candidate: Config) -> int:
-    """Bytes some rank of a valid ``candidate`` holds at least, by ``estimate_memory``'s own
-    terms: the pipeline rank with the most layers holds ``layers / pp`` or more, and with the
-    uniform partition every virtual stage holds ``layers // (pp * vpp)`` or more, so the first
-    rank holds that many in each chunk with its schedule's peak of micro-batches in flight,
-    and the rank with the head as many and the head's activations for the micro-batches its
-    schedule holds; ZeRO-3 gathers at least one layer's weights whole (norms, biases,
-    embeddings, padding and more micro-batches in flight only add). A layout over it is
-    rejected for memory without being planned: most of a large model's layouts."""
-    m, par, mb = candidate.model, candidate.parallel, candidate.train.micro_batch
-    precision, sp = candidate.train.precision, par.sequence_parallel
-    per_layer = activation_bytes_per_layer(m, mb, par.tp, sp, precision, m.recompute, par.cp)
-    working = (activation_bytes_per_layer(m, mb, par.tp, sp, precision, cp=par.cp)
-               if m.recompute == "full" else 0)
-    weights = layer_params(m)
-    if SHARDINGS[par.zero].gathers_params:  # a layer's weights gathered whole, at least
-        working += int(FP32_BYTES * weights / par.tp)
-
-    def held(layers: float, chunk_layers: float, inflight: int) -> int:
-        state = SHARDINGS[par.zero].closed_form_state(int(layers * weights / par.tp),
-                                                      par.dp * par.cp)
-        return (state.param_bytes + state.grad_bytes + state.optimizer_bytes
-                + int(chunk_layers * per_layer * inflight) + working)
-
-    most = held(m.layers / par.pp, m.layers / par.pp / par.vpp, 1)
-    if par.partition != "uniform":
-        return most
-    each = m.layers // (par.pp * par.vpp)
-    microbatches = candidate.train.global_batch // (par.dp * mb)
-    first = closed_form_schedule(par.schedule, par.pp, microbatches, par.vpp)[1][0]
-    # the rank with the head keeps its activations for the micro-batches the schedule holds
-    head = (schedule_spec(par.schedule).last_stage_holds(microbatches)
-            * head_activation_bytes(m, mb, par.tp, sp, precision, par.cp))
-    return max(most, held(each * par.vpp, each, first), held(each * par.vpp, each, 1) + head)
-
-
-def _skipped(spec, lower, device: Device) -> str | None:
-    """Why a stage tried only where lower ones fail is not tried on a layout: a lower stage
-    fits (it is never faster), or even its memory floor, from the lower stage's plan, does
-    not (then planning it is wasted: most of a large model's layouts)."""
-    if lower is None:
-        return None
-    totals = [est.total_bytes for est in lower.memory]
-    if max(totals) <= device.memory_bytes:
-        return LOWER_STAGE_FITS
-    d = lower.layout.role_size("sharding")
-    if min(spec.memory_floor(est, d) for est in lower.memory) > device.memory_bytes:
-        return OUT_OF_MEMORY
-    return None
 
 
 def _without_zero(candidate: Config) -> tuple:
@@ -283,16 +237,6 @@ def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
     return [final for _, _, final in finished[:top]]
 
 
-def no_layout_line(result: dict) -> str:
-    """Why a search found nothing to run, as one line: the commonest reason and an instance."""
-    reasons = sorted(result["rejected"].items(), key=lambda item: -item[1])
-    if not reasons:
-        return f"search.world={result['world']}: no layout to try"
-    why, count = reasons[0]
-    return (f"no layout of {result['world']} devices runs this config: {count} of "
-            f"{result['considered']} have {why}, e.g. {result['examples'][why]}")
-
-
 def _why_cp(best: list[Candidate], priced: list, device: Device) -> str | None:
     """Why the best layout splits sequences (None when it does not): no layout without
     context parallelism fits, or the best one without it (found as exactly) is slower."""
@@ -311,39 +255,3 @@ def _reason(message: str) -> str:
     """``parallel.tp=3 does not divide ...`` -> ``invalid parallel.tp``."""
     field = re.match(r"([\w.]+)=", message)
     return f"invalid {field[1]}" if field else message.split(";")[0]
-
-
-def format_search(result: dict) -> str:
-    """The table ``hybrid-plan search.world=N`` prints, best first."""
-    lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
-             f"{result['world']} devices ({result['device']}), by predicted step time:",
-             " #   dp  cp  tp  pp vpp schedule          mb zero sp  recompute  step s   "
-             "TFLOP/s   mem/rank"]
-    for i, c in enumerate(result["candidates"], 1):
-        s, p = c["settings"], c["predicted"]
-        lines.append(
-            f"{i:>2} {s['dp']:>4} {s['cp']:>3} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} "
-            f"{s['schedule']:<17} "
-            f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
-            f"{s['recompute']:>9} {p['step_time_s']:>7.3g} "
-            f"{p['tflops_per_device']:>9.4g} {human_bytes(p['mem_bytes_per_rank']):>10}")
-    if result["rejected"]:
-        lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in
-                                              sorted(result["rejected"].items())))
-    if result.get("why_cp"):
-        lines.append("why " + result["why_cp"])
-    if result.get("assumes"):
-        lines.append(result["assumes"])
-    tied = result.get("within_error_of_best")
-    if tied and tied > 1:
-        which = (f"all {tied} printed are" if tied == len(result["candidates"])
-                 else f"the first {tied} are")
-        lines.append(f"{which} within the model's measured error "
-                     f"({result['error_fraction']:.0%}) of the best: it cannot rank them; "
-                     f"measure them (search.run=true)")
-    if result.get("run_best"):  # the whole command, from hybrid-plan's own overrides
-        lines.append(f"run the best: {result['run_best']}")
-    elif result["candidates"]:
-        lines.append("run the best: hybrid-train " + " ".join(
-            overrides_of(result["candidates"][0]["settings"])))
-    return "\n".join(lines)

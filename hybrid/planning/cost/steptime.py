@@ -128,7 +128,7 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
                       else (0.0, 0.0))
     recompute_wire = recompute_calls = 0.0
     extra = 0.0
-    bound = stage_memory_bound(plan, device, blocks, layers,
+    bound = stage_memory_bound(cfg, tp, cp, device, blocks, layers,
                                attention_core_flops(m, b) / tp / cp / rate)
     compute += bound.forward
     if m.recompute == "full":
@@ -157,6 +157,31 @@ SIMULATE_UP_TO = 4096
 
 
 @dataclass(frozen=True)
+class _RankSums:
+    """One pipeline rank's stages summed: what the pricing reads per rank."""
+
+    busy: float
+    """Its actions' seconds for the step (``microbatches`` times its chunks')."""
+    cpu_busy: float
+    wire: float
+    last_backward: float
+    """One micro-batch's backward over its chunks."""
+    tp: float
+    cp_ring: float
+    cp_exposed: float
+
+
+def _rank_sums(times: list[_StageTimes], m: int) -> _RankSums:
+    return _RankSums(busy=m * sum(t.forward + t.backward for t in times),
+                     cpu_busy=m * sum(t.forward + t.backward - t.tp_wire for t in times),
+                     wire=m * sum(t.tp_wire for t in times),
+                     last_backward=sum(t.backward for t in times),
+                     tp=m * sum(t.tp_comm for t in times),
+                     cp_ring=m * sum(t.cp_ring for t in times),
+                     cp_exposed=m * sum(t.cp_exposed for t in times))
+
+
+@dataclass(frozen=True)
 class _Parts:
     """What every pricing of a plan shares: per-stage times and per-pipeline-rank sums."""
 
@@ -165,6 +190,7 @@ class _Parts:
     """What a pipeline message adds between two ranks' actions (0 where it blocks a rank:
     then it is in the actions' times)."""
     message: float
+    ranks: list[_RankSums]
     busy: list[float]
     cpu_busy: list[float]
     wire: list[float]
@@ -177,27 +203,32 @@ def _parts(plan: JobPlan, device: Device) -> _Parts:
     splits = schedule_splits_backward(plan.schedule.name)
     edges = (0, plan.cfg.model.layers + 1)
     known: dict = {}  # stages alike in layers, edges and split cost alike (searches: 128)
-    times = []
+    keys = []
     for stage in plan.stages:
         split = splits and stage.index > 0
         key = (len(stage.blocks), *(edge in stage.blocks for edge in edges), split)
         if key not in known:
             known[key] = _stage_times(plan, device, stage.blocks, split=split)
-        times.append(known[key])
+        keys.append(key)
     message = _p2p_time(plan, device)
     link_p2p = message
     if device.blocking_p2p and plan.layout.pp > 1:
         # the rank waits for each exchange: one after each forward and backward of a chunk
-        times = [dc_replace(t, forward=t.forward + message, backward=t.backward + message)
-                 for t in times]
+        known = {key: dc_replace(t, forward=t.forward + message, backward=t.backward + message)
+                 for key, t in known.items()}
         link_p2p = 0.0
     m = plan.schedule.microbatches
-    per_rank = [[times[st.index] for st in plan.stages_of(r)] for r in range(plan.layout.pp)]
+    alike: dict = {}  # ranks whose stages are alike sum alike (a search's pp=128: 2-3 kinds)
+    ranks = []
+    for stage_indices in plan.by_rank:
+        kinds = tuple(keys[s] for s in stage_indices)
+        if kinds not in alike:
+            alike[kinds] = _rank_sums([known[kind] for kind in kinds], m)
+        ranks.append(alike[kinds])
     return _Parts(
-        times=times, p2p=link_p2p, message=message,
-        busy=[m * sum(t.forward + t.backward for t in ts) for ts in per_rank],
-        cpu_busy=[m * sum(t.forward + t.backward - t.tp_wire for t in ts) for ts in per_rank],
-        wire=[m * sum(t.tp_wire for t in ts) for ts in per_rank],
+        times=[known[key] for key in keys], p2p=link_p2p, message=message, ranks=ranks,
+        busy=[r.busy for r in ranks], cpu_busy=[r.cpu_busy for r in ranks],
+        wire=[r.wire for r in ranks],
         optimizer=[est.optimizer_bytes / 8 * device.optimizer_s_per_param
                    for est in plan.memory])
 
@@ -244,11 +275,9 @@ def closed_form_and_bound(plan: JobPlan, device: Device) -> tuple[StepPrediction
 def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
                 simulated: bool) -> StepPrediction:
     cfg, layout = plan.cfg, plan.layout
-    m = plan.schedule.microbatches
-    per_rank = [[parts.times[st.index] for st in plan.stages_of(r)] for r in range(layout.pp)]
     busiest = max(range(layout.pp), key=parts.busy.__getitem__)
     dp_link = _link(plan, device, "dp")
-    last_backward = [sum(t.backward for t in ts) for ts in per_rank]
+    last_backward = [r.last_backward for r in parts.ranks]
     dp_s, dp_exposed = dp_times(plan, device, dp_link, last_backward, makespan)
     if device.cores or device.dp_after_backward:
         # gloo reduces on the cores that compute (the link was measured with every rank of
@@ -263,13 +292,12 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
     return StepPrediction(
         step_time_s=step, compute_s=parts.busy[busiest],
         bubble_s=makespan - parts.busy[busiest],
-        tp_s=m * sum(t.tp_comm for t in per_rank[busiest]), pp_s=parts.message, dp_s=dp_s,
+        tp_s=parts.ranks[busiest].tp, pp_s=parts.message, dp_s=dp_s,
         dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
         tflops_per_device=(paper_flops_per_step(cfg) / step / layout.world_size / 1e12
                            if step else 0.0),
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory),
-        cp_s=m * sum(t.cp_ring for t in per_rank[busiest]),
-        cp_exposed_s=m * sum(t.cp_exposed for t in per_rank[busiest]),
+        cp_s=parts.ranks[busiest].cp_ring, cp_exposed_s=parts.ranks[busiest].cp_exposed,
         schedule_simulated=simulated)
 
 
