@@ -13,7 +13,12 @@ the daemons and kills whatever the jobs left. The supervisor is a child subreape
 ``slurmstepd`` processes that daemonize are reparented to it rather than to PID 1 (which may
 never reap them in a container), so that it reaps them and can find them at the end. It also
 stops everything when its standard input closes, so a test process that dies takes the
-cluster with it.
+cluster with it; a line ``restart NODE`` on it starts that node's slurmd again.
+
+``Cluster.kill_node(name)`` is what losing a machine does to a job (its slurmd, its job steps'
+``slurmstepd`` and every process they run, SIGKILLed); ``Cluster.restart_node(name)`` brings
+it back. ``SlurmdTimeout`` is short (``SLURMD_TIMEOUT_S``) so that Slurm counts a killed
+node down within seconds, not the default five minutes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4
 START_TIMEOUT_S = 30.0
+SLURMD_TIMEOUT_S = 10
+"""How long slurmctld waits for a silent slurmd before it counts the node down (Slurm's
+default is 300 s); slurmd answers its pings at once, even on a loaded machine."""
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -97,6 +105,7 @@ SlurmdParameters=config_overrides
 SchedulerParameters=batch_sched_delay=0
 MinJobAge=3600
 KillWait=2
+SlurmdTimeout={SLURMD_TIMEOUT_S}
 ReturnToService=2
 MpiDefault=none
 {nodes}
@@ -114,17 +123,16 @@ def _daemon_commands(directory: Path, conf: Path) -> list[list[str]]:
     return [munge, ctld] + [["slurmd", "-D", "-f", str(conf), "-N", name] for name in NODES]
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and _parent(int(entry)) == pid]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -159,14 +167,20 @@ def supervise(directory: Path) -> None:
     conf = directory / "slurm.conf"
     env = dict(os.environ, SLURM_CONF=str(conf))
     log = open(directory / "daemons.log", "ab")
+    commands = _daemon_commands(directory, conf)
     try:
-        for command in _daemon_commands(directory, conf):
+        for command in commands:
             subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
             if command[0] == "munged":
                 _wait_for_path(directory / "munge.socket")
         print("started", flush=True)
-        sys.stdin.buffer.read()  # until the test process closes it, or dies
+        for line in sys.stdin.buffer:  # until the test process closes it, or dies
+            restart = line.decode().split()
+            if restart[:1] == ["restart"]:
+                subprocess.Popen(["slurmd", "-D", "-f", str(conf), "-N", restart[1]], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
     except KeyboardInterrupt:
         pass
     finally:
@@ -221,6 +235,26 @@ class Cluster:
         return subprocess.run(list(command), env=self.env, capture_output=True, text=True,
                               timeout=timeout)
 
+    def kill_node(self, name: str) -> list[int]:
+        """Lose machine ``name``: SIGKILL its slurmd, then every process its job steps run
+        (they carry ``SLURMD_NODENAME=name``) and the ``slurmstepd`` above them. Returns
+        the pids killed."""
+        slurmd = int((self.directory / f"slurmd-{name}.pid").read_text())
+        tasks = _pids_with_env(f"SLURMD_NODENAME={name}")
+        steps = {_parent(pid) for pid in tasks} - {None}
+        steps = {pid for pid in steps if b"slurmstepd" in _cmdline(pid)}
+        killed = [slurmd, *sorted(steps), *sorted(tasks)]
+        for pid in killed:
+            _signal(pid, signal.SIGKILL)
+        return killed
+
+    def restart_node(self, name: str) -> None:
+        """Start machine ``name``'s slurmd again and wait until both nodes are idle (Slurm
+        ends what it still held of a job there once the node registers)."""
+        self.supervisor.stdin.write(f"restart {name}\n".encode())
+        self.supervisor.stdin.flush()
+        _wait_until_idle(self)
+
     def stop(self) -> None:
         if self.supervisor.poll() is None:
             self.supervisor.stdin.close()
@@ -259,6 +293,25 @@ def _wait_until_idle(cluster: Cluster) -> None:
         time.sleep(0.1)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _pids_with_env(entry: str) -> set[int]:
+    """Processes whose environment holds ``entry`` (``NAME=value``)."""
+    found, wanted = set(), entry.encode()
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and wanted in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                found.add(int(name))
+        except OSError:
+            continue
+    return found
+
+
 def leftover_processes(directory: Path) -> list[str]:
     """Command lines of processes still running from the cluster in ``directory``."""
     found = []
@@ -280,7 +333,9 @@ def main() -> None:
     print(f"export SLURM_CONF={cluster.conf}   # then sinfo, srun, hybrid-train launcher=slurm; "
           f"Ctrl-C or end of input stops the cluster", flush=True)
     try:
-        sys.stdin.buffer.read()
+        for line in sys.stdin.buffer:  # ``restart NODE`` lines go on to the supervisor
+            cluster.supervisor.stdin.write(line)
+            cluster.supervisor.stdin.flush()
     except KeyboardInterrupt:
         pass
     finally:

@@ -110,3 +110,24 @@ def test_refused_when_a_surviving_set_holds_no_layout():
 def test_no_min_nodes_no_problem():
     assert elastic_problem(config(min_nodes=None)) is None
     assert elastic_problem(config()) is None
+
+
+def test_on_slurm_min_nodes_keeps_the_job_and_its_step_when_a_node_fails():
+    """``launcher=slurm``: the same checks as torchrun; the job is submitted ``--no-kill``
+    (sbatch and srun) instead of ending at the first node that fails."""
+    from dataclasses import replace
+
+    from hybrid.planning.job import plan_job
+    from launch.launchers.slurm import SlurmLauncher, sbatch_parameters
+
+    def slurm(cfg):
+        return replace(cfg, launcher=replace(cfg.launcher, name="slurm", rdzv_endpoint=None))
+
+    elastic, plain = slurm(config()), slurm(config(min_nodes=None))
+    assert SlurmLauncher().config_problem(elastic) is None
+    assert SlurmLauncher().config_problem(slurm(config(min_nodes=3))).startswith(
+        "launcher.min_nodes=3 must be in 1..launcher.nnodes=2")
+    kept = sbatch_parameters(plan_job(elastic, simulated=False))
+    assert kept["srun_args"] == ["--no-kill"] and kept["additional_parameters"]["no_kill"]
+    ended = sbatch_parameters(plan_job(plain, simulated=False))
+    assert ended["srun_args"] == ["--kill-on-bad-exit=1"] and "additional_parameters" not in ended

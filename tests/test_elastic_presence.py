@@ -82,3 +82,18 @@ def test_node_0_closing_ends_a_waiting_node(coordinator):
     coordinator.close()
     assert member.word(10) == {"end": "node 0 closed the job's connection"}
     member.close("finished")
+
+
+def test_a_node_counted_gone_is_told_so_and_hung_up_on(coordinator):
+    """A node stopped (SIGSTOP) long enough to be counted gone reads, once continued, that
+    the job went on without it: it ends rather than rejoin with a stale view."""
+    member = Member("127.0.0.1", coordinator.port, 1, 10)
+    try:
+        assert member.word(10)["attempt"] == 0
+        coordinator.send_away(1, "counted gone (silence)")
+        assert member.word(10) == {"end": "counted gone (silence)", "away": True}
+        assert member.word(10) == {"end": "node 0 closed the job's connection"}
+        with coordinator.changed:
+            assert coordinator.changed.wait_for(lambda: coordinator.nodes[1].closed, timeout=10)
+    finally:
+        member.close("finished")

@@ -17,7 +17,8 @@ import pytest
 
 from slurm_cluster import Cluster, leftover_processes, missing_requirement
 from test_train_cli import _wait_for
-from test_train_e2e import STEPS, assert_same_losses, losses_of, run_train
+from test_elastic import last_loss_per_step, records
+from test_train_e2e import COMMON, STEPS, assert_same_losses, losses_of, run_train
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
@@ -202,3 +203,46 @@ def test_a_job_that_could_never_start_is_refused_before_it_is_submitted(cluster,
     assert len(lines) == 1 and needle in lines[0], lines
     assert queued() <= before  # nothing was queued
     assert not (tmp_path / "slurm").exists()  # nor handed to submitit (its folder: SLURM_DIR)
+
+
+@pytest.mark.timeout(600)  # a loaded machine: the first test to ask for `reference` runs it
+def test_a_lost_node_leaves_and_the_job_finishes_on_the_other_with_the_same_losses(
+        cluster, reference, tmp_path):
+    """#41 on Slurm: ``launcher.min_nodes=1``, dp 2 over the two nodes (one rank each). Once
+    the run's metrics show step 3, node n2 is lost (``Cluster.kill_node``: its slurmd, its
+    job step's slurmstepd and every process under it SIGKILLed); node 0 regroups alone,
+    re-plans (dp 1, the same global batch in more micro-batches), resumes the newest
+    checkpoint and finishes every step with the 1-process losses; hybrid-train exits 0 and
+    shows who left. Slurm keeps the job (``--no-kill``) and completes it."""
+    proc = subprocess.Popen(
+        [TRAIN, *COMMON, "parallel=single", "parallel.dp=2", "launcher=slurm",
+         "launcher.nnodes=2", "launcher.partition=debug", "launcher.min_nodes=1",
+         "checkpoint.every=2", "train.collective_timeout_s=60", f"hydra.run.dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # rank 1 (node n2) takes 2 s more per step from step 3 on: the kill lands in step 4
+        env={**cluster.env, "HYBRID_TEST_FAULT": "slow:3:1:2"})
+    try:
+        _wait_for(lambda: 3 in last_loss_per_step(tmp_path), 120, "step 3")
+        killed = time.monotonic()
+        assert cluster.kill_node("n2")
+        first = _wait_for(lambda: [r for r in records(tmp_path) if r["layout"]["dp"] == 1],
+                          120, "a step on the new layout")
+        print(f"\nslurm: kill -> first step on the new layout ({first[0]['step']}): "
+              f"{time.monotonic() - killed:.1f}s")
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:  # failed on the way: nothing of the job may outlive the test
+            proc.kill()
+            cluster.run("scancel", "--full", "--quiet", "--user=root")
+        cluster.restart_node("n2")  # the next tests need both nodes
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    losses = last_loss_per_step(tmp_path)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert [losses[s] for s in sorted(losses)] == pytest.approx(reference["untied"], rel=1e-4)
+    assert records(tmp_path)[-1]["layout"] == {"dp": 1, "cp": 1, "tp": 1, "pp": 1}
+    assert f"over {STEPS} steps (1 re-layout)" in out
+    assert "warning: node 1 left: its hybrid-train died without a word" in err, err
+    assert "elastic: attempt 1: nodes [0] go on as dp 1 x tp 1 x pp 1 on 1 node x 1 ranks" \
+        in err, err
+    assert "Traceback" not in err
+    assert job_fields(cluster, job_id_in(out))["JobState"] == "COMPLETED"

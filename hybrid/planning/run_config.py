@@ -29,9 +29,9 @@ class LauncherConfig:
     max_restarts: int = 0
     """Restarts of the whole worker group after a failure."""
     min_nodes: Optional[int] = None
-    """torchrun: when nodes leave (killed, exited, silent), go on with as few as this many on
-    a layout the survivors hold, the same global batch, from the newest checkpoint (needs
-    checkpoint.every; docs/multinode.md); None: a node that leaves ends the job."""
+    """torchrun, slurm: when nodes leave (killed, exited, silent), go on with as few as this
+    many on a layout the survivors hold, the same global batch, from the newest checkpoint
+    (needs checkpoint.every; docs/multinode.md); None: a node that leaves ends the job."""
     silence_timeout_s: float = 30.0
     """With min_nodes: a node not heard from for this long is counted as gone."""
     start_method: str = "forkserver"

@@ -1,9 +1,11 @@
-"""Lose a node, go on with fewer (``launcher=torchrun`` with ``launcher.min_nodes=K``).
+"""Lose a node, go on with fewer (``launcher.min_nodes=K`` with ``launcher=torchrun``, or
+``launcher=slurm``, where each node's task runs this as ``hybrid-train`` does on torchrun).
 
 The protocol (docs/multinode.md):
 
-1. **One store for the job.** Node 0's ``hybrid-train`` holds the rendezvous store at
-   ``launcher.rdzv_endpoint`` for the whole job (torch's static rendezvous shares it: its
+1. **One store for the job.** Node 0's ``hybrid-train`` (Slurm: the job's first task) holds
+   the rendezvous store at the job's endpoint (``launcher.rdzv_endpoint``; Slurm: the first
+   node's free port) for the whole job (torch's static rendezvous shares it: its
    ``TCPStore`` is multi-tenant), so every attempt meets at the same endpoint, each under its
    own run id. Node 0 publishes there the port of its ``Coordinator``
    (``launch/launchers/presence.py``); every other node connects to it and beats.
@@ -26,9 +28,12 @@ The protocol (docs/multinode.md):
    same ``node_rank``) connects and waits. Node 0 sets a key in the running attempt's store;
    the workers read it at their next checkpoint, stop there together, and node 0 re-plans
    for the nodes now there (up to ``launcher.nnodes``) as in 4.
+6. **A node counted gone** is told so and hung up on: one that was only stopped (SIGSTOP)
+   and continues later ends in one line instead of rejoining with a stale view.
 
 Limits: node 0 must survive (it hosts the store and decides); the nodes must share
-``checkpoint.dir``.
+``checkpoint.dir``. On Slurm the job is submitted with ``--no-kill`` (``launch.launchers.slurm``)
+and a lost node's task never comes back within the job.
 """
 
 from __future__ import annotations
@@ -57,18 +62,20 @@ def attempt_dir(run_dir: Path, attempt: int) -> Path:
 
 
 @contextlib.contextmanager
-def job_channel(cfg) -> Iterator[Coordinator | Member]:
-    """Node 0: the job's store and the coordinator; other nodes: their line to it."""
+def job_channel(cfg, meeting: Rendezvous) -> Iterator[Coordinator | Member]:
+    """Node 0: the job's store and the coordinator; other nodes: their line to it.
+    ``meeting``: where attempt 0's nodes meet (the launcher's rendezvous)."""
     from torch.distributed import TCPStore
 
     launcher = cfg.launcher
-    host, _, port = launcher.rdzv_endpoint.rpartition(":")
-    timeout = datetime.timedelta(seconds=launcher.rdzv_timeout_s)
-    if launcher.node_rank == 0:
+    host, _, port = meeting.endpoint.rpartition(":")
+    timeout = datetime.timedelta(seconds=meeting.timeout_s)
+    if meeting.node_rank == 0:
         store = TCPStore(host, int(port), None, True, timeout, wait_for_workers=False,
                          multi_tenant=True)
-        coordinator = Coordinator(launcher.silence_timeout_s, launcher.nnodes,
-                                  on_join=lambda node: _ask_relayout(cfg, coordinator, node))
+        coordinator = Coordinator(
+            launcher.silence_timeout_s, meeting.nnodes,
+            on_join=lambda node: _ask_relayout(cfg, meeting.endpoint, coordinator, node))
         store.set(COORDINATOR_KEY, str(coordinator.port))
         try:
             yield coordinator
@@ -76,11 +83,10 @@ def job_channel(cfg) -> Iterator[Coordinator | Member]:
             coordinator.close()
             del store
         return
-    wait_for_node0(Rendezvous(nnodes=launcher.nnodes, node_rank=launcher.node_rank,
-                              endpoint=launcher.rdzv_endpoint, timeout_s=launcher.rdzv_timeout_s))
+    wait_for_node0(meeting)
     store = TCPStore(host, int(port), None, False, timeout, wait_for_workers=False)
-    member = Member(host, int(store.get(COORDINATOR_KEY)), launcher.node_rank,
-                    launcher.rdzv_timeout_s)
+    member = Member(host, int(store.get(COORDINATOR_KEY)), meeting.node_rank,
+                    meeting.timeout_s)
     del store
     outcome = "killed by an exception"
     try:
@@ -96,7 +102,7 @@ def job_channel(cfg) -> Iterator[Coordinator | Member]:
         member.close(outcome)
 
 
-def _ask_relayout(cfg, coordinator: Coordinator, node: int) -> None:
+def _ask_relayout(cfg, endpoint: str, coordinator: Coordinator, node: int) -> None:
     """A node came (back) while the job runs on fewer: ask the running workers to stop at
     their next checkpoint (``hybrid.relayout.RELAYOUT_KEY``), when there is room for it."""
     from torch.distributed import TCPStore
@@ -108,7 +114,7 @@ def _ask_relayout(cfg, coordinator: Coordinator, node: int) -> None:
     if len(coordinator.members) >= launcher.nnodes:
         return
     say(f"node {node} is here again: it is taken in at the next checkpoint")
-    host, _, port = launcher.rdzv_endpoint.rpartition(":")
+    host, _, port = endpoint.rpartition(":")
     store = TCPStore(host, int(port), None, False,
                      datetime.timedelta(seconds=launcher.rdzv_timeout_s), wait_for_workers=False)
     for restart in range(launcher.max_restarts + 1):
@@ -166,6 +172,9 @@ def regroup_on_node0(coordinator: Coordinator, composed: JobPlan, current: JobPl
         say(f"attempt {attempt} ended: {failure}")
     for node, why in sorted(gone.items()):
         print(f"warning: node {node} left: {why}", file=sys.stderr, flush=True)
+        coordinator.send_away(node, f"node 0 counted this node gone at the end of attempt "
+                                    f"{attempt} ({why}) and went on without it; start it "
+                                    f"again to be taken back at a checkpoint")
     nodes = [0, *sorted(ready + joining)]
     if len(nodes) < cfg.launcher.min_nodes:
         for node in ready:
@@ -249,14 +258,15 @@ def _run_member(member: Member, plan: JobPlan, run_dir: Path, launcher) -> list:
     word = member.word(None)  # a node that comes back waits for the next checkpoint
     while True:
         if "attempt" not in word:
-            raise LaunchFailed(f"node 0 ended the job without this node: {word['end']}")
+            raise LaunchFailed(word["end"] if word.get("away") else
+                               f"node 0 ended the job without this node: {word['end']}")
         attempt = int(word["attempt"])
         results, error, line = _attempt(_plan_of_word(word, plan), run_dir, launcher, attempt)
         if error is None and not stopped_for_relayout(results):
             return results
         word = member.report_end(attempt, line or "stopped at a checkpoint for a new layout",
                                  wait_s)
-        if "attempt" not in word and error is not None:
+        if "attempt" not in word and error is not None and not word.get("away"):
             raise error
 
 
@@ -264,7 +274,11 @@ def run_elastic(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
     """Launch ``plan`` and go on with the nodes there are: fewer after nodes left, more at
     the next checkpoint after one came back (module docstring). Raises what the last attempt
     raised when the job cannot go on."""
-    with job_channel(plan.cfg) as channel:
+    if not launcher.runs_here:  # it submits the job: each node runs this (slurm_node.run_node)
+        from launch.launchers.run import launch
+
+        return launch(plan, run_dir, launcher)
+    with job_channel(plan.cfg, launcher.rendezvous(plan.cfg)) as channel:
         if isinstance(channel, Coordinator):
             return _run_node0(channel, plan, run_dir, launcher)
         return _run_member(channel, plan, run_dir, launcher)

@@ -109,7 +109,7 @@ class Coordinator:
                         state.bye = str(message["bye"])
                 self.changed.notify_all()
         with self.changed:
-            if node is not None:
+            if node is not None and self.nodes[node].conn is conn:  # not a newer connection's
                 self.nodes[node].closed = True
             self.changed.notify_all()
 
@@ -179,6 +179,16 @@ class Coordinator:
             state = self.nodes.get(node)
         if state is not None:
             _send(state.conn, message)
+
+    def send_away(self, node: int, why: str) -> None:
+        """Tell ``node``, counted gone, that the job went on without it, and hang up: a node
+        that was only stopped (SIGSTOP) and continues later ends on reading this, in one
+        line, instead of rejoining with a stale view of the job."""
+        with self.changed:
+            state = self.nodes.get(node)
+        if state is not None and not state.closed:
+            _send(state.conn, {"end": why, "away": True})
+            _hang_up(state.conn)
 
     def close(self) -> None:
         self.server.close()

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hybrid.planning.elastic import elastic_problem
 from launch.launchers.failures import LaunchFailed
 from launch.launchers.slurm_partition import NEVER_CLEARS, partition_nodes, partition_problem
 from launch.launchers.launcher import register_launcher
@@ -52,6 +53,10 @@ def sbatch_parameters(plan) -> dict[str, Any]:
     """The job's sbatch options, in submitit's names."""
     cfg = plan.cfg
     launcher, nproc = cfg.launcher, plan.ranks_per_node
+    elastic = launcher.min_nodes is not None
+    # launcher.min_nodes: a node that fails must end neither the job nor its step; the nodes
+    # left go on without it (launch.launchers.elastic).
+    sbatch = {**({"no_kill": True} if elastic else {}), **launcher.sbatch}
     gpus = launcher.gpus_per_node
     if gpus is None and cfg.train.device == "cuda":
         gpus = nproc
@@ -61,12 +66,12 @@ def sbatch_parameters(plan) -> dict[str, Any]:
         "partition": launcher.partition, "account": launcher.account, "qos": launcher.qos,
         "constraint": launcher.constraint, "gpus_per_node": gpus or None,
         "mem": None if launcher.mem_gb is None else f"{launcher.mem_gb}GB",
-        "additional_parameters": dict(launcher.sbatch) or None,
+        "additional_parameters": sbatch or None,
         # The first node's free port, exported to every task by srun.
         "setup": [*launcher.setup, f"export {RDZV_PORT_ENV}=$({shlex.quote(sys.executable)} "
                                    f"-m launch.launchers.slurm_node --free-port)"],
-        # One node that fails ends the job at once, not after the others' timeouts.
-        "srun_args": ["--kill-on-bad-exit=1"],
+        # Else one node that fails ends the job at once, not after the others' timeouts.
+        "srun_args": ["--no-kill"] if elastic else ["--kill-on-bad-exit=1"],
     }
     return {key: value for key, value in chosen.items() if value is not None}
 
@@ -112,10 +117,7 @@ class SlurmLauncher:
         if launcher.rdzv_endpoint is not None or launcher.node_rank != 0:
             return ("launcher=slurm places the nodes itself (the job's first node hosts the "
                     "rendezvous); drop launcher.rdzv_endpoint and launcher.node_rank")
-        if launcher.min_nodes is not None:
-            return (f"launcher.min_nodes={launcher.min_nodes} (going on with fewer nodes) is "
-                    f"built for launcher=torchrun only; drop it on Slurm")
-        return None
+        return elastic_problem(cfg)
 
     def check_here(self, plan) -> None:
         from hybrid.planning.layout import LayoutError
@@ -150,11 +152,14 @@ class SlurmLauncher:
         if not cfg.launcher.wait:
             print(f"rank 0's output: {job.task(0).paths.stdout}")
             return None
+        elastic = cfg.launcher.min_nodes is not None
         try:
-            outcomes = wait_for(job, follow=True)
+            outcomes = wait_for(job, follow=True, node0_speaks=elastic)
         except KeyboardInterrupt:
             job.cancel(check=False)
             raise KeyboardInterrupt(f"cancelled slurm job {job.job_id}") from None
+        if elastic and outcomes[0] is not None and "results" in outcomes[0]:
+            return outcomes[0]["results"]  # it went on without the nodes that left
         return node_results(outcomes, job)
 
 
@@ -209,14 +214,18 @@ def job_state_and_reason(job_id: str) -> tuple[str, str]:
     return fields[0], fields[1] if len(fields) > 1 else ""
 
 
-def wait_for(job, follow: bool = False) -> list:
-    """Every task's outcome, once the job has ended; rank 0's output is echoed meanwhile
-    when ``follow``. A task that left no outcome is ``None``."""
+def wait_for(job, follow: bool = False, node0_speaks: bool = False) -> list:
+    """Every task's outcome, once the job has ended; rank 0's output (and node 0's elastic
+    lines) echoed meanwhile when ``follow``. A task that left no outcome is ``None``.
+    ``node0_speaks`` (``launcher.min_nodes``): node 0's outcome is the job's, the others'
+    are not waited for (a lost node's never comes)."""
     tasks = [job.task(i) for i in range(job.num_tasks)]
-    follower = LogFollower(tasks[0].paths.stdout) if follow else None
+    followers = [LogFollower(tasks[0].paths.stdout),
+                 LogFollower(tasks[0].paths.stderr, elastic_line, sys.stderr)] if follow else []
     checked, state = 0.0, "PENDING"
-    while not all(task.paths.result_pickle.exists() for task in tasks):
-        if follower:
+    awaited = tasks[:1] if node0_speaks else tasks
+    while not all(task.paths.result_pickle.exists() for task in awaited):
+        for follower in followers:
             follower.echo()
         if time.monotonic() - checked > 2:
             checked = time.monotonic()
@@ -229,7 +238,7 @@ def wait_for(job, follow: bool = False) -> list:
                                    f"pending for {reason} ({NEVER_CLEARS[reason]}); cancelled "
                                    f"it: change the launcher options and submit again")
         time.sleep(POLL_S)
-    if follower:
+    for follower in followers:
         follower.echo()
     # The tasks write their results just before they exit: the job ends a moment later.
     deadline = time.monotonic() + END_WAIT_S
@@ -275,11 +284,18 @@ def job_failure(outcomes: list, job) -> Optional[str]:
             f"see {log}")
 
 
-class LogFollower:
-    """Echo the lines a growing log file gains, leaving out submitit's own."""
+def elastic_line(line: str) -> bool:
+    """Node 0's standard error lines shown on the console: who left, the new layout."""
+    return line.startswith(("elastic: ", "warning: node "))
 
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+
+class LogFollower:
+    """Echo the lines a growing log file gains that ``keep`` keeps (by default all but
+    submitit's own) to ``stream`` (by default standard output)."""
+
+    def __init__(self, path: Path, keep=lambda line: not line.startswith("submitit "),
+                 stream=None):
+        self.path, self.offset, self.keep, self.stream = path, 0, keep, stream
 
     def echo(self) -> None:
         try:
@@ -291,6 +307,6 @@ class LogFollower:
         complete = data[:data.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.decode(errors="replace").splitlines():
-            if not line.startswith("submitit "):
-                print(line, flush=True)
+            if self.keep(line):
+                print(line, file=self.stream or sys.stdout, flush=True)
 

@@ -60,8 +60,9 @@ class SlurmNodeLauncher:
     name = "slurm-node"
     runs_here = True
 
-    def __init__(self, rendezvous: Rendezvous):
-        self.rendezvous = rendezvous
+    def __init__(self, meeting: Rendezvous):
+        self.meeting = meeting
+        """Where the job's nodes meet, from Slurm's variables (attempt 0)."""
 
     def config_problem(self, cfg) -> Optional[str]:
         return None
@@ -69,11 +70,20 @@ class SlurmNodeLauncher:
     def check_here(self, plan) -> None:
         pass
 
+    def rendezvous(self, cfg, attempt: int = 0) -> Rendezvous:
+        """``attempt`` > 0: an elastic job's later attempt (``launch.launchers.elastic``), met
+        at the same endpoint under its own run id, with the nodes and node rank of its plan."""
+        if not attempt:
+            return self.meeting
+        return Rendezvous(nnodes=cfg.launcher.nnodes, node_rank=cfg.launcher.node_rank,
+                          endpoint=self.meeting.endpoint, timeout_s=self.meeting.timeout_s,
+                          run_id=f"hybrid-{attempt}")
+
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], plan, run_dir: Path,
-               **options: Any) -> list[Any]:
-        logs = Path(run_dir) / "nodes" / f"node{self.rendezvous.node_rank}"
+               attempt: int = 0, **options: Any) -> list[Any]:
+        logs = Path(run_dir) / "nodes" / f"node{self.meeting.node_rank}"  # Slurm's node id
         return run_agent(entrypoint, args, nproc=plan.ranks_per_node,
-                         rendezvous=self.rendezvous, run_dir=logs, **options)
+                         rendezvous=self.rendezvous(plan.cfg, attempt), run_dir=logs, **options)
 
 
 def run_node(run_dir: str) -> dict:
@@ -89,6 +99,10 @@ def run_node(run_dir: str) -> dict:
     started = time.time()
     try:
         launcher = SlurmNodeLauncher(slurm_rendezvous(plan.cfg, os.environ))
+        if plan.cfg.launcher.min_nodes is not None:  # go on with the nodes left
+            from launch.launchers.elastic import run_elastic
+
+            return {"node": node, "results": run_elastic(plan, path, launcher)}
         return {"node": node, "results": launch(plan, path, launcher)}
     except WorkerFailure as err:
         return {"node": node, "error": failure_line(err, path, started)}
