@@ -45,19 +45,33 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
     return run_dir, done.stdout
 
 
+class _OnFirstUse(dict):
+    """A dict whose values are made when first read (``make(key)``): a worker whose tests
+    read only one of the reference runs trains only that one."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory) -> dict[str, Path]:
-    """The run directories of ``test_train_e2e``'s 1-process runs, untied and tied embeddings:
-    what every layout and every launcher must reproduce. Tests read them, never write."""
+    """The run directories of ``test_train_e2e``'s 1-process runs, ``"untied"`` and ``"tied"``
+    embeddings: what every layout and every launcher must reproduce. Tests read them, never
+    write."""
     from test_train_e2e import TIED, run_train
 
-    out = {}
-    for name, extra in (("untied", []), ("tied", TIED)):
+    def train(name: str) -> Path:
         run_dir = tmp_path_factory.mktemp(f"reference-{name}")
-        done = run_train(run_dir, "parallel=single", *extra)
+        done = run_train(run_dir, "parallel=single", *{"untied": [], "tied": TIED}[name])
         assert done.returncode == 0, done.stderr[-3000:]
-        out[name] = run_dir
-    return out
+        return run_dir
+
+    return _OnFirstUse(train)
 
 
 @pytest.fixture(scope="session")
@@ -65,9 +79,12 @@ def reference(reference_runs) -> dict[str, list[float]]:
     """The losses of ``reference_runs``, by name."""
     from test_train_e2e import STEPS, losses_of
 
-    out = {name: losses_of(run_dir) for name, run_dir in reference_runs.items()}
-    assert all(len(losses) == STEPS for losses in out.values())
-    return out
+    def losses(name: str) -> list[float]:
+        out = losses_of(reference_runs[name])
+        assert len(out) == STEPS
+        return out
+
+    return _OnFirstUse(losses)
 
 
 @pytest.fixture(scope="session")
