@@ -59,15 +59,30 @@ def test_measurements_are_per_microbatch_medians_of_each_replicas_slowest_rank()
     assert window_medians(window) == [0.4, 0.8]
 
 
-def test_balancer_takes_new_shares_when_two_windows_in_a_row_ask_for_a_change():
+def test_balancer_takes_new_shares_when_two_decisions_in_a_row_ask_for_a_change():
     balancer = Balancer((4, 4), every=2)
     assert not balancer.observe([0.4, 0.8])
     assert not balancer.observe([0.4, 0.8]) and balancer.proposed == (6, 2)
-    assert not balancer.observe([0.4, 2.0])
-    assert balancer.observe([0.4, 2.0]) and balancer.shares == (7, 1)  # the second window's
-    assert not balancer.observe([0.6, 0.4], decide=True)  # (6, 2) is best at these speeds
-    assert balancer.restore([6, 2]) and balancer.shares == (6, 2)
-    assert not balancer.restore([6, 3]) and balancer.shares == (6, 2)  # another batch
+    assert not balancer.observe([0.4, 0.8])
+    assert balancer.observe([0.4, 0.8]) and balancer.shares == (6, 2)
+    # per micro-batch the same speeds at the new shares: nothing more to move
+    for _ in range(6):
+        assert not balancer.observe([0.6, 0.4]) and balancer.proposed is None
+    assert balancer.restore([5, 3]) and balancer.shares == (5, 3)
+    assert not balancer.restore([6, 3]) and balancer.shares == (5, 3)  # another batch
+    assert not balancer.history  # the estimate starts afresh
+
+
+def test_the_speeds_are_estimated_over_the_last_windows_across_changes():
+    balancer = Balancer((4, 4), every=2)
+    for _ in range(4):
+        balancer.observe([0.4, 0.8])
+    assert balancer.shares == (6, 2)
+    # two steps of a disturbed fast replica (3x slower per micro-batch): the median of the
+    # last three windows still holds the two speeds apart, so the shares stay
+    assert not balancer.observe([1.8, 0.4]) and not balancer.observe([1.8, 0.4])
+    assert balancer.proposed is None and balancer.shares == (6, 2)
+    assert len(balancer.history) == 6
 
 
 def _settle(true_step, shares, steps=60, every=3):
@@ -110,9 +125,10 @@ def test_folding_the_fixed_cost_into_the_rate_under_moves():
 
 def test_one_noisy_window_moves_nothing():
     balancer = Balancer((4, 4), every=1)
-    assert not balancer.observe([0.4, 0.8])  # proposed
-    assert not balancer.observe([0.4, 0.4])  # not asked again: forgotten
-    assert not balancer.observe([0.4, 0.8]) and balancer.shares == (4, 4)
+    assert not balancer.observe([0.4, 1.2])  # proposed
+    assert not balancer.observe([0.4, 0.4])  # the last window does not ask again
+    assert balancer.proposed is None
+    assert not balancer.observe([0.4, 0.4]) and balancer.shares == (4, 4)
 
 
 def test_an_undisturbed_balancer_keeps_even_shares():

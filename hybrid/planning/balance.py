@@ -6,24 +6,26 @@ micro-batches each DP replica runs. The global batch is unchanged (replica ``r``
 ``r``-th contiguous run of ``shares[r]`` micro-batches); only who computes what moves.
 
 The model of a replica's step: ``fixed_r + u_r * (m_r + bubble)`` seconds. ``u_r`` is its
-seconds per micro-batch: the pipeline part of its slowest rank's compute over the last window
-(the forward and backward, waits excluded) divided by the micro-batches it ran; ``fixed_r`` the
+seconds per micro-batch: the pipeline part of its slowest rank's compute in a step (the
+forward and backward, waits excluded) divided by the micro-batches it ran; ``fixed_r`` the
 rest of that rank's compute, what a step costs whatever its share (the optimizer, the gradient
 reduction's own work, the schedule's set-up); ``bubble`` the pipeline's fill and drain in
 micro-batches (``(pp - 1) / vpp``). Both are measured in the same step, so a disturbance that
 slows a replica slows both alike. Counting the fixed part per micro-batch, as a first version
 did, made a replica that gave up micro-batches look slower per micro-batch each window, so a
-half-speed replica was pushed from 8/4 of 12 micro-batches on to 9/3 and 10/2. Only the last
-window counts: a line fitted through the counts a replica ran was tried, and on a shared
-machine one disturbed window made a replica's extra micro-batches look nearly free. The step
-ends when the slowest replica does, so the shares that minimise the largest predicted time
-are found greedily: every replica starts at the least the schedule needs, and each further
+half-speed replica was pushed from 8/4 of 12 micro-batches on to 9/3 and 10/2. Priced apart,
+a replica's seconds per micro-batch do not depend on its share, so the estimate spans the
+last ``HISTORY_WINDOWS`` decision windows, across changes of the shares: on a shared machine a
+replica's compute moves by half from one step to the next, and one window's median was
+enough to send a half-speed replica's micro-batches back to it. (A line fitted through the
+counts a replica ran was tried too: one disturbed window made a replica's extra micro-batches
+look nearly free.) The step ends when the slowest replica does, so the shares that minimise
+the largest predicted time are found greedily: every replica starts at the least the schedule needs, and each further
 unit goes to the replica that would finish it soonest.
 
 Hysteresis: new shares are taken only when they are predicted to save at least
-``min_saving`` of the current shares' predicted step, and when two windows in a row ask for
-a change. Scheduling noise on a shared machine
-moves a replica's time by some percent; with micro-batches as the unit, a move must save a
+``min_saving`` of the current shares' predicted step, and when two decisions in a row ask
+for a change. Scheduling noise on a shared machine moves a replica's time by some percent; with micro-batches as the unit, a move must save a
 whole micro-batch of the slowest replica, so an undisturbed run keeps even shares.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -150,10 +153,14 @@ def replica_split(compute_s: Sequence[float], pipeline_s: Sequence[float],
     return pipeline, fixed
 
 
+HISTORY_WINDOWS = 3
+"""Decision windows the speeds are estimated over (see the module doc)."""
+
+
 @dataclass
 class Balancer:
-    """The decision state every rank keeps alike: the shares and the window since they were
-    set. Fed the same all-gathered times on every rank, it decides the same on every rank."""
+    """The decision state every rank keeps alike: the shares and the recent steps' seconds.
+    Fed the same all-gathered times on every rank, it decides the same on every rank."""
 
     shares: tuple[int, ...]
     every: int
@@ -162,37 +169,45 @@ class Balancer:
     min_saving: float = DEFAULT_MIN_SAVING
 
     def __post_init__(self) -> None:
-        self.window: list[tuple[list[float], list[float]]] = []
+        self.history: deque = deque(maxlen=HISTORY_WINDOWS * self.every)
+        """Per step: (seconds per micro-batch, fixed seconds), per replica."""
+        self.since_decision = 0
         self.last: Optional[BalanceDecision] = None
         self.proposed: Optional[tuple[int, ...]] = None
-        """The shares the last window asked for, if it asked for a change (``observe``)."""
+        """The shares the last decision asked for, if it asked for a change (``observe``)."""
 
     def observe(self, pipeline_s: Sequence[float], decide: Optional[bool] = None,
                 fixed_s: Optional[Sequence[float]] = None) -> bool:
         """One step's per-replica seconds: the pipeline part (the micro-batches' forward and
-        backward) and the fixed rest (none: all of it is per micro-batch); then decide when
-        ``decide`` says so (default: once the window holds ``every`` steps). New shares are
-        taken when two windows in a row ask for a change (a burst of scheduling noise lasts
-        one window, a slow replica stays): the second window's. Returns whether the shares
+        backward, at the current shares) and the fixed rest (none: all of it is per
+        micro-batch); then decide when ``decide`` says so (default: every ``every`` steps).
+        A decision asks for a change when the steps kept and the last window alone both do;
+        new shares are taken when two decisions in a row ask (a burst of scheduling noise
+        passes, a slow replica stays): the kept steps' choice. Returns whether the shares
         changed (from the next step on)."""
-        self.window.append((list(pipeline_s), list(fixed_s or [0.0] * len(pipeline_s))))
-        if not (len(self.window) >= self.every if decide is None else decide):
+        per_mb = [seconds / m for seconds, m in zip(pipeline_s, self.shares)]
+        self.history.append((per_mb, list(fixed_s or [0.0] * len(pipeline_s))))
+        self.since_decision += 1
+        if not (self.since_decision >= self.every if decide is None else decide):
             return False
+        self.since_decision = 0
         self.last = self.decision()
-        self.window = []
-        wanted = self.last.shares if self.last.shares != self.shares else None
+        recent = self.decision(steps=self.every)
+        asked = self.shares not in (self.last.shares, recent.shares)
+        wanted = self.last.shares if asked else None
         confirmed = wanted is not None and self.proposed is not None
         self.proposed = None if confirmed else wanted
         if confirmed:
             self.shares = wanted
         return confirmed
 
-    def decision(self) -> BalanceDecision:
-        """What the window asks for: per-micro-batch seconds and fixed seconds per replica
-        from its medians (``decide_shares``)."""
-        pipeline = window_medians([p for p, _ in self.window])
-        fixed = window_medians([f for _, f in self.window])
-        per_mb = [seconds / m for seconds, m in zip(pipeline, self.shares)]
+    def decision(self, steps: Optional[int] = None) -> BalanceDecision:
+        """What the last ``steps`` steps (default: all those kept) ask for: each replica's
+        median seconds per micro-batch and median fixed seconds over them
+        (``decide_shares``)."""
+        kept = list(self.history)[-steps:] if steps else list(self.history)
+        per_mb = window_medians([u for u, _ in kept])
+        fixed = window_medians([f for _, f in kept])
         return decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
                              fixed_s=fixed, min_saving=self.min_saving)
 
@@ -202,7 +217,9 @@ class Balancer:
         fits = len(shares) == len(self.shares) and sum(shares) == sum(self.shares) and \
             all(s >= self.unit and s % self.unit == 0 for s in shares)
         if fits:
-            self.shares, self.window, self.proposed = tuple(int(s) for s in shares), [], None
+            self.shares, self.proposed = tuple(int(s) for s in shares), None
+            self.history.clear()
+            self.since_decision = 0
         return fits
 
 
