@@ -2,8 +2,9 @@
 micro-batches, re-decided from the step times every rank already gathers.
 
 Every rank holds a ``ReplicaShares``. After each step it is fed every rank's compute seconds
-(the trainer's one all-gather over the job, the same numbers on every rank), takes each
-replica's slowest rank, and at every ``dp_balance_every``-th step (counted from step 0, so a
+and the pipeline part of them (the trainer's one all-gather over the job, the same numbers on
+every rank), takes each replica's slowest rank, splits its compute into seconds per
+micro-batch and a fixed rest, and at every ``dp_balance_every``-th step (counted from step 0, so a
 resumed run decides at the same steps) lets the pure ``hybrid.planning.balance.Balancer``
 decide. Same inputs, same pure code: every rank holds the same shares, no extra collective.
 
@@ -16,7 +17,7 @@ import sys
 from typing import Optional, Sequence
 
 from hybrid.planning.balance import (
-    CHECKPOINT_KEY, Balancer, even_shares, pipeline_bubble, replica_compute, share_unit,
+    CHECKPOINT_KEY, Balancer, even_shares, pipeline_bubble, replica_split, share_unit,
 )
 from hybrid.planning.job import JobPlan
 
@@ -26,6 +27,7 @@ class ReplicaShares:
 
     def __init__(self, plan: JobPlan, dp_rank: int, dp_of_rank: Sequence[int]):
         cfg, layout = plan.cfg, plan.layout
+        self.plan = plan
         self.dp_rank, self.dp_of_rank = dp_rank, list(dp_of_rank)
         self.even = plan.schedule.microbatches
         """Micro-batches per replica under even shares (what every loss is divided by)."""
@@ -50,22 +52,43 @@ class ReplicaShares:
         """What the loader is told (None: even, the loader's own split)."""
         return self.shares if self.dynamic else None
 
-    def after_step(self, step: int, compute_s: Sequence[float], *, say: bool) -> None:
-        """Feed one step's per-rank compute; decide at every ``every``-th step. ``say``: print
-        a line when the shares change (rank 0)."""
+    def after_step(self, step: int, compute_s: Sequence[float], pipeline_s: Sequence[float],
+                   *, say: bool) -> None:
+        """Feed one step's per-rank compute and the pipeline part of it; decide at every
+        ``every``-th step. ``say``: print a line when the shares change (rank 0)."""
         if not self.dynamic:
             return
         if not self.warm:  # the first step of a run (or of a resumed one) builds caches
             self.warm = True
             return
-        replicas = replica_compute(compute_s, self.dp_of_rank, len(self.shares))
+        pipeline, fixed = replica_split(compute_s, pipeline_s, self.dp_of_rank,
+                                        len(self.shares))
         before = self.shares
-        if self.balancer.observe(replicas, decide=step % self.balancer.every == 0) and say:
+        if self.balancer.observe(pipeline, decide=step % self.balancer.every == 0,
+                                 fixed_s=fixed) and say:
             last = self.balancer.last
             print(f"dp_balance: step {step + 1} on, micro-batches per replica "
                   f"{list(before)} -> {list(self.shares)} (predicted step "
                   f"{last.current_s * 1e3:.0f} -> {last.predicted_s * 1e3:.0f} ms)",
                   file=sys.stderr, flush=True)
+
+    def straggler_clause(self, rank: int, ratio: float) -> str:
+        """What the straggler warning adds for ``rank`` at ``ratio`` times its peers' compute:
+        what balancing would save by the cost model, its replica at ``1 / ratio`` of the
+        others' speed (nothing when already balancing, with one replica, or not priceable)."""
+        from hybrid.errors import UserError
+        from hybrid.planning.cost.devices import device_for
+        from hybrid.planning.cost.replicas import replica_prediction, saving_clause
+
+        if self.dynamic or len(self.shares) < 2 or not ratio > 1:
+            return ""
+        speeds = [1.0] * len(self.shares)
+        speeds[self.dp_of_rank[rank]] = round(1 / ratio, 3)
+        try:
+            p = replica_prediction(self.plan, device_for(self.plan.cfg.cost), speeds)
+        except UserError:
+            return ""
+        return f"; {saving_clause(p)}"
 
     def record(self) -> dict:
         """This step's ``metrics.jsonl`` fields (only under dynamic)."""

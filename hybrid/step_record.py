@@ -30,6 +30,9 @@ class StepReport:
     data_s: float = 0.0
     """The slowest rank's seconds building its micro-batches before the step (not in
     ``step_time_s``; Megatron-LM's batch-generator time)."""
+    pipeline_s: Optional[list[float]] = None
+    """Per rank: the part of ``compute_s`` in the micro-batches' forward and backward (the
+    rest is the step's fixed cost: the optimizer, the gradient reduction's own work)."""
     dp_shares: Optional[list[int]] = None
     """Micro-batches each DP replica ran (``parallel.dp_balance=dynamic``; else None)."""
 

@@ -150,6 +150,7 @@ class Trainer:
         try:
             with self.counter.track():
                 loss = self._forward_backward(step, data, recorder)
+                pipeline_s = time.perf_counter() - start - sum(self.watch.wait_s.values())
                 global_loss = []
 
                 def check(norm: float) -> None:  # before the update is applied
@@ -161,7 +162,7 @@ class Trainer:
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 waits = [self.watch.wait_s[axis] for axis in WAIT_AXES]
                 times = self._gather([elapsed, peak_memory_bytes(self.device), cpu,
-                                      elapsed - sum(waits), *waits, data_s])
+                                      elapsed - sum(waits), *waits, pipeline_s, data_s])
         except Exception as error:
             if self.watch.waiting is None:
                 raise  # not a failed wait: the error speaks for itself
@@ -174,6 +175,7 @@ class Trainer:
                           wait_s={axis: [t[4 + i] for t in times]
                                   for i, axis in enumerate(WAIT_AXES)},
                           data_s=max(t[-1] for t in times),
+                          pipeline_s=[t[-2] for t in times],
                           dp_shares=self.shares.record().get("dp_shares"))
 
     def _forward_backward(self, step: int, data, recorder) -> Optional[float]:
@@ -255,7 +257,7 @@ class Trainer:
                     self._check_memory(saved)
                     checking = False
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
-                self.shares.after_step(step, report.compute_s, say=is_rank0)
+                self.shares.after_step(step, report.compute_s, report.pipeline_s, say=is_rank0)
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
                 evaluation = self._evaluate(step)
@@ -322,7 +324,8 @@ class Trainer:
                                          report.step_time_s)
         for straggler in stragglers:
             name = who(straggler.rank, self.coords_of, self.node_of)
-            print(warning_line(straggler, name), file=sys.stderr, flush=True)
+            print(warning_line(straggler, name) + self.shares.straggler_clause(
+                straggler.rank, straggler.ratio), file=sys.stderr, flush=True)
         return metrics_record(self.plan, step, report, summary)
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:

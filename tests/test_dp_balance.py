@@ -59,22 +59,76 @@ def test_measurements_are_per_microbatch_medians_of_each_replicas_slowest_rank()
     assert window_medians(window) == [0.4, 0.8]
 
 
-def test_balancer_takes_new_shares_when_two_windows_in_a_row_ask_for_a_change():
+def test_balancer_takes_new_shares_when_two_decisions_in_a_row_ask_for_a_change():
     balancer = Balancer((4, 4), every=2)
     assert not balancer.observe([0.4, 0.8])
     assert not balancer.observe([0.4, 0.8]) and balancer.proposed == (6, 2)
-    assert not balancer.observe([0.4, 2.0])
-    assert balancer.observe([0.4, 2.0]) and balancer.shares == (7, 1)  # the second window's
-    assert not balancer.observe([0.6, 0.4], decide=True)  # (6, 2) is best at these speeds
-    assert balancer.restore([6, 2]) and balancer.shares == (6, 2)
-    assert not balancer.restore([6, 3]) and balancer.shares == (6, 2)  # another batch
+    assert not balancer.observe([0.4, 0.8])
+    assert balancer.observe([0.4, 0.8]) and balancer.shares == (6, 2)
+    # per micro-batch the same speeds at the new shares: nothing more to move
+    for _ in range(6):
+        assert not balancer.observe([0.6, 0.4]) and balancer.proposed is None
+    assert balancer.restore([5, 3]) and balancer.shares == (5, 3)
+    assert not balancer.restore([6, 3]) and balancer.shares == (5, 3)  # another batch
+    assert not balancer.history  # the estimate starts afresh
+
+
+def test_the_speeds_are_estimated_over_the_last_windows_across_changes():
+    balancer = Balancer((4, 4), every=2)
+    for _ in range(4):
+        balancer.observe([0.4, 0.8])
+    assert balancer.shares == (6, 2)
+    # two steps of a disturbed fast replica (3x slower per micro-batch): the median of the
+    # last three windows still holds the two speeds apart, so the shares stay
+    assert not balancer.observe([1.8, 0.4]) and not balancer.observe([1.8, 0.4])
+    assert balancer.proposed is None and balancer.shares == (6, 2)
+    assert len(balancer.history) == 6
+
+
+def _settle(true_step, shares, steps=60, every=3):
+    """Feed a balancer the times of replicas whose step is ``true_step(r, m) = (pipeline,
+    fixed)``; the shares it ends at (asserted stable over the last half)."""
+    balancer = Balancer(tuple(shares), every=every)
+    seen = []
+    for _ in range(steps):
+        parts = [true_step(r, m) for r, m in enumerate(balancer.shares)]
+        balancer.observe([p for p, _ in parts], fixed_s=[f for _, f in parts])
+        seen.append(balancer.shares)
+    assert len(set(seen[steps // 2:])) == 1, seen
+    return balancer.shares
+
+
+def _optimum(true_step, total, replicas=2):
+    """The shares of least true step (by trying every split of two replicas)."""
+    splits = [(a, total - a) for a in range(1, total)]
+    return min(splits, key=lambda s: max(sum(true_step(r, m)) for r, m in enumerate(s)))
+
+
+@pytest.mark.parametrize("fixed", [(0.05, 0.05), (0.03, 0.06), (0.0, 0.0), (0.2, 0.4)])
+def test_the_fixed_cost_is_priced_apart_so_the_shares_settle_on_the_true_best(fixed):
+    # replica 1 at half speed per micro-batch; its fixed cost as the peers' (a collective's
+    # own work) or throttled too; counted per micro-batch (the first version), equal fixed
+    # costs stopped it at 7/5 (predicted to save under 10% more), not 8/4
+    def true_step(r, m):
+        return (0.01, 0.02)[r] * m, fixed[r]
+
+    assert _settle(true_step, (6, 6)) == _optimum(true_step, 12)
+
+
+def test_folding_the_fixed_cost_into_the_rate_under_moves():
+    """The model the fix replaced, as a check that the test above can tell the two apart."""
+    def folded(r, m):
+        return (0.01, 0.02)[r] * m + 0.05, 0.0
+
+    assert _settle(folded, (6, 6)) == (7, 5) != _optimum(folded, 12) == (8, 4)
 
 
 def test_one_noisy_window_moves_nothing():
     balancer = Balancer((4, 4), every=1)
-    assert not balancer.observe([0.4, 0.8])  # proposed
-    assert not balancer.observe([0.4, 0.4])  # not asked again: forgotten
-    assert not balancer.observe([0.4, 0.8]) and balancer.shares == (4, 4)
+    assert not balancer.observe([0.4, 1.2])  # proposed
+    assert not balancer.observe([0.4, 0.4])  # the last window does not ask again
+    assert balancer.proposed is None
+    assert not balancer.observe([0.4, 0.4]) and balancer.shares == (4, 4)
 
 
 def test_an_undisturbed_balancer_keeps_even_shares():
@@ -181,3 +235,82 @@ def test_hybrid_plan_prints_the_prediction_and_refuses_a_wrong_count(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "error: cost.replica_speed=[1.0, 0.5, 1.0] names 3 replicas but parallel.dp=2; give "
         "one speed per DP replica (1 = the device's)")
+
+
+@pytest.mark.parametrize("own, extra, expected", [
+    (4, 4, "RZ" * 4), (3, 6, "RZZ" * 3), (3, 1, "RRRZ"), (4, 0, "RRRR")])
+def test_zero2_spreads_its_rounds_of_zeros_among_its_own(own, extra, expected):
+    """A replica with fewer micro-batches under ZeRO-2 matches the others' per-micro-batch
+    reduce-scatters with zeros; spread in proportion, its rounds keep pace with theirs (at
+    the end, the faster replica would wait for each of its micro-batches, then run alone)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybrid.dp.zero2 import StagedShards
+
+    issued = []
+
+    class Group:
+        def size(self):
+            return 2
+
+        def reduce_scatter_into(self, out, staging, async_op):
+            issued.append("R" if staging.any() else "Z")
+            return None
+
+    def shard(index):
+        bucket = SimpleNamespace(index=index, numel=4, late=False, params=[0],
+                                 span=lambda slot: (0, 4))
+        return SimpleNamespace(bucket=bucket, grad=torch.zeros(2))
+
+    staged = StagedShards([shard(0), shard(1)], Group(), wait=lambda work: None)
+    staged.extra_rounds, staged.own_rounds = extra, own
+    param = torch.zeros(4)
+    for _ in range(own):
+        for s in staged.shards:
+            param.grad = torch.ones(4)
+            staged.accumulated(s.bucket, 0, param)
+    staged.flush()
+    assert "".join(issued[::2]) == expected and issued[::2] == issued[1::2]
+
+
+def _dp2_plan(**parallel):
+    from hybrid.planning.job import plan_job
+
+    cfg = Config(parallel=replace(ParallelConfig(dp=2), **parallel))
+    return plan_job(replace(cfg, train=replace(cfg.train, global_batch=24, micro_batch=2)))
+
+
+def test_the_straggler_warning_says_what_balancing_would_save():
+    from hybrid.replica_balance import ReplicaShares
+
+    shares = ReplicaShares(_dp2_plan(), dp_rank=0, dp_of_rank=[0, 1])
+    clause = shares.straggler_clause(rank=1, ratio=2.0)
+    assert clause.startswith("; parallel.dp_balance=dynamic would save ")
+    assert "(cost model at replica speeds [1.0, 0.5]: even " in clause
+    assert "balanced [8, 4]" in clause and "\n" not in clause
+    saved = float(clause.split("would save ")[1].split("%")[0])
+    assert 10 < saved < 40
+    # already balancing, or nothing to balance against: nothing added
+    dynamic = ReplicaShares(_dp2_plan(dp_balance="dynamic"), dp_rank=0, dp_of_rank=[0, 1])
+    assert dynamic.straggler_clause(rank=1, ratio=2.0) == ""
+
+
+def test_the_sweep_report_says_what_balancing_would_save(tmp_path):
+    import json
+
+    from hybrid.planning.config import to_dict
+    from launch.reports.sweep_report import _balance_note, _balance_saving
+
+    plan = _dp2_plan()
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(plan.cfg)))
+    steps = [{"step": s, "compute_s": [0.1, 0.2 if s > 1 else 0.9]} for s in range(1, 8)]
+    (tmp_path / "rank_times.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    row = {"cell": "3", **_balance_saving(tmp_path)}
+    assert row["replica_speed"] == [1.0, 0.5] and 0.1 < row["dp_balance_saving"] < 0.4
+    note = _balance_note([row, {"cell": "4", "dp_balance_saving": ""}])
+    assert note.startswith("Balancing: parallel.dp_balance=dynamic would save, by the cost "
+                           "model at each cell's measured replica speeds: cell 3 ")
+    assert note.endswith("(replica speeds [1.0, 0.5]).")
+    assert _balance_note([{"dp_balance_saving": ""}]).startswith("Balancing: no completed")

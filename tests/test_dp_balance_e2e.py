@@ -1,86 +1,77 @@
-"""``parallel.dp_balance=dynamic`` through ``hybrid-train`` (issue 40).
+"""``parallel.dp_balance=dynamic`` through ``hybrid-train`` (issue 40), on dp2, dp2 x pp2 under
+1F1B (with ZeRO-1) and dp4 under ZeRO-2; two runs a layout, each checking several things:
 
-One replica of dp2 is throttled from outside (SIGSTOP/SIGCONT cycles on one of its workers,
-``hybrid.testing.Throttle``): dynamic moves micro-batches away from it and its losses equal
-even's on the same throttling. Step times are printed, never asserted (the machine is shared:
-``bench/dp_balance.py`` measures them). An undisturbed run keeps even shares; a resume from a
-balanced run's checkpoint continues with its shares and its losses.
+- an undisturbed run under dynamic keeps even shares all run; so it computes what even shares
+  do (bitwise: same shares, same order) and is the layout's even reference;
+- a run whose DP replica 1 is slowed (``hybrid.faults``' slow: it sleeps in every step's
+  compute, so its shares move within the first decisions, whatever the machine's load) gives
+  that replica fewer micro-batches, and its losses equal the reference's (rtol 1e-5);
+- on dp2 that run checkpoints at step 6, and a resume from it continues its shares and losses.
+
+Step times are not asserted here (the machine is shared): ``bench/dp_balance.py`` measures
+them, with a replica throttled from outside (SIGSTOP/SIGCONT cycles), and its smallest run is
+in ``tests/test_bench_smoke.py``.
 """
 
-import statistics
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hybrid.testing import checked_records, run_throttled
+from hybrid.testing import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
-COMMON = ["model=tiny", "data=synthetic", "parallel=single", "parallel.dp=2",
-          "train.global_batch=16", "train.micro_batch=2", "train.timeline_step=0",
-          "train.log_every=1000", "train.collective_timeout_s=120"]
-LAYOUTS = {
-    "dp2": [],
-    "dp2xpp2-1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
-    "dp2-zero1": ["parallel.zero=1"],
-    "dp2-zero2": ["parallel.zero=2"],
+COMMON = ["model=tiny", "data=synthetic", "parallel=single", "train.micro_batch=2",
+          "train.timeline_step=0", "train.log_every=1000", "train.collective_timeout_s=120",
+          "model.seq_len=16", "parallel.dp_balance=dynamic", "parallel.dp_balance_every=3"]
+LAYOUTS = {  # name: (overrides, micro-batches per replica under even shares)
+    "dp2": (["parallel.dp=2", "train.global_batch=16"], 4),
+    "dp2xpp2-1f1b-zero1": (["parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b",
+                            "parallel.zero=1", "train.global_batch=16"], 4),
+    "dp4-zero2": (["parallel.dp=4", "parallel.zero=2", "train.global_batch=16"], 2),
 }
-# ZeRO-2 reduce-scatters every micro-batch, so the replicas meet at every one and much of the
-# throttled worker's stopped time lands in its waits, not its compute: here its shares are
-# checked for exactness and bytes, not for moving (they did not within 16 steps, once).
-THROTTLED = {"dp2": 1, "dp2xpp2-1f1b": 1, "dp2-zero1": 1, "dp2-zero2": 1}
-"""A worker of DP replica 1 (rank order tp-cp-dp-pp: rank 1 is dp 1, pp 0)."""
+STEPS = 9
+SLOW = "slow:1:1:0.3"
+"""Global rank 1 (rank order tp-cp-dp-pp: DP replica 1, pipeline stage 0) sleeps 0.3 s in
+every step from step 1."""
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def train(run_dir: Path, *overrides: str, throttle_rank=None, env=None):
-    cmd = [TRAIN, *COMMON, f"hydra.run.dir={run_dir}", *overrides]
-    if throttle_rank is None:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    else:
-        done = run_throttled(cmd, rank=throttle_rank, timeout=180, env=env)
+def train(run_dir: Path, *overrides: str, slow: bool = False):
+    env = dict(os.environ, HYBRID_TEST_FAULT=SLOW) if slow else None
+    done = subprocess.run([TRAIN, *COMMON, f"hydra.run.dir={run_dir}", *overrides],
+                          capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     return checked_records(run_dir)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_throttled_replica_gets_fewer_microbatches_and_the_losses_stay(layout, tmp_path):
-    steps = ["train.steps=16", "parallel.dp_balance_every=3", *LAYOUTS[layout]]
-    runs = {mode: train(tmp_path / mode, *steps, f"parallel.dp_balance={mode}",
-                        throttle_rank=THROTTLED[layout])
-            for mode in ("even", "dynamic")}
-    even, dynamic = ([r["loss"] for r in runs[m]] for m in ("even", "dynamic"))
-    assert dynamic == pytest.approx(even, rel=1e-5)
-    shares = [r["dp_shares"] for r in runs["dynamic"]]
-    assert shares[0] == [4, 4] and all(sum(s) == 8 for s in shares)
-    if layout != "dp2-zero2":  # (below)
-        assert any(s[1] < s[0] for s in shares), shares  # the throttled replica ran fewer
-    assert "dp_shares" not in runs["even"][0]
-    medians = {m: statistics.median(r["step_time_s"] for r in runs[m][3:]) for m in runs}
-    print(f"{layout}: median step even {medians['even'] * 1e3:.0f} ms, dynamic "
-          f"{medians['dynamic'] * 1e3:.0f} ms (shares {shares[-1]}; not asserted)")
+def test_a_slow_replica_gets_fewer_microbatches_and_the_losses_stay(layout, tmp_path):
+    overrides, even = LAYOUTS[layout]
+    steps = [f"train.steps={STEPS}", *overrides]
+    reference = train(tmp_path / "undisturbed", *steps)
+    dp = len(reference[0]["dp_shares"])
+    assert [r["dp_shares"] for r in reference] == [[even] * dp] * STEPS
+    saving = ["checkpoint.every=6"] if layout == "dp2" else []
+    slowed = train(tmp_path / "slowed", *steps, *saving, slow=True)
+    shares = [r["dp_shares"] for r in slowed]
+    assert shares[0] == [even] * dp and all(sum(s) == even * dp for s in shares)
+    assert shares[-1][1] < even, shares  # the slow replica runs fewer
+    assert [r["loss"] for r in slowed] == pytest.approx([r["loss"] for r in reference],
+                                                        rel=1e-5)
+    if saving:
+        check_resume(tmp_path, steps, slowed)
 
 
-def test_an_undisturbed_run_keeps_even_shares_all_run(tmp_path):
-    records = train(tmp_path, "train.steps=30", "parallel.dp_balance=dynamic",
-                    "parallel.dp_balance_every=10")
-    assert [r["dp_shares"] for r in records] == [[4, 4]] * 30
-
-
-def test_a_resume_from_a_balanced_checkpoint_continues_its_shares_and_losses(tmp_path):
-    """The first run's replica 1 sleeps in every step (``hybrid.faults``' slow), so its
-    shares move by step 6's checkpoint; the resumed run (not slowed) starts from them."""
-    import os
-
-    common = ["train.steps=9", "parallel.dp_balance=dynamic", "parallel.dp_balance_every=3"]
-    env = dict(os.environ, HYBRID_TEST_FAULT="slow:1:1:0.2")
-    first = train(tmp_path / "first", *common, "checkpoint.every=6", env=env)
-    assert first[6]["dp_shares"] != [4, 4], [r["dp_shares"] for r in first]
-    saved = tmp_path / "first" / "checkpoints" / "step_00000006"
-    resumed = train(tmp_path / "resumed", *common, f"checkpoint.resume_from={saved}")
-    assert [r["step"] for r in resumed] == [7, 8, 9]
+def check_resume(tmp_path: Path, steps: list[str], first: list[dict]) -> None:
+    """The resumed run (not slowed) starts from the checkpoint's shares: bitwise its losses."""
+    assert first[6]["dp_shares"] != first[0]["dp_shares"], [r["dp_shares"] for r in first]
+    saved = tmp_path / "slowed" / "checkpoints" / "step_00000006"
+    resumed = train(tmp_path / "resumed", *steps, f"checkpoint.resume_from={saved}")
+    assert [r["step"] for r in resumed] == list(range(7, STEPS + 1))
     assert resumed[0]["dp_shares"] == first[6]["dp_shares"]
     assert resumed[0]["loss"] == first[6]["loss"]  # same shares, same order: bitwise
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in first[6:]],

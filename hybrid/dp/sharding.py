@@ -61,8 +61,8 @@ class Replicated:
         """End of the backward; True when this strategy finished the reduction itself."""
         return False
 
-    def pad_rounds(self, rounds: int) -> None:
-        """This step other replicas run ``rounds`` micro-batches more than this one
+    def pad_rounds(self, rounds: int, own: int = 1) -> None:
+        """This step other replicas run ``rounds`` micro-batches more than this one's ``own``
         (``parallel.dp_balance=dynamic``): a strategy that communicates per micro-batch
         takes part in theirs."""
 
@@ -122,8 +122,8 @@ class Zero2(Zero1):
         self.staged.flush()
         return True
 
-    def pad_rounds(self, rounds):
-        self.staged.extra_rounds = rounds
+    def pad_rounds(self, rounds, own=1):
+        self.staged.extra_rounds, self.staged.own_rounds = rounds, own
 
 
 class Zero3(Zero2):

@@ -193,7 +193,8 @@ class GradSync:
         self._next_launch = 0
         self.launched_in_backward = 0
         self._microbatches = num_microbatches
-        self.sharding.pad_rounds((rounds or num_microbatches) - num_microbatches)
+        self.sharding.pad_rounds((rounds or num_microbatches) - num_microbatches,
+                                 num_microbatches)
         self.step = self.step + 1 if step is None else step
         self.reducer.start_step(self.step)
 

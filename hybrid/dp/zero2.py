@@ -37,7 +37,13 @@ class StagedShards:
         self.pending: deque = deque()
         self.extra_rounds = 0
         """Micro-batches other replicas run beyond this one's this step (unequal DP shares):
-        their reduce-scatters are matched with zeros at the end of the backward."""
+        their reduce-scatters are matched with zeros, spread among this replica's own rounds
+        (``_pad_due``)."""
+        self.own_rounds = 1
+        """This replica's micro-batches this step."""
+        self.padded = 0
+        self.per_round = sum(not s.bucket.late for s in self.shards)
+        """Buckets reduce-scattered per micro-batch during the backward."""
         self.launched: list[int] = []
         """Buckets reduce-scattered during this step's backward, in order."""
 
@@ -55,6 +61,27 @@ class StagedShards:
         if not bucket.late and len(arrived) == len(bucket.params):
             self.launched.append(bucket.index)
             self._launch(self.shards[bucket.index])
+            if len(self.launched) % self.per_round == 0:
+                self._pad_due(len(self.launched) // self.per_round)
+
+    def _pad_due(self, rounds_done: int) -> None:
+        """After this replica's ``rounds_done``-th micro-batch, the rounds of zeros due by
+        then: spread in proportion, so that its rounds keep pace with a replica running more.
+        Padded at the end instead, a faster replica's reduce-scatters would wait for this
+        one's micro-batches and then run alone: the step as long as with even shares."""
+        total = self.own_rounds + self.extra_rounds
+        due = rounds_done * total // self.own_rounds - rounds_done - self.padded
+        self._pad(min(due, self.extra_rounds - self.padded))
+
+    def _pad(self, rounds: int) -> None:
+        """``rounds`` rounds of zeros in the order of one micro-batch's buckets."""
+        for _ in range(rounds):
+            for index in self.launched[:self.per_round]:
+                shard = self.shards[index]
+                self.staging[index] = torch.zeros(shard.bucket.numel, dtype=GRAD_DTYPE,
+                                                  device=shard.grad.device)
+                self._launch(shard)
+        self.padded += max(0, rounds)
 
     def _launch(self, shard: Shard) -> None:
         index = shard.bucket.index
@@ -78,16 +105,10 @@ class StagedShards:
     def flush(self) -> None:
         """End of the step's backward: reduce what is still staged (the late buckets, after
         their own group's sum; any bucket a parameter sent no gradient to) and settle all.
-        Before them, ``extra_rounds`` rounds of zeros in the order of one micro-batch's
-        buckets, so every replica issues the same reduce-scatters in the same order."""
-        per_round = self.launched[:sum(not s.bucket.late for s in self.shards)]
-        for _ in range(self.extra_rounds):
-            for index in per_round:
-                shard = self.shards[index]
-                self.staging[index] = torch.zeros(shard.bucket.numel, dtype=GRAD_DTYPE,
-                                                  device=shard.grad.device)
-                self._launch(shard)
-        self.extra_rounds, self.launched = 0, []
+        Before them, the rounds of zeros not yet padded, so every replica issues the same
+        reduce-scatters in the same order."""
+        self._pad(self.extra_rounds - self.padded)
+        self.extra_rounds, self.launched, self.padded = 0, [], 0
         for shard in self.shards:
             bucket = shard.bucket
             if bucket.index not in self.staging:

@@ -5,20 +5,27 @@ ranks decide, from the same all-gathered measurements, how many of the step's ``
 micro-batches each DP replica runs. The global batch is unchanged (replica ``r`` runs the
 ``r``-th contiguous run of ``shares[r]`` micro-batches); only who computes what moves.
 
-The model of a replica's step: ``u_r * (m_r + bubble)`` seconds, ``u_r`` its seconds per
-micro-batch (the slowest of its ranks' compute over the last window, divided by the
-micro-batches it ran plus the bubble) and ``bubble`` the pipeline's fill and drain in
-micro-batches (``(pp - 1) / vpp``). Only the last window counts: a line fitted through the
-counts a replica ran was tried, and on a shared machine one disturbed window made a replica's
-extra micro-batches look nearly free, so it was given more work than its peers. The step ends
-when the slowest replica does, so the shares that minimise the largest predicted time are
-found greedily: every replica starts at the least the schedule needs, and each further unit
-goes to the replica that would finish it soonest.
+The model of a replica's step: ``fixed_r + u_r * (m_r + bubble)`` seconds. ``u_r`` is its
+seconds per micro-batch: the pipeline part of its slowest rank's compute in a step (the
+forward and backward, waits excluded) divided by the micro-batches it ran; ``fixed_r`` the
+rest of that rank's compute, what a step costs whatever its share (the optimizer, the gradient
+reduction's own work, the schedule's set-up); ``bubble`` the pipeline's fill and drain in
+micro-batches (``(pp - 1) / vpp``). Both are measured in the same step, so a disturbance that
+slows a replica slows both alike. Counting the fixed part per micro-batch, as a first version
+did, made a replica that gave up micro-batches look slower per micro-batch each window, so a
+half-speed replica was pushed from 8/4 of 12 micro-batches on to 9/3 and 10/2. Priced apart,
+a replica's seconds per micro-batch do not depend on its share, so the estimate spans the
+last ``HISTORY_WINDOWS`` decision windows, across changes of the shares: on a shared machine a
+replica's compute moves by half from one step to the next, and one window's median was
+enough to send a half-speed replica's micro-batches back to it. (A line fitted through the
+counts a replica ran was tried too: one disturbed window made a replica's extra micro-batches
+look nearly free.) The step ends when the slowest replica does, so the shares that minimise
+the largest predicted time are found greedily: every replica starts at the least the schedule needs, and each further
+unit goes to the replica that would finish it soonest.
 
 Hysteresis: new shares are taken only when they are predicted to save at least
-``min_saving`` of the current shares' predicted step, and when two windows in a row ask for
-a change. Scheduling noise on a shared machine
-moves a replica's time by some percent; with micro-batches as the unit, a move must save a
+``min_saving`` of the current shares' predicted step, and when two decisions in a row ask
+for a change. Scheduling noise on a shared machine moves a replica's time by some percent; with micro-batches as the unit, a move must save a
 whole micro-batch of the slowest replica, so an undisturbed run keeps even shares.
 """
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -63,55 +71,62 @@ def even_shares(total: int, replicas: int) -> tuple[int, ...]:
 
 
 Offset = Union[float, Sequence[float]]
-"""A replica's fixed cost in micro-batches of its own: the pipeline's fill and drain, and what
-a step costs whatever its share (one number for all replicas, or one each)."""
+"""The pipeline's fill and drain in micro-batches of a replica's own (one number for all
+replicas, or one each)."""
 
 
-def _offsets(bubble: Offset, replicas: int) -> list[float]:
-    return [float(bubble)] * replicas if isinstance(bubble, (int, float)) else list(bubble)
+def _per_replica(value: Offset, replicas: int) -> list[float]:
+    return [float(value)] * replicas if isinstance(value, (int, float)) else list(value)
+
+
+def _finish_s(u: float, m: float, bubble: float, fixed: float) -> float:
+    return fixed + u * (m + bubble)
 
 
 def predicted_step_s(per_mb_s: Sequence[float], shares: Sequence[int],
-                     bubble: Offset = 0.0) -> float:
-    """The step's predicted seconds: the slowest replica's ``u_r * (m_r + bubble_r)``."""
-    offsets = _offsets(bubble, len(shares))
-    return max(u * (m + b) for u, m, b in zip(per_mb_s, shares, offsets))
+                     bubble: Offset = 0.0, fixed_s: Offset = 0.0) -> float:
+    """The step's predicted seconds: the slowest replica's ``fixed_r + u_r * (m_r +
+    bubble_r)``."""
+    n = len(shares)
+    return max(map(_finish_s, per_mb_s, shares, _per_replica(bubble, n),
+                   _per_replica(fixed_s, n)))
 
 
 def best_shares(per_mb_s: Sequence[float], total: int, *, unit: int = 1,
-                bubble: Offset = 0.0) -> tuple[int, ...]:
+                bubble: Offset = 0.0, fixed_s: Offset = 0.0) -> tuple[int, ...]:
     """Shares of ``total`` micro-batches (in steps of ``unit``, each at least ``unit``) that
     minimise the predicted step; ties go to the lower replica index (the same on every rank)."""
     replicas = len(per_mb_s)
     if total % unit or total // unit < replicas:
         raise ValueError(f"{total} micro-batches cannot give {replicas} replicas {unit} each")
-    offsets = _offsets(bubble, replicas)
+    bubbles, fixed = _per_replica(bubble, replicas), _per_replica(fixed_s, replicas)
     shares = [unit] * replicas
     for _ in range(total // unit - replicas):
-        finish = [u * (m + unit + b) for u, m, b in zip(per_mb_s, shares, offsets)]
+        finish = [_finish_s(u, m + unit, b, f)
+                  for u, m, b, f in zip(per_mb_s, shares, bubbles, fixed)]
         shares[finish.index(min(finish))] += unit
     return tuple(shares)
 
 
 def decide_shares(per_mb_s: Sequence[float], current: Sequence[int], *, unit: int = 1,
-                  bubble: Offset = 0.0,
+                  bubble: Offset = 0.0, fixed_s: Offset = 0.0,
                   min_saving: float = DEFAULT_MIN_SAVING) -> BalanceDecision:
     """Keep ``current`` unless the best shares save at least ``min_saving`` of its predicted
     step (the hysteresis of the module doc)."""
-    best = best_shares(per_mb_s, sum(current), unit=unit, bubble=bubble)
-    now = predicted_step_s(per_mb_s, current, bubble)
-    then = predicted_step_s(per_mb_s, best, bubble)
+    best = best_shares(per_mb_s, sum(current), unit=unit, bubble=bubble, fixed_s=fixed_s)
+    now = predicted_step_s(per_mb_s, current, bubble, fixed_s)
+    then = predicted_step_s(per_mb_s, best, bubble, fixed_s)
     if then <= (1 - min_saving) * now:
         return BalanceDecision(best, now, then)
     return BalanceDecision(tuple(current), now, now)
 
 
-def window_medians(replica_compute_s: Sequence[Sequence[float]]) -> list[float]:
-    """Each replica's step over a window: ``replica_compute_s[step][r]`` is the slowest
-    compute of replica ``r``'s ranks in that step; the median over the window, so that one
-    disturbed step does not move the shares."""
-    replicas = len(replica_compute_s[0])
-    return [statistics.median(step[r] for step in replica_compute_s) for r in range(replicas)]
+def window_medians(replica_s: Sequence[Sequence[float]]) -> list[float]:
+    """Each replica's seconds over a window: ``replica_s[step][r]`` is replica ``r``'s in
+    that step; the median over the window, so that one disturbed step does not move the
+    shares."""
+    replicas = len(replica_s[0])
+    return [statistics.median(step[r] for step in replica_s) for r in range(replicas)]
 
 
 def replica_compute(compute_s: Sequence[float], dp_of_rank: Sequence[int],
@@ -123,10 +138,29 @@ def replica_compute(compute_s: Sequence[float], dp_of_rank: Sequence[int],
     return out
 
 
+def replica_split(compute_s: Sequence[float], pipeline_s: Sequence[float],
+                  dp_of_rank: Sequence[int], replicas: int) -> tuple[list[float], list[float]]:
+    """Per replica, its slowest rank's compute split into (pipeline part, fixed rest), from
+    every rank's compute and the pipeline part of it (the forward and backward, waits
+    excluded)."""
+    slowest: list[Optional[int]] = [None] * replicas
+    for rank, seconds in enumerate(compute_s):
+        r = dp_of_rank[rank]
+        if slowest[r] is None or seconds > compute_s[slowest[r]]:
+            slowest[r] = rank
+    pipeline = [min(pipeline_s[k], compute_s[k]) if k is not None else 0.0 for k in slowest]
+    fixed = [compute_s[k] - p if k is not None else 0.0 for k, p in zip(slowest, pipeline)]
+    return pipeline, fixed
+
+
+HISTORY_WINDOWS = 3
+"""Decision windows the speeds are estimated over (see the module doc)."""
+
+
 @dataclass
 class Balancer:
-    """The decision state every rank keeps alike: the shares and the window since they were
-    set. Fed the same all-gathered times on every rank, it decides the same on every rank."""
+    """The decision state every rank keeps alike: the shares and the recent steps' seconds.
+    Fed the same all-gathered times on every rank, it decides the same on every rank."""
 
     shares: tuple[int, ...]
     every: int
@@ -135,30 +169,47 @@ class Balancer:
     min_saving: float = DEFAULT_MIN_SAVING
 
     def __post_init__(self) -> None:
-        self.window: list[list[float]] = []
+        self.history: deque = deque(maxlen=HISTORY_WINDOWS * self.every)
+        """Per step: (seconds per micro-batch, fixed seconds), per replica."""
+        self.since_decision = 0
         self.last: Optional[BalanceDecision] = None
         self.proposed: Optional[tuple[int, ...]] = None
-        """The shares the last window asked for, if it asked for a change (``observe``)."""
+        """The shares the last decision asked for, if it asked for a change (``observe``)."""
 
-    def observe(self, replica_compute_s: Sequence[float], decide: Optional[bool] = None) -> bool:
-        """One step's per-replica compute; then decide when ``decide`` says so (default: once
-        the window holds ``every`` steps). New shares are taken when two windows in a row ask
-        for a change (a burst of scheduling noise lasts one window, a slow replica stays):
-        the second window's. Returns whether the shares changed (from the next step on)."""
-        self.window.append(list(replica_compute_s))
-        if not (len(self.window) >= self.every if decide is None else decide):
+    def observe(self, pipeline_s: Sequence[float], decide: Optional[bool] = None,
+                fixed_s: Optional[Sequence[float]] = None) -> bool:
+        """One step's per-replica seconds: the pipeline part (the micro-batches' forward and
+        backward, at the current shares) and the fixed rest (none: all of it is per
+        micro-batch); then decide when ``decide`` says so (default: every ``every`` steps).
+        A decision asks for a change when the steps kept and the last window alone both do;
+        new shares are taken when two decisions in a row ask (a burst of scheduling noise
+        passes, a slow replica stays): the kept steps' choice. Returns whether the shares
+        changed (from the next step on)."""
+        per_mb = [seconds / m for seconds, m in zip(pipeline_s, self.shares)]
+        self.history.append((per_mb, list(fixed_s or [0.0] * len(pipeline_s))))
+        self.since_decision += 1
+        if not (self.since_decision >= self.every if decide is None else decide):
             return False
-        per_mb = [seconds / (m + self.bubble)
-                  for seconds, m in zip(window_medians(self.window), self.shares)]
-        self.window = []
-        self.last = decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
-                                  min_saving=self.min_saving)
-        wanted = self.last.shares if self.last.shares != self.shares else None
+        self.since_decision = 0
+        self.last = self.decision()
+        recent = self.decision(steps=self.every)
+        asked = self.shares not in (self.last.shares, recent.shares)
+        wanted = self.last.shares if asked else None
         confirmed = wanted is not None and self.proposed is not None
         self.proposed = None if confirmed else wanted
         if confirmed:
             self.shares = wanted
         return confirmed
+
+    def decision(self, steps: Optional[int] = None) -> BalanceDecision:
+        """What the last ``steps`` steps (default: all those kept) ask for: each replica's
+        median seconds per micro-batch and median fixed seconds over them
+        (``decide_shares``)."""
+        kept = list(self.history)[-steps:] if steps else list(self.history)
+        per_mb = window_medians([u for u, _ in kept])
+        fixed = window_medians([f for _, f in kept])
+        return decide_shares(per_mb, self.shares, unit=self.unit, bubble=self.bubble,
+                             fixed_s=fixed, min_saving=self.min_saving)
 
     def restore(self, shares: Sequence[int]) -> bool:
         """Shares read back from a checkpoint, if they fit this run (as many replicas, the
@@ -166,7 +217,9 @@ class Balancer:
         fits = len(shares) == len(self.shares) and sum(shares) == sum(self.shares) and \
             all(s >= self.unit and s % self.unit == 0 for s in shares)
         if fits:
-            self.shares, self.window, self.proposed = tuple(int(s) for s in shares), [], None
+            self.shares, self.proposed = tuple(int(s) for s in shares), None
+            self.history.clear()
+            self.since_decision = 0
         return fits
 
 

@@ -33,7 +33,7 @@ CELL_FILE = "cell.json"
 COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",
            "peak_mem_bytes", "bubble_measured", *(f"comm_bytes_{axis}" for axis in COORD_ORDER),
            "predicted_step_time_s", "predicted_mem_bytes_per_rank", "max_loss_dev",
-           "loss_reference", "predicted_on", "assumes")
+           "loss_reference", "predicted_on", "assumes", "replica_speed", "dp_balance_saving")
 
 
 def record_cell(run_dir: Path, status: str, reason: str = "", settings: Optional[list] = None,
@@ -84,6 +84,8 @@ def _row(cell: Path, record: dict, settings: str) -> dict:
     if record["status"] == "completed":  # a failed run's first steps would mislead
         row.update(_measured(cell))
     row.update(_predicted(cell))
+    if record["status"] == "completed":
+        row.update(_balance_saving(cell))
     return row
 
 
@@ -123,6 +125,45 @@ def _predicted(cell: Path) -> dict:
     return {"predicted_step_time_s": p.step_time_s,
             "predicted_mem_bytes_per_rank": p.mem_bytes_per_rank,
             "predicted_on": device.name, "assumes": assumption_line(device, cfg)}
+
+
+def _balance_saving(cell: Path) -> dict:
+    """A cell of more than one DP replica under even shares: its replicas' speeds as
+    measured (``rank_times.jsonl``, the steps after the first) and what
+    ``parallel.dp_balance=dynamic`` would save at them, by the cost model."""
+    from hybrid.errors import UserError
+    from hybrid.planning.config import from_dict
+    from hybrid.planning.cost.replicas import measured_speeds, replica_prediction
+    from hybrid.planning.job import plan_job
+
+    times, config = cell / "rank_times.jsonl", cell / "config.json"
+    if not (times.exists() and config.exists()):
+        return {}
+    cfg = from_dict(json.loads(config.read_text()))
+    if cfg.parallel.dp < 2 or cfg.parallel.dp_balance != "even":
+        return {}
+    lines = [json.loads(line) for line in times.read_text().splitlines() if line]
+    try:
+        plan = plan_job(cfg)
+        dp_of_rank = [plan.layout.coords(r)["dp"] for r in range(plan.layout.world_size)]
+        speeds = measured_speeds([line["compute_s"] for line in lines[1:] or lines],
+                                 dp_of_rank, cfg.parallel.dp)
+        p = replica_prediction(plan, prediction_device(cfg.cost.device), speeds)
+    except UserError:
+        return {}
+    return {"replica_speed": speeds, "dp_balance_saving": 1 - p["ratio"]}
+
+
+def _balance_note(rows: list[dict]) -> str:
+    """What balancing the DP replicas by their measured speed would save, per cell."""
+    priced = [r for r in rows if r["dp_balance_saving"] != ""]
+    if not priced:
+        return ("Balancing: no completed cell of parallel.dp > 1 under even shares to price "
+                "parallel.dp_balance=dynamic for.")
+    said = "; ".join(f"cell {r['cell']} {r['dp_balance_saving']:.0%} (replica speeds "
+                     f"{r['replica_speed']})" for r in priced)
+    return (f"Balancing: parallel.dp_balance=dynamic would save, by the cost model at each "
+            f"cell's measured replica speeds: {said}.")
 
 
 def prediction_device(name: str):
@@ -203,7 +244,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     done = [r for r in rows if r["status"] == "completed" and r["predicted_step_time_s"] != ""]
     rho = spearman([r["predicted_step_time_s"] for r in done], [r["step_time_s"] for r in done])
-    lines += ["", _loss_note(rows), "", "Predicted vs measured order of step times: " +
+    lines += ["", _balance_note(rows), "", _loss_note(rows), "", "Predicted vs measured order of step times: " +
               (f"Spearman {rho:.2f} over {len(done)} cells" if rho is not None
                else "fewer than 3 completed cells"), "", _error_note(rows, done)]
     return "\n".join(lines) + "\n"

@@ -11,9 +11,12 @@ step) is added to both unchanged.
 
 from __future__ import annotations
 
+import statistics
 from typing import Sequence
 
-from hybrid.planning.balance import best_shares, pipeline_bubble, predicted_step_s, share_unit
+from hybrid.planning.balance import (
+    best_shares, pipeline_bubble, predicted_step_s, replica_compute, share_unit,
+)
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.job import JobPlan
@@ -43,3 +46,23 @@ def replica_line(p: dict) -> str:
             f"{p['even_step_s']:.4g} s; parallel.dp_balance=dynamic's shares "
             f"{p['balanced_shares']} step {p['balanced_step_s']:.4g} s "
             f"(ratio={p['ratio']:.2f})")
+
+
+def measured_speeds(compute_s: Sequence[Sequence[float]], dp_of_rank: Sequence[int],
+                    replicas: int) -> list[float]:
+    """Each replica's speed against the fastest one's, from per-step per-rank compute seconds
+    under even shares (every replica does the same work): the inverse ratio of its slowest
+    rank's median compute."""
+    per_step = [replica_compute(step, dp_of_rank, replicas) for step in compute_s]
+    medians = [statistics.median(step[r] for step in per_step) for r in range(replicas)]
+    fastest = min(medians)
+    return [round(fastest / m, 3) if m > 0 else 1.0 for m in medians]
+
+
+def saving_clause(p: dict) -> str:
+    """What ``parallel.dp_balance=dynamic`` would save, for ``replica_prediction``'s ``p``:
+    the straggler warning's and the sweep report's words."""
+    return (f"parallel.dp_balance=dynamic would save {1 - p['ratio']:.0%} of the step "
+            f"(cost model at replica speeds {p['replica_speed']}: even "
+            f"{p['even_step_s']:.3g} s, balanced {p['balanced_shares']} "
+            f"{p['balanced_step_s']:.3g} s)")
