@@ -1,7 +1,7 @@
 """``run_local``: results by rank, failures that name the rank, and no process left behind.
 
-The worker functions live in this module (spawned workers import it by name), so it imports
-nothing heavy at the top: each worker pays only for torch, which the agent's wrapper needs.
+The worker functions live in this module (workers import it by name), so it imports nothing
+heavy at the top.
 Workers record their pid in a file so the tests can prove every one of them is gone.
 """
 
@@ -14,9 +14,13 @@ import time
 
 import pytest
 
+from hybrid.testing import PRELOAD
 from launch.launchers.local import WorkerFailure, default_omp_threads, run_local, worker_env_summary
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# As hybrid-train starts its workers, from this pytest process's one fork server (shared with
+# ``hybrid.testing.spawn``): each test pays fork cost, not two imports of torch.
+FORKED = {"start_method": "forkserver", "preload": PRELOAD}
 LONG_JOB_S = 600  # far beyond every test timeout: a worker only ends early if it is stopped
 
 
@@ -107,7 +111,7 @@ def _assert_all_gone(pids, timeout=15.0):
 def test_two_workers_return_values_by_rank(tmp_path):
     env_before = {key: os.environ.get(key)
                   for key in ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
-    results = run_local(sum_of_ranks, (), nproc=2, omp_threads=3, run_dir=tmp_path)
+    results = run_local(sum_of_ranks, (), nproc=2, omp_threads=3, run_dir=tmp_path, **FORKED)
     assert [r[:3] for r in results] == [(0, 3, "3"), (1, 3, "3")]
     assert results[1][3].startswith("RANK=1 LOCAL_RANK=1 WORLD_SIZE=2")
     # The launcher's own process is as it was: environment and Ctrl-C handler.
@@ -119,7 +123,7 @@ def test_two_workers_return_values_by_rank(tmp_path):
 @pytest.mark.timeout(120)  # < 20 s on 2 idle cores; slack for shared ones
 def test_raising_worker_names_its_rank_and_leaves_no_processes(tmp_path):
     with pytest.raises(WorkerFailure) as info:
-        run_local(fail_on_rank_one, (str(tmp_path),), nproc=2, run_dir=tmp_path / "run")
+        run_local(fail_on_rank_one, (str(tmp_path),), nproc=2, run_dir=tmp_path / "run", **FORKED)
     err = info.value
     assert err.rank == 1 and err.summary == \
         "rank 1 failed: ValueError: rank one cannot go on: bad shard"
@@ -133,7 +137,7 @@ def test_raising_worker_names_its_rank_and_leaves_no_processes(tmp_path):
 @pytest.mark.timeout(120)  # < 20 s on 2 idle cores; slack for shared ones
 def test_worker_killed_by_signal_is_a_failure_and_leaves_no_processes(tmp_path):
     with pytest.raises(WorkerFailure) as info:
-        run_local(sigkill_rank_zero, (str(tmp_path),), nproc=2, run_dir=tmp_path / "run")
+        run_local(sigkill_rank_zero, (str(tmp_path),), nproc=2, run_dir=tmp_path / "run", **FORKED)
     err = info.value
     assert err.rank == 0 and err.exitcode == -signal.SIGKILL
     assert err.summary.startswith("rank 0 failed: killed by signal SIGKILL")
@@ -145,7 +149,7 @@ def test_sigint_to_one_worker_is_a_failure_not_a_hang(tmp_path):
     # torch treats a worker's KeyboardInterrupt as a clean exit without a result; the agent
     # would then wait for that result forever.
     with pytest.raises(WorkerFailure) as info:
-        run_local(sigint_rank_zero, (str(tmp_path),), nproc=2, run_dir=tmp_path / "run")
+        run_local(sigint_rank_zero, (str(tmp_path),), nproc=2, run_dir=tmp_path / "run", **FORKED)
     assert info.value.summary == "rank 0 failed: WorkerInterrupted: got SIGINT and stopped"
     _assert_all_gone(_wait_for_pid_files(str(tmp_path), 2).values())
 
