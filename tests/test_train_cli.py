@@ -170,22 +170,19 @@ def _fork_servers(tag: str) -> set[int]:
     return found
 
 
-def test_a_refused_config_ends_the_fork_server_it_started_early(tmp_path):
-    """hybrid-train starts its workers' fork server before it reads the config (the imports
-    overlap); a config refused before launch must not leave it importing on its own."""
-    from launch.commands.console import may_start_workers_here
-
-    assert may_start_workers_here(["model=tiny", "data=synthetic", "parallel.dp=3"])
-    assert not may_start_workers_here(["-m", "parallel.dp=1,2"])
-    assert not may_start_workers_here(["launcher=slurm"])
-    assert not may_start_workers_here(["launcher.start_method=spawn"])
+def test_a_run_refused_after_its_fork_server_started_ends_it(tmp_path):
+    """hybrid-train starts its workers' fork server as soon as the config passes its checks
+    (the server's imports overlap the rest of the preparation); a run refused after that, here
+    for its data, must not leave the server importing on its own."""
     tag = str(tmp_path)
     with open(tmp_path / "stderr", "w") as err:  # a file: a pipe would wait for the server
-        code = subprocess.run([TRAIN, "model=tiny", "data=synthetic", "parallel.dp=3",
+        code = subprocess.run([TRAIN, "model=tiny", "data=indexed",
+                               f"data.path={tmp_path / 'missing'}",
                                f"hydra.run.dir={tmp_path / 'run'}"],
                               env={**os.environ, "HYBRID_TEST_TAG": tag},
                               stdout=subprocess.DEVNULL, stderr=err, timeout=60).returncode
     assert code == 2, (tmp_path / "stderr").read_text()
+    assert "missing.idx does not exist" in (tmp_path / "stderr").read_text()
     deadline = time.monotonic() + 2  # its imports alone take longer than this
     while _fork_servers(tag) and time.monotonic() < deadline:
         time.sleep(0.05)

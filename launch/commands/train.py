@@ -44,7 +44,8 @@ from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, ex
                         run_hydra_app, to_dataclass)
 from launch.launchers.launcher import Launcher
 from launch.launchers.registered import launcher_for, launcher_problem
-from launch.launchers.run import WORKER_FAILED_EXIT, failure_line, launch, report_results, save_run_files
+from launch.launchers.run import (WORKER_FAILED_EXIT, failure_line, launch, report_results,
+                                  save_run_files, start_workers_fork_server)
 from launch.commands.run_data import with_run_data
 
 
@@ -164,6 +165,7 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
+    start_workers_fork_server(plan, launcher)
     validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)

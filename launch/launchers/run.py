@@ -66,19 +66,29 @@ def save_run_files(plan: JobPlan, run_dir: Path) -> None:
     save_plan(plan, run_dir)
 
 
+def start_workers_fork_server(plan: JobPlan, launcher) -> None:
+    """Start the fork server that ``launch`` will fork this node's workers from, if they start
+    here through one and it is not running yet. ``hybrid-train`` calls it as soon as the config
+    has passed its checks, so that the server's imports of torch and megatron-core (the longest
+    part of a launch) overlap the rest of its preparation (the data, the checkpoint) and its
+    own import of torch; a config refused by those checks starts no process at all."""
+    cfg = plan.cfg
+    if cfg.launcher.start_method != "forkserver" or not launcher.runs_here:
+        return
+    # Read when the fork server's interpreter starts, before it imports megatron-core, which
+    # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
+    os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
+    threads = cfg.launcher.omp_threads or default_omp_threads(plan.ranks_per_node)
+    start_fork_server(WORKER_PRELOAD, threads)
+
+
 def launch(plan: JobPlan, run_dir: Path, launcher, attempt: int = 0) -> Optional[list]:
     """Start the workers of ``plan`` through ``launcher``; their results by rank, or None
     when the launcher left them running (a Slurm job submitted without waiting, a dry run).
     Every worker gets the plan itself: none plans again. ``attempt``: which elastic attempt
     this is (``launch.launchers.elastic``: a new plan after nodes left; 0 otherwise)."""
     cfg = plan.cfg
-    # Read when the fork server's interpreter starts, before it imports megatron-core, which
-    # warns that Transformer Engine and Apex are absent: expected on CPU, noise on a console.
-    os.environ.setdefault("PYTHONWARNINGS", MEGATRON_IMPORT_WARNING)
-    if cfg.launcher.start_method == "forkserver" and launcher.runs_here:
-        # Before this process imports torch: the server's imports and ours then overlap.
-        threads = cfg.launcher.omp_threads or default_omp_threads(plan.ranks_per_node)
-        start_fork_server(WORKER_PRELOAD, threads)
+    start_workers_fork_server(plan, launcher)  # before this process imports torch: overlap
     from hybrid.worker import worker_main
 
     again = {"attempt": attempt} if attempt else {}
