@@ -88,8 +88,9 @@ def run_agent(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int
     Forked workers inherit the fork server's state from when it started (its environment
     and preloaded modules), not the launcher's current one: ``spawn`` is this function's
     default for arbitrary callers; ``hybrid-train`` uses the fork server
-    (``launcher.start_method``) and starts it first thing (``launch.commands.console``), so that its
-    imports overlap the launcher's; each worker's OMP_NUM_THREADS comes from the agent.
+    (``launcher.start_method``) and starts it once the config has passed its checks
+    (``launch.launchers.run.start_workers_fork_server``), so that its imports overlap the
+    launcher's; each worker's OMP_NUM_THREADS comes from the agent.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
