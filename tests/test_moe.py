@@ -145,6 +145,14 @@ LAYOUTS = {
     # small buckets: dense and expert buckets apart, each padded for its ZeRO shards
     "dp2-zero1": ["parallel=single", "parallel.dp=2", "parallel.zero=1",
                   "parallel.bucket_mb=0.02"],
+    # expert parallelism: experts spread over ranks carved out of dp x cp
+    "dp2-ep2": ["parallel=single", "parallel.dp=2", "parallel.ep=2"],
+    "dp2-ep2-tp2": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+    "dp2-ep2-pp2-1f1b": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                         "parallel.schedule=1f1b"],
+    "dp4-ep4-zero2": ["parallel=single", "parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
+                      "parallel.bucket_mb=0.02"],
+    "dp2-cp2-ep2": ["parallel=single", "parallel.dp=2", "parallel.cp=2", "parallel.ep=2"],
 }
 
 
@@ -162,8 +170,28 @@ def moe_reference(tmp_path_factory):
 def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_reference, tmp_path):
     done = run_train(tmp_path, *MOE, *LAYOUTS[name])
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [r["loss"] for r in checked_records(tmp_path)]  # state bytes as predicted
-    assert_same_losses(losses, moe_reference)
+    # checked: every rank's state bytes, and DP bytes (the experts' buckets over their own
+    # expert data-parallel group, the dense ones over dp x cp) as predicted, every step
+    records = checked_records(tmp_path)
+    assert_same_losses([r["loss"] for r in records], moe_reference)
+    if "-ep" in name:
+        assert all(r["comm_bytes"]["ep"] > 0 for r in records)  # tokens travelled
+        _assert_expert_groups(tmp_path)
+
+
+def _assert_expert_groups(run_dir):
+    """The plan's expert groups are megatron's (``hybrid.planning.expert_grid``) and the
+    experts' gradient group is a strict part of the dense one."""
+    import json
+
+    from hybrid.planning.expert_grid import expert_groups
+    from hybrid.planning.plan_file import load_plan
+
+    plan = load_plan(run_dir)
+    layout, saved = plan.layout, json.loads((run_dir / "plan.json").read_text())["groups"]
+    assert saved["expert"] == expert_groups(layout, layout.ep, "ep")
+    assert saved["expert_gradient"] == expert_groups(layout, layout.ep, "edp")
+    assert layout.role_size("expert_gradient") * layout.ep == layout.role_size("gradient")
 
 
 @pytest.mark.slow
@@ -212,3 +240,25 @@ def _mlp_outputs(rank, world):
         low = mlp(x)
     low.sum().backward()
     return mlp(x).detach(), low.detach()
+
+
+EP = ["model=moe-tiny", "data=synthetic", "parallel=single", "parallel.dp=2", "parallel.ep=2"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel.ep=4"], "parallel.ep=4 does not divide dp*cp=2 (the ranks experts are spread "
+                        "over); choose ep in {1, 2}"),
+    (["model.experts=3"], "parallel.ep=2 does not divide model.experts=3; choose ep in {1}"),
+    (["model.experts=0"], "parallel.ep=2 spreads experts, but model.experts=0"),
+    (["parallel.zero=3"], "parallel.zero=3 with parallel.ep=2 is not supported"),
+    (["parallel.dp_compress=powersgd"], "parallel.dp_compress=powersgd with parallel.ep=2 is "
+                                        "not supported; use parallel.dp_compress=none"),
+    (["parallel.dp_balance=dynamic"], "parallel.dp_balance=dynamic with parallel.ep=2"),
+    (["parallel.ep=0"], "parallel.ep=0 must be an integer >= 1"),
+])
+def test_a_bad_expert_parallel_setting_is_one_line_before_launch(overrides, needle, tmp_path):
+    from refusals import refusal_in_process
+
+    line = refusal_in_process([*EP, *overrides], tmp_path)
+    assert needle in line, line
+    assert not any(tmp_path.iterdir())  # nothing written
