@@ -52,7 +52,7 @@ def plan_dict(plan: JobPlan) -> dict:
     return {
         "world_size": layout.world_size,
         "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp,
-                   "vpp": layout.vpp,
+                   "vpp": layout.vpp, "ep": layout.ep,
                    "order": layout.order, "nodes": plan.nodes, "ranks_per_node": per_node,
                    "nodes_given": cfg.launcher.nnodes > 1
                    or cfg.launcher.nproc_per_node is not None},
@@ -127,6 +127,7 @@ def _node_lines(plan: dict) -> list[str]:
 def format_plan(plan: dict, full: bool = False) -> str:
     lay, model, batch = plan["layout"], plan["model"], plan["batch"]
     cp = f" cp={lay['cp']}" if lay["cp"] > 1 else ""
+    cp += f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else ""
     lines = [
         f"model {model['name']}: {model['layers']} layers, hidden {model['hidden']}, "
         f"{model['heads']} heads, vocab {model['vocab']} (padded {model['padded_vocab']}), "

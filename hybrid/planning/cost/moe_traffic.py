@@ -59,3 +59,26 @@ def a2a_step_bytes(cfg, layout, moe_layers: int, microbatches: int) -> float:
                                 experts=m.experts, ep=layout.ep, out_bytes=out_bytes,
                                 backward=False, capacity_factor=m.moe_capacity_factor)
     return each * moe_layers * microbatches
+
+
+def a2a_times(cfg, layout, link, moe_layers: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's exchanges on a rank holding
+    ``moe_layers`` MoE layers, at an even load over ``link`` (a ``devices.Link``): each
+    all-to-all's bytes at the link's bandwidth and ``ep - 1`` latencies (a pairwise exchange).
+    The experts' compute is in the layer's FLOPs already: dropless at an even load, a rank's
+    experts compute as many slots as its own tokens have."""
+    m, ep = cfg.model, layout.ep
+    if ep == 1 or not moe_layers:
+        return 0.0, 0.0
+    tokens = cfg.train.micro_batch * m.seq_len // layout.cp
+    out_bytes = 2 if cfg.train.precision == "bf16" else 4
+    forward = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.experts_topk,
+                              experts=m.experts, ep=ep, out_bytes=out_bytes, backward=False,
+                              capacity_factor=m.moe_capacity_factor)
+    both = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.experts_topk,
+                           experts=m.experts, ep=ep, out_bytes=out_bytes,
+                           capacity_factor=m.moe_capacity_factor)
+    calls_forward, calls_backward = 3, 2  # counts, dispatch, combine; their gradients
+    time_forward = forward / link.bandwidth + calls_forward * (ep - 1) * link.latency
+    time_backward = (both - forward) / link.bandwidth + calls_backward * (ep - 1) * link.latency
+    return moe_layers * time_forward, moe_layers * time_backward
