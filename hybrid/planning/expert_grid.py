@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from hybrid.planning.layout import EXPERT_AXES, Layout, LayoutError, expert_order, grid_groups
+from hybrid.planning.grid import expert_order, grid_groups
+from hybrid.planning.layout import EXPERT_AXES, Layout, LayoutError
 
 __all__ = ["EXPERT_AXES", "check_ep", "expert_groups", "expert_order"]
 

@@ -20,10 +20,10 @@ sharding roles as megatron's ``dp_cp`` does, and has a role of its own for atten
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from hybrid.errors import UserError
+from hybrid.planning.grid import expert_order, grid_groups
 from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -95,19 +95,6 @@ def role_key(role: str) -> str:
 
 def _on_expert_grid(axes) -> bool:
     return any(axis in ("ep", "edp") for axis in axes)
-
-
-def expert_order(order_axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The expert grid's axes, fastest first: the layout's with ``ep`` just before ``dp``,
-    ``dp`` renamed ``edp`` and ``cp`` dropped (folded into ``ep`` and ``edp``): megatron's
-    ``tp-cp-ep-dp-pp`` read with cp=1."""
-    out: list[str] = []
-    for axis in order_axes:
-        if axis == "dp":
-            out += ["ep", "edp"]
-        elif axis != "cp":
-            out.append(axis)
-    return tuple(out)
 
 
 def group_keys() -> list[str]:
@@ -323,33 +310,6 @@ class Layout:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp}{cp}{ep} tp={self.tp} pp={self.pp} vpp={self.vpp} "
                 f"order={self.order}")
-
-
-def grid_groups(sizes: dict[str, int], order: tuple[str, ...], wanted: list[str]
-                ) -> list[list[int]]:
-    """Rank lists of every group along the ``wanted`` axes of the grid whose axes, fastest
-    first, are ``order`` with ``sizes``: within a group the first axis fastest, groups listed
-    by the other axes likewise (megatron-core's ``RankGenerator.get_ranks``)."""
-    strides, stride = {}, 1
-    for axis in order:
-        strides[axis] = stride
-        stride *= sizes[axis]
-    inner = [a for a in order if a in wanted]
-    outer = [a for a in order if a not in wanted]
-    inner_offsets = [_dot(idx, [strides[a] for a in inner])
-                     for idx in _fastest_first([sizes[a] for a in inner])]
-    return [[base + off for off in inner_offsets]
-            for base in (_dot(idx, [strides[a] for a in outer])
-                         for idx in _fastest_first([sizes[a] for a in outer]))]
-
-
-def _fastest_first(shape: list[int]) -> list[tuple[int, ...]]:
-    """All index tuples of ``shape`` with the first index varying fastest."""
-    return [tuple(reversed(idx)) for idx in itertools.product(*(range(s) for s in reversed(shape)))]
-
-
-def _dot(idx: tuple[int, ...], strides: list[int]) -> int:
-    return sum(i * s for i, s in zip(idx, strides))
 
 
 def valid_sizes(n: int) -> list[int]:
