@@ -20,7 +20,7 @@ Byte definitions, for a tensor payload of ``n`` bytes in a group of ``d`` ranks:
   scatter: the full input; all-gather: the full output; send/recv: the tensor).
 - ``bytes``: the bytes this rank *sends* on the wire under ring algorithms: all-reduce
   ``2(d-1)/d·n``; reduce-scatter, all-gather ``(d-1)/d·n``; send ``n``; recv ``0`` (the
-  sender counts it). A 1-rank group moves nothing: ``0``. Summed over the ranks of a group
+  sender counts it); all-to-all: the input rows bound for the other ranks. A 1-rank group moves nothing: ``0``. Summed over the ranks of a group
   this is the group's total traffic.
 
 Calls count operations issued (a batch of two point-to-point messages counts two).
@@ -37,12 +37,14 @@ import torch.distributed as dist
 
 from hybrid.planning.layout import COORD_ORDER
 
-REPORTED_AXES = (*COORD_ORDER, "other")
+REPORTED_AXES = (*COORD_ORDER, "ep", "other")
 """The labels ``CommCounter`` reports; a group labelled otherwise counts as ``other``."""
-REPORTED_AS = {"cp-dp": "dp"}
+REPORTED_AS = {"cp-dp": "dp", "edp": "dp"}
 """Groups reported under another axis: the gradient reduction over dp x cp is DP traffic
-(megatron's ``dp_cp`` group)."""
+(megatron's ``dp_cp`` group), and so is an expert's over its expert data-parallel group."""
 ALL_REDUCE, GATHER_SCATTER, SEND, RECV = "all_reduce", "gather_scatter", "send", "recv"
+ALL_TO_ALL = "all_to_all"
+"""An all-to-all's wire bytes are those it sends to the other ranks (its own rows stay)."""
 
 # The flat-tensor collectives, by their torch 2.13 names (the old ones print a FutureWarning);
 # torch >= 2.5 is allowed, which has only the old.
@@ -65,10 +67,13 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
-def wire_bytes(kind: str, payload: int, group_size: int) -> float:
-    """Bytes this rank sends for ``payload`` bytes under a ring algorithm (see module doc)."""
+def wire_bytes(kind: str, payload: int, group_size: int, sent: int = 0) -> float:
+    """Bytes this rank sends for ``payload`` bytes under a ring algorithm (see module doc);
+    ``sent``: an all-to-all's bytes bound for the other ranks."""
     if group_size <= 1:
         return 0.0
+    if kind == ALL_TO_ALL:
+        return float(sent)
     if kind == ALL_REDUCE:
         return 2.0 * (group_size - 1) / group_size * payload
     if kind == GATHER_SCATTER:
@@ -139,13 +144,26 @@ class Group:
                                 async_op, lambda: _reduce_scatter_flat(
                                     out, tensor, group=self.pg, async_op=True))
 
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int]) -> None:
+        """Rows ``in_splits[j]`` of ``tensor`` (in rank order) to rank ``j``; rank ``j``'s rows
+        for this rank into ``out``, ``out_splits[j]`` of them (uneven splits: gloo runs
+        ``all_to_all_single`` with split sizes, not the list form)."""
+        row = tensor[:1].numel() * tensor.element_size() if tensor.dim() else 0
+        sent = row * (sum(in_splits) - in_splits[self.rank()])
+        self._collective("all_to_all", ALL_TO_ALL, tensor_bytes(tensor), False,
+                         lambda: dist.all_to_all_single(out, tensor, out_splits, in_splits,
+                                                        group=self.pg, async_op=True),
+                         sent=sent)
+
     def _collective(self, op: str, kind: str, payload: int, async_op: bool,
-                    issue: Callable[[], dist.Work]):
+                    issue: Callable[[], dist.Work], sent: int = 0):
         """Issue ``issue()`` (always asynchronous underneath); a synchronous call waits here.
         With an active observer it is counted and watched first."""
         observer = self.observer
         if observer is not None and observer.active:
-            work = observer.collective(self, op, kind, payload, issue, waits=not async_op)
+            work = observer.collective(self, op, kind, payload, issue, waits=not async_op,
+                                       sent=sent)
         else:
             work = issue()
         if async_op:
@@ -224,16 +242,18 @@ class CommCounter:
         finally:
             self.active = False
 
-    def record(self, label: str, kind: str, payload: int, group_size: int) -> None:
+    def record(self, label: str, kind: str, payload: int, group_size: int,
+               sent: int = 0) -> None:
         entry = self._counts[reported_axis(label)]
         entry["calls"] += 1
         entry["payload"] += payload
-        entry["bytes"] += wire_bytes(kind, payload, group_size)
+        entry["bytes"] += wire_bytes(kind, payload, group_size, sent)
 
     # ----- called by Group -------------------------------------------------------------------
     def collective(self, group: Group, op: str, kind: str, payload: int,
-                   issue: Callable[[], dist.Work], waits: bool) -> Optional[dist.Work]:
-        self.record(group.label, kind, payload, group.size())
+                   issue: Callable[[], dist.Work], waits: bool, sent: int = 0
+                   ) -> Optional[dist.Work]:
+        self.record(group.label, kind, payload, group.size(), sent)
         watch = self.watch
         if watch is None:
             return issue()

@@ -140,6 +140,12 @@ class ParallelGroups:
         return self.role("model")
 
     @property
+    def expert(self) -> Group:
+        """Ranks that hold different experts of each MoE layer and exchange their tokens (the
+        all-to-all; one rank at ``ep=1``)."""
+        return self.role("expert")
+
+    @property
     def embedding(self) -> Group:
         """This pipeline's first and last stage (a tied embedding's two copies)."""
         return self.by_key[EMBEDDING]

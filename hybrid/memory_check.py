@@ -52,7 +52,9 @@ def write_memory_check(run_dir: Path, plan: JobPlan, per_rank: list[list[float]]
         coords = plan.layout.coords(rank % plan.world_size)
         blocks = [b for s in plan.stages_of(coords["pp"]) for b in s.blocks]
         shard = plan.layout.role_rank("sharding", rank % plan.world_size)
-        predicted = rank_state_bytes(cfg, plan.layout, blocks, dp_rank=shard).to_dict()
+        experts = plan.layout.role_rank("expert_sharding", rank % plan.world_size)
+        predicted = rank_state_bytes(cfg, plan.layout, blocks, dp_rank=shard,
+                                     expert_rank=experts).to_dict()
         counted = {"param_bytes": int(param), "grad_bytes": int(grad),
                    "optimizer_bytes": int(optimizer), "dp_state_bytes": int(dp_state)}
         equal &= counted == predicted

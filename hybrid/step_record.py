@@ -10,6 +10,9 @@ from hybrid.planning.job import JobPlan, rank_dp_bytes
 from hybrid.planning.layout import COORD_ORDER as AXES
 from hybrid.planning.strategies import DpOptions
 
+COUNTED = (*AXES, "ep")
+"""The traffic a step record reports: every axis's, and the experts' all-to-all."""
+
 
 
 @dataclass
@@ -35,6 +38,8 @@ class StepReport:
     rest is the step's fixed cost: the optimizer, the gradient reduction's own work)."""
     dp_shares: Optional[list[int]] = None
     """Micro-batches each DP replica ran (``parallel.dp_balance=dynamic``; else None)."""
+    moe: Optional[dict] = None
+    """Rank 0's MoE layers in the step (``hybrid.model.moe.moe_step_stats``); None without."""
 
 
 def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) -> dict:
@@ -45,13 +50,14 @@ def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) 
         "step": step, "loss": report.loss, "lr": report.lr, "grad_norm": report.grad_norm,
         "tokens_per_s": tokens_per_step / report.step_time_s,
         "step_time_s": report.step_time_s, "cpu_s": report.cpu_s, "data_s": report.data_s,
-        "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in AXES},
+        "comm_bytes": {axis: report.comm[axis]["bytes"] for axis in COUNTED},
         "comm_bytes_dp_uncompressed": exact_dp_bytes(plan, step, report.dp_shares),
-        "comm_calls": {axis: report.comm[axis]["calls"] for axis in AXES},
+        "comm_calls": {axis: report.comm[axis]["calls"] for axis in COUNTED},
         "peak_mem_bytes": report.peak_mem_bytes,
         "layout": {axis: plan.layout.size(axis) for axis in AXES}, **summary,
         **utilisation(plan, report.step_time_s),
         **({"dp_shares": report.dp_shares} if report.dp_shares is not None else {}),
+        **({"moe": report.moe} if report.moe is not None else {}),
     }
 
 

@@ -21,7 +21,8 @@ from typing import Sequence
 from hybrid.files import JsonLines
 from hybrid.planning.layout import COORD_ORDER
 
-WAIT_AXES = (*COORD_ORDER, "other")
+WAIT_AXES = (*COORD_ORDER, "ep", "other")
+"""Where a rank waits: the axes, the expert all-to-all (ep) and the rest."""
 DEFAULT_WINDOW = 12
 """Steps a rank is judged over."""
 MIN_SLOW_STEPS = 9

@@ -180,8 +180,9 @@ def checked_records(run_dir) -> list[dict]:
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     assert plan.cfg == cfg and plan.stages == plan_job(cfg, block_costs=plan.block_costs).stages
     records = read_metrics(run_dir / "metrics.jsonl")
-    layers = sum(1 for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers)
-    ring = cp_step_bytes(cfg, plan.layout, layers, plan.schedule.microbatches)
+    layers = [b for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers]
+    ring = cp_step_bytes(cfg, plan.layout, len(layers), plan.schedule.microbatches,
+                         moe_layers=sum(cfg.model.is_moe_layer(b) for b in layers))
     for record in records:
         predicted = rank_dp_bytes(cfg, plan, 0, record["step"],
                                   rounds=max(record.get("dp_shares", [0])) or None)

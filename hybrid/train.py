@@ -33,7 +33,7 @@ from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model import lm_loss
 from hybrid.model.activations import SavedTensors
-from hybrid.model.moe import set_aux_loss_scale
+from hybrid.model.moe import moe_step_stats, set_aux_loss_scale
 from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
@@ -174,6 +174,7 @@ class Trainer:
                           compute_s=[t[3] for t in times],
                           wait_s={axis: [t[4 + i] for t in times]
                                   for i, axis in enumerate(WAIT_AXES)},
+                          moe=moe_step_stats(self.chunks.values()),
                           data_s=max(t[-1] for t in times),
                           pipeline_s=[t[-2] for t in times],
                           dp_shares=self.shares.record().get("dp_shares"))

@@ -143,14 +143,15 @@ def test_noise_is_not_a_straggler():
 def test_rank_times_log_writes_a_line_per_step_and_summarises(tmp_path):
     log = RankTimesLog(tmp_path / "rank_times.jsonl", [0, 0, 0], threshold=1.2)
     waits = {"dp": [0.1, 0.5, 0.0], "cp": [0.0] * 3, "tp": [0.0] * 3, "pp": [0.0] * 3,
-             "other": [0.0] * 3}
+             "ep": [0.0] * 3, "other": [0.0] * 3}
     for step in range(1, 10):
         summary, found = log.add(step, [1.0, 1.0, 2.0], waits, 2.5)
     log.close()
     assert [s.rank for s in found] == [2]
     assert summary == step_summary([1.0, 1.0, 2.0], waits, peer_sets([0, 0, 0]))
     assert summary["slowest_rank"] == {"rank": 2, "compute_s": 2.0, "ratio": 2.0}
-    assert summary["max_wait_s"] == {"dp": 0.5, "cp": 0.0, "tp": 0.0, "pp": 0.0, "other": 0.0}
+    assert summary["max_wait_s"] == {"dp": 0.5, "cp": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0,
+                                     "other": 0.0}
     lines = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 10))
     assert lines[0]["wait_s"]["dp"] == [0.1, 0.5, 0.0]
@@ -158,7 +159,7 @@ def test_rank_times_log_writes_a_line_per_step_and_summarises(tmp_path):
 
 def test_threshold_zero_turns_the_warning_off(tmp_path):
     log = RankTimesLog(tmp_path / "t.jsonl", [0, 0], threshold=0)
-    waits = {axis: [0.0, 0.0] for axis in ("dp", "cp", "tp", "pp", "other")}
+    waits = {axis: [0.0, 0.0] for axis in ("dp", "cp", "tp", "pp", "ep", "other")}
     assert all(log.add(step, [1.0, 9.0], waits, 10.0)[1] == [] for step in range(5))
     log.close()
 

@@ -132,7 +132,7 @@ def test_invalid_layouts_raise_one_line_naming_the_field(kwargs, field):
 def test_bad_group_axis_and_rank():
     layout = Layout(dp=2)
     with pytest.raises(LayoutError, match="unknown group axis"):
-        layout.groups("ep")
+        layout.groups("xp")
     with pytest.raises(LayoutError, match="rank=2 is outside"):
         layout.coords(2)
     with pytest.raises(LayoutError, match="tp=1 is outside"):

@@ -145,6 +145,14 @@ LAYOUTS = {
     # small buckets: dense and expert buckets apart, each padded for its ZeRO shards
     "dp2-zero1": ["parallel=single", "parallel.dp=2", "parallel.zero=1",
                   "parallel.bucket_mb=0.02"],
+    # expert parallelism: experts spread over ranks carved out of dp x cp
+    "dp2-ep2": ["parallel=single", "parallel.dp=2", "parallel.ep=2"],
+    "dp2-ep2-tp2": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+    "dp2-ep2-pp2-1f1b": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                         "parallel.schedule=1f1b"],
+    "dp4-ep4-zero2": ["parallel=single", "parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
+                      "parallel.bucket_mb=0.02"],
+    "dp2-cp2-ep2": ["parallel=single", "parallel.dp=2", "parallel.cp=2", "parallel.ep=2"],
 }
 
 
@@ -162,8 +170,43 @@ def moe_reference(tmp_path_factory):
 def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_reference, tmp_path):
     done = run_train(tmp_path, *MOE, *LAYOUTS[name])
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [r["loss"] for r in checked_records(tmp_path)]  # state bytes as predicted
-    assert_same_losses(losses, moe_reference)
+    # checked: every rank's state bytes, and DP bytes (the experts' buckets over their own
+    # expert data-parallel group, the dense ones over dp x cp) as predicted, every step
+    records = checked_records(tmp_path)
+    assert_same_losses([r["loss"] for r in records], moe_reference)
+    if "-ep" in name:
+        assert all(r["comm_bytes"]["ep"] > 0 for r in records)  # tokens travelled
+        _assert_expert_groups(tmp_path)
+    _assert_moe_metrics(records, name)
+
+
+def _assert_moe_metrics(records, name):
+    """Rank 0's MoE layers' figures in every record: dropless, so every routed slot kept."""
+    cfg = preset("moe-tiny")
+    layers = cfg.layers // 2 if "pp2" in name else cfg.layers
+    cp = 2 if "cp2" in name else 1
+    dp = 4 if "dp4" in name else 2 if ("dp2" in name) else 1
+    microbatches = 8 // 2 // dp
+    slots = layers * microbatches * 2 * cfg.seq_len // cp * cfg.experts_topk
+    for record in records:
+        moe = record["moe"]
+        assert sum(moe["tokens_per_expert"]) == slots and moe["dropped"] == 0, (moe, slots)
+        assert moe["load_max_over_mean"] >= 1.0 and moe["aux_loss"] > 0
+
+
+def _assert_expert_groups(run_dir):
+    """The plan's expert groups are megatron's (``hybrid.planning.expert_grid``) and the
+    experts' gradient group is a strict part of the dense one."""
+    import json
+
+    from hybrid.planning.expert_grid import expert_groups
+    from hybrid.planning.plan_file import load_plan
+
+    plan = load_plan(run_dir)
+    layout, saved = plan.layout, json.loads((run_dir / "plan.json").read_text())["groups"]
+    assert saved["expert"] == expert_groups(layout, layout.ep, "ep")
+    assert saved["expert_gradient"] == expert_groups(layout, layout.ep, "edp")
+    assert layout.role_size("expert_gradient") * layout.ep == layout.role_size("gradient")
 
 
 @pytest.mark.slow
@@ -177,18 +220,24 @@ def test_the_aux_loss_changes_the_training(moe_reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_a_checkpoint_saved_on_tp2_resumes_on_dp2_with_the_same_losses(moe_reference,
-                                                                       tmp_path):
-    source, target = tmp_path / "source", tmp_path / "target"
-    done = run_train(source, *MOE, *LAYOUTS["tp2-sp"], "checkpoint.every=3")
+@pytest.mark.timeout(1500)
+def test_a_checkpoint_saved_on_ep2_resumes_on_ep1_and_ep4_with_the_same_losses(
+        moe_reference, tmp_path):
+    """Saved on dp2 ep2 x tp2 with sequence parallelism (experts split over ep and TP),
+    resumed on dp2 (ep1: every expert on every rank) and on dp4 ep4 (one expert a rank): the
+    checkpoint holds every expert by its global index."""
+    source = tmp_path / "source"
+    done = run_train(source, *MOE, *LAYOUTS["dp2-ep2-tp2"], "parallel.sequence_parallel=true",
+                     "checkpoint.every=3")
     assert done.returncode == 0, done.stderr[-3000:]
     step = source / "checkpoints" / "step_00000003"
-    done = run_train(target, *MOE, *LAYOUTS["dp2"], f"checkpoint.resume_from={step}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    resumed = {r["step"]: r["loss"] for r in checked_records(target)}
-    assert sorted(resumed) == [4, 5, 6]
-    assert list(resumed.values()) == pytest.approx(moe_reference[3:], rel=1e-4)
+    for name in ("dp2", "dp4-ep4-zero2"):
+        target = tmp_path / name
+        done = run_train(target, *MOE, *LAYOUTS[name], f"checkpoint.resume_from={step}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        resumed = {r["step"]: r["loss"] for r in checked_records(target)}
+        assert sorted(resumed) == [4, 5, 6]
+        assert list(resumed.values()) == pytest.approx(moe_reference[3:], rel=1e-4)
 
 
 def test_the_layer_runs_under_bf16_autocast_close_to_fp32():
@@ -212,3 +261,58 @@ def _mlp_outputs(rank, world):
         low = mlp(x)
     low.sum().backward()
     return mlp(x).detach(), low.detach()
+
+
+EP = ["model=moe-tiny", "data=synthetic", "parallel=single", "parallel.dp=2", "parallel.ep=2"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel.ep=4"], "parallel.ep=4 does not divide dp*cp=2 (the ranks experts are spread "
+                        "over); choose ep in {1, 2}"),
+    (["model.experts=3"], "parallel.ep=2 does not divide model.experts=3; choose ep in {1}"),
+    (["model.experts=0"], "parallel.ep=2 spreads experts, but model.experts=0"),
+    (["parallel.zero=3"], "parallel.zero=3 with parallel.ep=2 is not supported"),
+    (["parallel.dp_compress=powersgd"], "parallel.dp_compress=powersgd with parallel.ep=2 is "
+                                        "not supported; use parallel.dp_compress=none"),
+    (["parallel.dp_balance=dynamic"], "parallel.dp_balance=dynamic with parallel.ep=2"),
+])
+def test_a_bad_expert_parallel_setting_is_one_line_before_launch(overrides, needle, tmp_path):
+    from refusals import refusal_in_process
+
+    line = refusal_in_process([*EP, *overrides], tmp_path)
+    assert needle in line, line
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_all_to_all_prediction_counts_the_travelling_slots():
+    from hybrid.planning.cost.moe_traffic import a2a_layer_bytes
+
+    # 8 tokens x top-2 over 4 experts: 4 slots each; at ep=2 two experts' 8 slots travel,
+    # 3 floats wide, fp32 both ways, after 2 int64 counts; the backward sends them back
+    forward = 2 * 8 + 8 * 3 * (4 + 4)
+    assert a2a_layer_bytes(tokens=8, hidden=3, topk=2, experts=4, ep=2,
+                           backward=False) == forward
+    assert a2a_layer_bytes(tokens=8, hidden=3, topk=2, experts=4, ep=2) == forward + 8 * 3 * 8
+    assert a2a_layer_bytes(tokens=8, hidden=3, topk=2, experts=4, ep=1) == 0
+    # capacity 1.0 * 8 * 2 / 4 = 4: an even load drops nothing; 0.5 keeps 2 of each 4
+    assert a2a_layer_bytes(tokens=8, hidden=3, topk=2, experts=4, ep=2,
+                           capacity_factor=0.5, backward=False) == 2 * 8 + 4 * 3 * 8
+
+
+def test_hybrid_plan_shows_the_expert_groups_and_prices_the_all_to_all():
+    from hybrid.planning.config import Config, ParallelConfig
+    from hybrid.planning.cost.devices import load_device
+    from hybrid.planning.cost.steptime import predict_step
+    from hybrid.planning.job import plan_job
+    from hybrid.planning.view import format_plan, plan_dict
+
+    cfg = Config(model=preset("moe-tiny"), parallel=ParallelConfig(dp=4, tp=2, ep=2))
+    plan = plan_job(cfg)
+    shown = plan_dict(plan)
+    assert shown["groups"]["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shown["groups"]["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shown["experts"]["a2a_bytes_per_step"][0] > 0
+    assert "ep (experts' all-to-all)" in format_plan(shown)
+    dense = plan_job(replace(cfg, parallel=ParallelConfig(dp=4, tp=2)))
+    device = load_device("cpu")
+    assert predict_step(plan, device).step_time_s > predict_step(dense, device).step_time_s

@@ -20,10 +20,18 @@ from test_dp import CLIP, MICRO, OPTIM, TINY_BUCKETS_MB, Toy, global_batch, refe
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_expert_roles_span_the_dense_axes_while_there_is_no_expert_axis():
-    for dense, expert in (("gradient", EXPERT.reduce_role), ("sharding", EXPERT.shard_role),
-                          ("model", EXPERT.norm_role)):
-        assert role_key(dense) == role_key(expert)
+def test_expert_roles_are_the_dense_groups_at_ep_1_and_their_own_above():
+    pairs = (("gradient", EXPERT.reduce_role), ("sharding", EXPERT.shard_role),
+             ("model", EXPERT.norm_role))
+    for layout in (Layout(dp=4, tp=2, pp=2), Layout(dp=2, cp=2, tp=2)):
+        for dense, expert in pairs:
+            assert role_key(dense) != role_key(expert)
+            assert layout.role_groups(dense) == layout.role_groups(expert)
+    layout = Layout(dp=4, tp=2, ep=2)  # 8 ranks, tp fastest: ep pairs dp neighbours
+    assert layout.role_groups("expert") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.role_groups("expert_gradient") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.role_groups("expert_model") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.role_size("expert_sharding") == 2 and layout.role_size("sharding") == 4
     assert replicated_spec("w", (2, 2)).placement == DENSE
 
 

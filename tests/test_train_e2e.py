@@ -148,10 +148,10 @@ def test_2x2x2_losses_run_directory_and_straggler_report(reference, tmp_path):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
         assert set(REQUIRED_KEYS) <= set(record)
-        assert set(record["comm_bytes"]) == {"dp", "cp", "tp", "pp"}
+        assert set(record["comm_bytes"]) == {"dp", "cp", "tp", "pp", "ep"}
         assert min(record["comm_bytes"][a] for a in ("dp", "tp", "pp")) > 0  # all talk here
         assert record["comm_bytes"]["cp"] == 0  # no context parallelism
-        assert set(record["max_wait_s"]) == {"dp", "cp", "tp", "pp", "other"}
+        assert set(record["max_wait_s"]) == {"dp", "cp", "tp", "pp", "ep", "other"}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     trace = json.loads((tmp_path / "timeline.json").read_text())
     assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) > 0

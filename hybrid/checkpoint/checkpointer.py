@@ -264,7 +264,7 @@ class Checkpointer:
 
     def _targets(self) -> tuple[dict, dict]:
         """Tensors for DCP to load into: the parameters themselves, fresh moment buffers."""
-        tp = self.groups.layout.tp
+        tp, ep = self.groups.layout.tp, self.groups.layout.ep
         targets = {f"model.{spec.name}": as_global(param.detach(), spec, self.mesh)
                    for spec, param in self.params}
         moments: dict[str, dict] = {}
@@ -272,7 +272,7 @@ class Checkpointer:
             entry = moments[spec.name] = {"step": torch.zeros((), dtype=torch.float32)}
             targets[f"optim.{spec.name}.step"] = entry["step"]
             for key in MOMENTS:
-                entry[key] = torch.zeros(spec.local_shape(tp), dtype=torch.float32,
+                entry[key] = torch.zeros(spec.local_shape(tp, ep), dtype=torch.float32,
                                          device=param.device)
                 targets[f"optim.{spec.name}.{key}"] = as_global(entry[key], spec, self.mesh)
         targets["train.step"] = torch.zeros((), dtype=torch.int64)

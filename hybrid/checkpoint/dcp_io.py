@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hybrid.checkpoint.store import CheckpointError
 
@@ -91,16 +92,47 @@ def read_metadata(path: Path):
         return _MetadataUnpickler(io.BytesIO(handle.read())).load()
 
 
-def tp_mesh(groups) -> DeviceMesh:
-    return DeviceMesh.from_group(groups.tensor.pg, device_type=groups.device.type)
+@dataclass(frozen=True)
+class Meshes:
+    """The device meshes a rank's shards are placed on: the TP group's, and for an expert's
+    weights (split over the expert-parallel group on ``ep_dim`` and over TP) the ``ep x tp``
+    one, so a checkpoint holds every expert by its global index whatever ``ep`` saved it."""
+
+    tp: DeviceMesh
+    expert: Optional[DeviceMesh] = None
+    """None at ``ep=1`` (experts are split over TP only)."""
 
 
-def as_global(tensor: torch.Tensor, spec, mesh: DeviceMesh) -> torch.Tensor:
-    """``tensor`` (this rank's TP shard of ``spec``) as DCP should see it: a DTensor placed on
-    the TP mesh when split, the plain tensor when replicated."""
-    if spec.tp_dim is None or mesh.size() == 1:
+def tp_mesh(groups) -> Meshes:
+    """The meshes of ``groups`` (``Meshes``)."""
+    device = groups.device.type
+    tp = DeviceMesh.from_group(groups.tensor.pg, device_type=device)
+    layout = groups.layout
+    if layout.ep == 1:
+        return Meshes(tp)
+    if layout.tp == 1:
+        return Meshes(tp, DeviceMesh.from_group(groups.expert.pg, device_type=device))
+    ranks = [groups.replica_offset + r
+             for r in layout.group_of("tp-ep", groups.local_rank_in_layout)]  # tp fastest
+    grid = torch.tensor(ranks).view(layout.ep, layout.tp)
+    return Meshes(tp, DeviceMesh.from_group([groups.expert.pg, groups.tensor.pg], device,
+                                            mesh=grid, mesh_dim_names=("ep", "tp")))
+
+
+def as_global(tensor: torch.Tensor, spec, mesh: Meshes) -> torch.Tensor:
+    """``tensor`` (this rank's shard of ``spec``) as DCP should see it: a DTensor placed on
+    the TP mesh when split over TP, on the ``ep x tp`` mesh when an expert's split over ep;
+    the plain tensor when replicated."""
+    if spec.ep_dim is not None and mesh.expert is not None:
+        placements = [Shard(spec.ep_dim)]
+        if mesh.expert.ndim == 2:
+            placements.append(Shard(spec.tp_dim) if spec.tp_dim is not None else Replicate())
+        return DTensor.from_local(tensor, mesh.expert, placements, run_check=False,
+                                  shape=torch.Size(spec.shape),
+                                  stride=_contiguous_stride(spec.shape))
+    if spec.tp_dim is None or mesh.tp.size() == 1:
         return tensor
-    return DTensor.from_local(tensor, mesh, [Shard(spec.tp_dim)], run_check=False,
+    return DTensor.from_local(tensor, mesh.tp, [Shard(spec.tp_dim)], run_check=False,
                               shape=torch.Size(spec.shape),
                               stride=_contiguous_stride(spec.shape))
 

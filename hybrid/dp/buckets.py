@@ -81,6 +81,9 @@ class Bucket:
     group: Optional[Group] = None
     """The ranks that average this bucket's gradients: its parameters' ``placement.reduce_role``
     (one placement per bucket); None: the strategy's own gradient group."""
+    shard_group: Optional[Group] = None
+    """The ranks a ZeRO stage shards it over: its placement's ``shard_role``; None: the
+    strategy's own sharding group."""
     data: Optional[torch.Tensor] = None
     # per-step state, reset by start_step
     accumulations: list[int] = field(default_factory=list)
@@ -92,7 +95,7 @@ class Bucket:
     @classmethod
     def allocate(cls, index: int, params: list[torch.nn.Parameter], *, pad_to: int,
                  reduce_first: Optional[Group] = None, group: Optional[Group] = None,
-                 grad_buffer: bool = True) -> "Bucket":
+                 grad_buffer: bool = True, shard_group: Optional[Group] = None) -> "Bucket":
         """``grad_buffer=False`` (ZeRO-2): no persistent buffer, ``.grad`` stays autograd's
         and ``hybrid.dp.zero2`` stages it per micro-batch."""
         offsets, total = [], 0
@@ -103,7 +106,7 @@ class Bucket:
         device = params[0].device
         grad = torch.zeros(numel if grad_buffer else 0, dtype=GRAD_DTYPE, device=device)
         bucket = cls(index=index, params=params, offsets=offsets, numel=numel, grad=grad,
-                     reduce_first=reduce_first, group=group)
+                     reduce_first=reduce_first, group=group, shard_group=shard_group)
         if grad_buffer:
             for slot, param in enumerate(params):
                 param.grad = bucket.grad_view(slot)
@@ -174,7 +177,7 @@ def by_placement(params: Sequence[torch.Tensor]) -> dict:
     return groups
 
 
-def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int, pad_to: int,
+def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int, pads: bool,
                   grad_buffer: bool, flatten: bool) -> tuple[list[Bucket], int]:
     """``GradSync``'s buckets over ``params`` (registration order) and how many of them are
     overlapped with the backward. Buckets fill in backward order, one placement per bucket
@@ -182,7 +185,8 @@ def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int
     parameters whose gradients are partial sums over another group (``reduce_first_axis``) go
     into late buckets of their own at the end (simplest correct way: summed over their group
     in ``reduce_gradients``, then DP-reduced like any other). The sharding strategy
-    (``hybrid.dp.sharding``) says how: ZeRO pads each to the DP size (``pad_to``) and
+    (``hybrid.dp.sharding``) says how: ZeRO pads each to its sharding group's size (``pads``)
+    and
     flattens the parameters (``flatten``); ZeRO-2 keeps no gradient buffer
     (``grad_buffer=False``: ``hybrid.dp.zero2`` stages it)."""
     late: dict[str, list] = {"tensor": [], "embedding": []}
@@ -192,18 +196,19 @@ def build_buckets(params: list[torch.nn.Parameter], groups, *, bucket_bytes: int
         (late[axis] if axis else overlapped).append(param)
     buffer = grad_buffer
     buckets: list[Bucket] = []
+    def placed(placement) -> dict:
+        shard = groups.role(placement.shard_role)
+        return dict(pad_to=shard.size() if pads else 1, shard_group=shard,
+                    group=groups.role(placement.reduce_role), grad_buffer=buffer)
+
     for placement, ps in by_placement(overlapped).items():
         for chunk in plan_buckets(ps, bucket_bytes):
-            buckets.append(Bucket.allocate(len(buckets), chunk, pad_to=pad_to,
-                                           group=groups.role(placement.reduce_role),
-                                           grad_buffer=buffer))
+            buckets.append(Bucket.allocate(len(buckets), chunk, **placed(placement)))
     num_overlapped = len(buckets)
     for axis, ps in late.items():
         for placement, same in by_placement(ps).items():
-            buckets.append(Bucket.allocate(len(buckets), same, pad_to=pad_to,
-                                           reduce_first=groups.role(axis),
-                                           group=groups.role(placement.reduce_role),
-                                           grad_buffer=buffer))
+            buckets.append(Bucket.allocate(len(buckets), same, reduce_first=groups.role(axis),
+                                           **placed(placement)))
     if flatten:
         for bucket in buckets:
             bucket.flatten_params()

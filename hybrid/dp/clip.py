@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from hybrid.optim import spec_of
+from hybrid.planning.param_spec import PLACEMENTS
 
 
 def counts_in_norm(param: torch.Tensor, groups) -> bool:
@@ -37,23 +38,34 @@ def counts_in_norm(param: torch.Tensor, groups) -> bool:
     return groups.tp_rank == 0
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], groups, *, sharded_over_dp: bool) -> float:
-    """The L2 norm of the whole model's gradient; ``grads`` are the tensors this rank counts.
+def global_grad_norm(grads: dict, groups, *, sharded_over_dp: bool) -> float:
+    """The L2 norm of the whole model's gradient; ``grads``: the tensors this rank counts, by
+    their ``Placement``.
 
-    Collective over ``groups.model`` (and ``groups.sharding`` when ``sharded_over_dp``): every
-    rank of those groups must call it. Each tensor's sum of squares is added up in float64, across
-    tensors and ranks.
+    Each placement's squares are summed over its ``norm_role`` group (the model group for dense
+    parameters, ``tp x ep x pp`` for experts) and, when ``sharded_over_dp``, its
+    ``shard_role`` group; placements whose groups have the same ranks share one sum (one
+    all-reduce: at ``ep=1`` the experts' are the dense ones'). Every placement takes part on
+    every rank, in ``PLACEMENTS`` order, whether or not this rank holds any of it. Sums of
+    squares are float64, across tensors and ranks.
     """
-    device = grads[0].device if grads else groups.device
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        flat = grad.reshape(-1)
-        squares += torch.dot(flat, flat).double()
-    if groups.model.size() > 1:
-        groups.model.all_reduce(squares)
-    if sharded_over_dp and groups.sharding.size() > 1:
-        groups.sharding.all_reduce(squares)
-    return float(squares.sqrt())
+    sums: dict[tuple, list] = {}
+    for placement in PLACEMENTS:
+        model, shard = groups.role(placement.norm_role), groups.role(placement.shard_role)
+        key = (tuple(model.ranks), tuple(shard.ranks))
+        entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64, device=groups.device),
+                                      model, shard])
+        for grad in grads.get(placement, ()):
+            flat = grad.reshape(-1)
+            entry[0] += torch.dot(flat, flat).double().to(entry[0].device)
+    total = 0.0
+    for squares, model, shard in sums.values():
+        if model.size() > 1:
+            model.all_reduce(squares)
+        if sharded_over_dp and shard.size() > 1:
+            shard.all_reduce(squares)
+        total += float(squares)
+    return total ** 0.5
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

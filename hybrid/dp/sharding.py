@@ -87,7 +87,8 @@ class Zero1(Replicated):
     pads = flattens = shards_state = True
 
     def make_shards(self, buckets):
-        self.shards = [Shard.of(b, self.group.rank(), self.group.size()) for b in buckets]
+        self.shards = [Shard.of(b, self._group(b).rank(), self._group(b).size())
+                       for b in buckets]
         return self.shards
 
     def pieces(self, buckets, decays, in_norm):
@@ -100,8 +101,12 @@ class Zero1(Replicated):
     def shard_of(self, bucket):
         return self.shards[bucket.index]
 
+    def _group(self, bucket) -> Group:
+        """The ranks sharding ``bucket``: its placement's, else this strategy's."""
+        return bucket.shard_group or self.group
+
     def after_optimizer_step(self):
-        all_gather_params(self.shards, self.group, self.wait)
+        all_gather_params(self.shards, self.group, self.wait)  # each over its bucket's group
 
 
 class Zero2(Zero1):

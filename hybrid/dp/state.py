@@ -67,10 +67,11 @@ def _gathered_moment(sync, shard, key: str) -> torch.Tensor:
         # a piece's place in the shard: its parameter's in the bucket, plus its offset
         start = bucket.span(slots[id(piece.param)])[0] + piece.offset - shard.start
         local[start:start + piece.tensor.numel()] = sync.optimizer.state[piece.tensor][key]
-    if sync.dp_size == 1:
+    group = bucket.shard_group or sync.shard_group  # an expert bucket's own group
+    if group.size() == 1:
         return local
     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
-    sync.shard_group.all_gather_into(full, local)
+    group.all_gather_into(full, local)
     return full
 
 

@@ -91,7 +91,6 @@ class GradSync:
         modules = [model] if isinstance(model, nn.Module) else list(model)
         named = unique_parameters(modules)
         _check_fp32(named)
-        _check_placements(named, groups)
         self.groups, self.options = groups, options
         self.wait = wait or _plain_wait
         self.gradient, self.shard_group = groups.gradient, groups.sharding
@@ -107,7 +106,7 @@ class GradSync:
         self.sharding = runtime_class(sharding_of(options))(self.shard_group, self.wait)
         self.buckets, self.num_overlapped = build_buckets(
             [p for _, p in named], groups, bucket_bytes=int(bucket_mb * MIB),
-            pad_to=self.shard_group.size() if self.sharding.pads else 1,
+            pads=self.sharding.pads,
             grad_buffer=self.sharding.keeps_grad_buffer, flatten=self.sharding.flattens)
         self.shards = self.sharding.make_shards(self.buckets)
         self.pieces_by_bucket = self.sharding.pieces(
@@ -138,15 +137,18 @@ class GradSync:
     def _decays(self, param: torch.Tensor) -> bool:
         return self.specs[id(param)].weight_decay
 
-    def _grads_counted_in_norm(self, pieces_by_bucket: list[list[Piece]]) -> list[torch.Tensor]:
-        """A bucket's whole buffer where all its pieces count (one dot product per bucket; the
-        padding is zero), else its counted pieces one by one."""
-        grads: list[torch.Tensor] = []
-        for buffer, pieces in zip(self.sharding.grad_buffers(self.buckets), pieces_by_bucket):
+    def _grads_counted_in_norm(self, pieces_by_bucket: list[list[Piece]]) -> dict:
+        """By placement (one per bucket): a bucket's whole buffer where all its pieces count
+        (one dot product per bucket; the padding is zero), else its counted pieces one by
+        one."""
+        grads: dict = {}
+        for bucket, buffer, pieces in zip(self.buckets, self.sharding.grad_buffers(self.buckets),
+                                          pieces_by_bucket):
+            mine = grads.setdefault(self.specs[id(bucket.params[0])].placement, [])
             if all(p.counts_in_norm for p in pieces):
-                grads.append(buffer)
+                mine.append(buffer)
             else:
-                grads.extend(p.grad for p in pieces if p.counts_in_norm)
+                mine.extend(p.grad for p in pieces if p.counts_in_norm)
         return grads
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -314,23 +316,6 @@ def _check_settings(options: DpOptions, dp: int, bucket_mb: Any) -> None:
     if not bucket_mb > 0:
         raise DataParallelConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0; "
                                       f"25 is torch DDP's default")
-
-
-def _check_placements(named: list[tuple[ParamSpec, nn.Parameter]], groups) -> None:
-    """Every parameter's ``Placement`` must name role groups over the same ranks as the dense
-    ones: the buckets and the exact reductions follow each bucket's own group, but the ZeRO
-    shards, the other reductions and the norm's sums still run over the dense groups. True of
-    every placement while no axis shards some parameters only (expert parallelism)."""
-    dense = {"reduce_role": "gradient", "shard_role": "sharding", "norm_role": "model"}
-    for spec, _ in named:
-        for field, role in dense.items():
-            mine = getattr(spec.placement, field)
-            if groups.role(mine).ranks != groups.role(role).ranks:
-                raise DataParallelConfigError(
-                    f"parameter {spec.name}'s placement has {field}={mine!r} over ranks "
-                    f"{groups.role(mine).ranks}, not the {role!r} role's "
-                    f"{groups.role(role).ranks}; placements over other ranks are not "
-                    f"supported yet: use a layout without an expert axis")
 
 
 def _check_fp32(named: list[tuple[ParamSpec, nn.Parameter]]) -> None:

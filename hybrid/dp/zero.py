@@ -76,6 +76,10 @@ class Shard:
 
     def launch_reduce_scatter(self, group: Group) -> None:
         """Start the (sum) reduce-scatter of the bucket's gradients into ``self.grad``."""
+        if group.size() == 1:  # an expert bucket held by one rank: nothing to scatter
+            if self.grad.data_ptr() != self.bucket.grad.data_ptr():
+                self.grad.copy_(self.bucket.grad[self.start:self.end])
+            return
         work = group.reduce_scatter_into(self.grad, self.bucket.grad, async_op=True)
         self.bucket.works.append(work)
 
@@ -87,9 +91,11 @@ def all_gather_params(shards: Sequence[Shard], group: Group,
     Each rank's input is exactly its own slot of the output, as in Megatron's distributed
     optimizer: the collective's copy of the input into that slot is then a no-op.
     """
-    if group.size() == 1:
-        return
-    works = [group.all_gather_into(s.bucket.data, s.bucket.data[s.start:s.end], async_op=True)
-             for s in shards]
+    works = []
+    for s in shards:
+        mine = s.bucket.shard_group or group  # an expert bucket's own sharding group
+        if mine.size() > 1:
+            works.append(mine.all_gather_into(s.bucket.data, s.bucket.data[s.start:s.end],
+                                              async_op=True))
     for work in works:
         wait(work)

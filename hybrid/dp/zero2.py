@@ -87,12 +87,13 @@ class StagedShards:
         index = shard.bucket.index
         staging = self.staging.pop(index)
         self.arrived[index] = set()
-        staging.mul_(1.0 / self.d)
-        if self.d == 1:
+        group = shard.bucket.shard_group or self.group  # an expert bucket's own group
+        staging.mul_(1.0 / group.size())
+        if group.size() == 1:
             shard.grad.add_(staging)
             return
         out = torch.empty_like(shard.grad)
-        work = self.group.reduce_scatter_into(out, staging, async_op=True)
+        work = group.reduce_scatter_into(out, staging, async_op=True)
         self.pending.append((work, out, shard))
         while len(self.pending) > MAX_IN_FLIGHT:
             self._settle_oldest()

@@ -82,15 +82,17 @@ rank's chunks of each sequence (``hybrid.model.context``). Every parameter gets 
                                 embedding_generator=block_generator(seed, 0))
         else:
             place = {"block_id": block_id} if family.layer_takes_id else {}
+            if cfg.experts and family.layer_takes_id:  # MoE layers: experts spread over ep
+                place["expert_group"] = groups.expert
             block = family.layer(cfg, tp_group, **common, context=context, **place)
         block.block_id = block_id
         attach_specs(block, block_param_specs(cfg, block_id, sequence_parallel=sequence_parallel),
-                     groups.layout.tp)
+                     groups.layout.tp, groups.layout.ep)
         blocks.append(block.to(groups.device))
     return blocks
 
 
-def attach_specs(block: nn.Module, specs: dict, tp: int) -> None:
+def attach_specs(block: nn.Module, specs: dict, tp: int, ep: int = 1) -> None:
     """Give every parameter of ``block`` its spec, checking that the block built exactly the
     parameters, with exactly the shard shapes, that the spec table describes."""
     named = dict(block.named_parameters(remove_duplicate=False))
@@ -99,9 +101,9 @@ def attach_specs(block: nn.Module, specs: dict, tp: int) -> None:
                              f"specs describe {list(specs)}")
     for local_name, param in named.items():
         spec = specs[local_name]
-        if tuple(param.shape) != spec.local_shape(tp):
+        if tuple(param.shape) != spec.local_shape(tp, ep):
             raise AssertionError(f"{spec.name}: built {tuple(param.shape)}, the spec says "
-                                 f"{spec.local_shape(tp)} at tp={tp}")
+                                 f"{spec.local_shape(tp, ep)} at tp={tp} ep={ep}")
         param.spec = spec
 
 

@@ -151,7 +151,8 @@ class LlamaLayer(nn.Module):
     in an MoE layer (``cfg.is_moe_layer(block_id)``), a ``MoeMLP``."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *, generator: torch.Generator,
-                 sequence_parallel: bool, context: Context = Context(), block_id: int = 1):
+                 sequence_parallel: bool, context: Context = Context(), block_id: int = 1,
+                 expert_group: Optional[Group] = None):
         super().__init__()
         self.recompute = cfg.recompute == "full"
         self.input_norm = rms_norm(cfg)
@@ -159,8 +160,13 @@ class LlamaLayer(nn.Module):
                                                sequence_parallel=sequence_parallel,
                                                context=context)
         self.mlp_norm = rms_norm(cfg)
-        mlp = MoeMLP if cfg.is_moe_layer(block_id) else SwiGLU
-        self.mlp = mlp(cfg, tp_group, generator=generator, sequence_parallel=sequence_parallel)
+        if cfg.is_moe_layer(block_id):
+            self.mlp = MoeMLP(cfg, tp_group, generator=generator,
+                              sequence_parallel=sequence_parallel, expert_group=expert_group,
+                              context=context)
+        else:
+            self.mlp = SwiGLU(cfg, tp_group, generator=generator,
+                              sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():

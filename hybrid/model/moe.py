@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.comm import Group
-from hybrid.model.blocks import normal_init, output_init
+from hybrid.model.blocks import Context, normal_init, output_init
 from hybrid.model.mappings import (copy_to_tensor_region, gather_from_sequence_parallel_region,
                                    reduce_from_tensor_region,
                                    reduce_scatter_to_sequence_parallel_region)
+from hybrid.model.moe_dispatch import ALONE, all_to_all, plan_dispatch, run_experts
 from hybrid.planning.config import ModelConfig
 
 
@@ -77,10 +78,18 @@ def kept_slots(ids: torch.Tensor, experts: int, capacity: Optional[int]) -> torc
     return (position < capacity).reshape(ids.shape)
 
 
-def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """The Switch/GShard loss of one micro-batch (see the module doc)."""
+def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, experts: int,
+                        context: Optional[Group] = None) -> torch.Tensor:
+    """The Switch/GShard loss of one micro-batch (see the module doc). Under context
+    parallelism (``context``: the ranks holding the other chunks of the same sequences) the
+    counts and token total are the whole micro-batch's (summed there, no gradient) and the
+    probabilities' mean this rank's: the context ranks' losses then average to the whole
+    micro-batch's, as their gradients are averaged."""
     tokens, k = ids.shape
     counts = torch.bincount(ids.reshape(-1), minlength=experts).to(probs.dtype)
+    if context is not None and context.size() > 1:
+        context.all_reduce(counts)
+        tokens *= context.size()
     return experts / (tokens * k) * (counts * probs.mean(dim=0)).sum()
 
 
@@ -94,19 +103,23 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's SwiGLU, stacked: ``gate``/``up`` ``[E, F/tp, h]``, ``down [E, h, F/tp]``
-    (drawn whole, then this TP rank's slice kept: the same values on any layout)."""
+    """This expert-parallel rank's ``E/ep`` experts' SwiGLUs, stacked: ``gate``/``up``
+    ``[E/ep, F/tp, h]``, ``down [E/ep, h, F/tp]`` (every expert drawn whole, then this rank's
+    experts and TP slice kept: the same values on any layout)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: Group, generator: torch.Generator):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, generator: torch.Generator,
+                 ep_rank: int = 0, ep: int = 1):
         super().__init__()
         e, f, h = cfg.experts, cfg.moe_ffn, cfg.hidden
         shapes = {"gate": ((e, f, h), 1, normal_init(cfg.init_std, generator)),
                   "up": ((e, f, h), 1, normal_init(cfg.init_std, generator)),
                   "down": ((e, h, f), 2, output_init(cfg, generator))}
+        local = e // ep
         for name, (shape, dim, init) in shapes.items():
             full = torch.empty(shape)
             init(full)
-            setattr(self, name, nn.Parameter(_tp_slice(full, dim, tp_group)))
+            mine = full.narrow(0, ep_rank * local, local)
+            setattr(self, name, nn.Parameter(_tp_slice(mine, dim, tp_group)))
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s output on tokens ``x [n, h]``: a partial sum over TP."""
@@ -118,14 +131,23 @@ class MoeMLP(nn.Module):
     """The sparse MLP: ``[s(/tp), b, h]`` in and out, as ``SwiGLU``'s."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *, generator: torch.Generator,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, expert_group: Optional[Group] = None,
+                 context: Context = Context()):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.expert_group = expert_group
+        """The ranks holding the other experts (``ParallelGroups.expert``); None: all here."""
+        self.context_group = context.group if context.on else None
         self.num_experts, self.topk, self.router_kind = cfg.experts, cfg.experts_topk, \
             cfg.moe_router
         self.capacity_factor, self.aux_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss
         self.router = Router(cfg, generator)
-        self.experts = Experts(cfg, tp_group, generator)
+        ep = expert_group.size() if expert_group is not None else 1
+        ep_rank = expert_group.rank() if expert_group is not None else 0
+        self.local_experts = cfg.experts // ep
+        self.experts = Experts(cfg, tp_group, generator, ep_rank, ep)
+        self.stats = MoeStats(cfg.experts)
+        """This step's training forwards (``moe_step_stats`` reads and resets it)."""
         self.aux_scale = 1.0
         """What the load-balancing loss's gradient is multiplied by besides its coefficient:
         the trainer sets ``1 / micro-batches`` (``set_aux_loss_scale``)."""
@@ -140,25 +162,73 @@ class MoeMLP(nn.Module):
         logits = (x @ self.router.weight.t()).float()
         weights, ids = route(logits, self.topk, self.router_kind)
         keep = kept_slots(ids, self.num_experts, self._capacity(x.shape[0]))
-        out = torch.zeros_like(x)
-        for expert in range(self.num_experts):
-            token, slot = torch.nonzero((ids == expert) & keep, as_tuple=True)
-            if token.numel():
-                y = self.experts(expert, x[token]) * weights[token, slot, None]
-                out = out.index_add(0, token, y.to(out.dtype))  # bf16 under autocast
-        out = out.view(shape)
+        out = self._experts_out(x, weights, ids, keep).view(shape)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
-            aux = load_balancing_loss(logits.softmax(dim=-1), ids, self.num_experts)
+            aux = load_balancing_loss(logits.softmax(dim=-1), ids, self.num_experts,
+                                      self.context_group)
+            self.stats.aux += float(aux)
             scale = self.aux_coeff * self.aux_scale / self.tp_group.size()
             out = AuxLossGradient.apply(out, aux, scale)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tensor_region(out, self.tp_group)
 
+    def _experts_out(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     keep: torch.Tensor) -> torch.Tensor:
+        """``[T, h]``: each token's kept experts' outputs weighted by the router, summed; the
+        rows travel to the experts' ranks and back (``hybrid.model.moe_dispatch``)."""
+        plan = plan_dispatch(ids, keep, self.num_experts, self._group())
+        rows = all_to_all(x[plan.token], self._group(), plan.recv, plan.send)
+        y = run_experts(rows, plan.local_expert, self.local_experts, self.experts)
+        back = all_to_all(y, self._group(), plan.send, plan.recv)
+        back = back * weights[plan.token, plan.slot, None]
+        if torch.is_grad_enabled():
+            self.stats.add(plan.tokens_per_expert, keep.numel() - plan.token.numel())
+        return torch.zeros_like(x).index_add(0, plan.token, back.to(x.dtype))
+
+    def _group(self) -> Group:
+        return self.expert_group if self.expert_group is not None else ALONE
+
     def _capacity(self, tokens: int) -> Optional[int]:
         if self.capacity_factor is None:
             return None
         return math.ceil(self.capacity_factor * tokens * self.topk / self.num_experts)
+
+
+class MoeStats:
+    """One MoE layer's training forwards in a step: kept token slots per expert, dropped
+    slots, and the sum of its load-balancing losses."""
+
+    def __init__(self, experts: int):
+        self.load = torch.zeros(experts, dtype=torch.int64)
+        self.dropped, self.aux, self.forwards = 0, 0.0, 0
+
+    def add(self, load: torch.Tensor, dropped: int) -> None:
+        self.load += load.detach().cpu()
+        self.dropped += int(dropped)
+        self.forwards += 1
+
+
+def moe_step_stats(modules: Iterable[nn.Module]) -> Optional[dict]:
+    """This rank's MoE layers' step (None without any), and a fresh start for the next:
+    ``tokens_per_expert`` (kept slots summed over its layers and micro-batches),
+    ``load_max_over_mean`` (a layer's busiest expert's slots in the step over its mean,
+    1.0 when even; the worst layer's), ``dropped`` slots and the mean ``aux_loss``."""
+    layers = [sub for module in modules for sub in module.modules() if isinstance(sub, MoeMLP)]
+    if not layers:
+        return None
+    total = torch.zeros_like(layers[0].stats.load)
+    worst, dropped, aux, forwards = 0.0, 0, 0.0, 0
+    for layer in layers:
+        stats = layer.stats
+        total += stats.load
+        if stats.forwards and stats.load.sum() > 0:
+            worst = max(worst, float(stats.load.max() / stats.load.float().mean()))
+        dropped, aux, forwards = dropped + stats.dropped, aux + stats.aux, \
+            forwards + stats.forwards
+        layer.stats = MoeStats(layer.num_experts)
+    return {"tokens_per_expert": total.tolist(), "load_max_over_mean": worst,
+            "dropped": dropped, "aux_loss": aux / forwards if forwards else 0.0}
 
 
 def set_aux_loss_scale(modules: Iterable[nn.Module], scale: float) -> None:

@@ -43,9 +43,10 @@ def load_global_weights(params: Iterable[torch.nn.Parameter], weights: dict[str,
             got = None if full is None else tuple(full.shape)
             raise WeightsError(f"{spec.name}: the weights hold {got}, the model needs "
                              f"{spec.shape}; export the checkpoint of this model")
-        if spec.tp_dim is not None:
-            size = spec.local_shape(tp)[spec.tp_dim]
-            full = full.narrow(spec.tp_dim, tp_rank * size, size)
+        ep, ep_rank = groups.layout.ep, groups.expert.rank()
+        local, start = spec.local_shape(tp, ep), spec.local_offset(tp_rank, tp, ep_rank, ep)
+        for dim in {spec.tp_dim, spec.ep_dim} - {None}:  # this rank's TP slice of its experts
+            full = full.narrow(dim, start[dim], local[dim])
         with torch.no_grad():
             param.copy_(full)
         used.add(spec.name)

@@ -38,6 +38,11 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size: each sequence is split over this many ranks (two of 2*cp chunks
     each, zigzag), attention passes keys and values around them; for long sequences."""
+    ep: int = 1
+    """Expert-parallel size (model.experts > 0): the experts of each MoE layer are spread over
+    this many ranks carved out of dp x cp (megatron's tp-cp-ep-dp-pp), tokens reach them by
+    all-to-all; an expert's gradient is averaged over the dp*cp/ep ranks holding the same
+    experts (docs/moe.md). Must divide dp*cp and model.experts."""
     cp_comm: str = "p2p"
     """How attention's keys and values cross the context group: p2p (around the ring, block by
     block, behind each block's compute) | allgather (one all-gather of all of them)."""

@@ -7,28 +7,21 @@ ranks; the expert grid's axes are tp, ep, edp (the expert data-parallel ranks:
 groups from (``tests/test_expert_grid.py``), and its pp groups are the layout's.
 
 What each group does (docs/moe.md): ``ep`` exchanges tokens (the all-to-all), ``edp`` averages
-an expert's gradients, ``tp-ep-pp`` holds one copy of every expert. This module plans them;
-expert parallelism at run time (the token all-to-all) is not built yet.
+an expert's gradients, ``tp-ep-pp`` holds one copy of every expert. ``Layout.ep`` carries the
+size, ``Layout.groups`` makes the groups (the ``expert*`` roles of ``hybrid.planning.layout``
+name them) and ``ParallelGroups`` builds them like any other; this module holds the rules and
+the groups of a layout at another ep.
 """
 
 from __future__ import annotations
 
-from hybrid.planning.layout import Layout, LayoutError, _dot, _fastest_first
+from dataclasses import replace
+from typing import Optional
 
-EXPERT_AXES = ("tp", "ep", "edp", "pp")
-"""The expert grid's axes; ``edp`` is megatron's expert ``dp``."""
+from hybrid.planning.grid import expert_order, grid_groups
+from hybrid.planning.layout import EXPERT_AXES, Layout, LayoutError
 
-
-def expert_order(order_axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The dense grid's axes (fastest first) with ``ep`` just before ``dp``, ``dp`` renamed
-    ``edp`` and ``cp`` dropped (size 1 in the expert grid)."""
-    out: list[str] = []
-    for axis in order_axes:
-        if axis == "dp":
-            out += ["ep", "edp"]
-        elif axis != "cp":
-            out.append(axis)
-    return tuple(out)
+__all__ = ["EXPERT_AXES", "check_ep", "expert_groups", "expert_order"]
 
 
 def check_ep(layout: Layout, ep: int, experts: int = 0) -> None:
@@ -37,11 +30,8 @@ def check_ep(layout: Layout, ep: int, experts: int = 0) -> None:
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise LayoutError(f"parallel.ep={ep!r} must be an integer >= 1")
     width = layout.dp * layout.cp
-    if width % ep:
-        fits = [d for d in range(1, width + 1) if width % d == 0]
-        raise LayoutError(f"parallel.ep={ep} does not divide dp*cp={width} (the ranks experts "
-                          f"are spread over); choose ep in {{{', '.join(map(str, fits))}}}")
-    if _pp_groups(layout, ep) != layout.groups("pp"):  # megatron asserts this, at any ep
+    at_ep = replace(layout, ep=ep)  # raises when ep does not divide dp * cp
+    if _expert_grid(at_ep, ["pp"]) != layout.groups("pp"):  # megatron asserts this, at any ep
         raise LayoutError(f"parallel.order={layout.order} keeps cp apart from dp, so the expert "
                           f"grid's pipelines would not be the layout's; expert parallelism "
                           f"needs cp next to dp (megatron's tp-cp-ep-dp-pp): use "
@@ -57,32 +47,49 @@ def check_ep(layout: Layout, ep: int, experts: int = 0) -> None:
 
 
 def expert_groups(layout: Layout, ep: int, axes: str) -> list[list[int]]:
-    """Rank lists of every group of the expert grid along ``axes`` (``"ep"``, ``"edp"``,
-    ``"tp-ep"``, ``"tp-ep-pp"``, ...: ``EXPERT_AXES`` joined by '-'), in megatron's order:
-    within a group the first axis fastest, groups listed by the other axes likewise."""
+    """Rank lists of every group of the expert grid at ``ep`` along ``axes`` (``"ep"``,
+    ``"edp"``, ``"tp-ep"``, ``"tp-ep-pp"``, ...: ``EXPERT_AXES`` joined by '-'), in megatron's
+    order: within a group the first axis fastest, groups listed by the other axes likewise."""
     check_ep(layout, ep)
-    return _grid_groups(layout, ep, axes)
-
-
-def _pp_groups(layout: Layout, ep: int) -> list[list[int]]:
-    return _grid_groups(layout, ep, "pp")
-
-
-def _grid_groups(layout: Layout, ep: int, axes: str) -> list[list[int]]:
     wanted = axes.lower().split("-")
     if any(a not in EXPERT_AXES for a in wanted) or len(set(wanted)) != len(wanted):
         raise LayoutError(f"unknown expert group axes {axes!r}; use one or more of "
                           f"{', '.join(EXPERT_AXES)} joined by '-'")
-    sizes = {"tp": layout.tp, "ep": ep, "edp": layout.dp * layout.cp // ep, "pp": layout.pp}
-    order = expert_order(layout.axes)
-    strides, stride = {}, 1
-    for axis in order:
-        strides[axis] = stride
-        stride *= sizes[axis]
-    inner = [a for a in order if a in wanted]
-    outer = [a for a in order if a not in wanted]
-    offsets = [_dot(idx, [strides[a] for a in inner])
-               for idx in _fastest_first([sizes[a] for a in inner])]
-    return [[base + off for off in offsets]
-            for base in (_dot(idx, [strides[a] for a in outer])
-                         for idx in _fastest_first([sizes[a] for a in outer]))]
+    at_ep = replace(layout, ep=ep)
+    if "ep" in wanted or "edp" in wanted:
+        return at_ep.groups(axes)
+    return _expert_grid(at_ep, wanted)  # tp, pp or tp-pp alone: the expert grid's own
+
+
+def _expert_grid(layout: Layout, wanted: list[str]) -> list[list[int]]:
+    return grid_groups(layout.expert_sizes(), expert_order(layout.axes), wanted)
+
+
+def expert_problem(cfg, layout: Layout) -> Optional[str]:
+    """What a config with ``parallel.ep`` > 1 must also be, one line (None: fine): the layout
+    rules of ``check_ep``, a model with experts, and the DP settings whose runtime averages
+    and shards each placement over its own group (exact or bf16 means, ZeRO 0-2, even
+    micro-batch shares: the experts' all-to-all needs the same micro-batches on every rank
+    of an expert group)."""
+    par, ep = cfg.parallel, cfg.parallel.ep
+    if ep == 1:
+        return None
+    try:
+        check_ep(layout, ep, cfg.model.experts)
+    except LayoutError as err:
+        return str(err)
+    if cfg.model.experts == 0:
+        return (f"parallel.ep={ep} spreads experts, but model.experts=0 (a dense model); set "
+                f"model.experts (e.g. model=moe-tiny) or parallel.ep=1")
+    if par.zero == 3:
+        return (f"parallel.zero=3 with parallel.ep={ep} is not supported (ZeRO-3 gathers "
+                f"weights over dp*cp, the experts live on dp*cp/ep ranks); use parallel.zero=2 "
+                f"or parallel.ep=1")
+    for name, value, plain in (("dp_compress", par.dp_compress, ("none", "bf16")),
+                               ("dp_sync_every", par.dp_sync_every, (1,)),
+                               ("dp_delay", par.dp_delay, (0,)),
+                               ("dp_balance", par.dp_balance, ("even",))):
+        if value not in plain:
+            return (f"parallel.{name}={value} with parallel.ep={ep} is not supported; use "
+                    f"parallel.{name}={plain[0]} or parallel.ep=1")
+    return None

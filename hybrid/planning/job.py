@@ -24,13 +24,15 @@ from typing import Optional
 from hybrid.planning.config import Config
 from hybrid.planning.cost.gathered import closed_form_gathered, gather_policy, rank_gathers
 from hybrid.planning.cost.sizes import MemoryEstimate, block_params, estimate_memories
-from hybrid.planning.cost.dp_traffic import dp_state_bytes, step_bytes
-from hybrid.planning.cost.state_bytes import StateBytes, rank_shapes
+from hybrid.planning.cost.dp_traffic import dp_state_bytes, gradient_bytes, step_bytes
+from hybrid.planning.cost.state_bytes import StateBytes, by_tag_placement, rank_shapes
+from hybrid.planning.param_spec import DENSE, EXPERT
 from hybrid.planning.layout import EMBEDDING, ROLES, Layout
 from hybrid.planning.schedules.actions import stage_chunk, stage_rank
 from hybrid.planning.cost.block_costs import partition_costs, partition_for_config
 from hybrid.planning.schedules import schedule_spec
-from hybrid.planning.strategies import DpOptions, reduction_of, sharding_of
+from hybrid.planning.strategies import (SCALAR, DpOptions, all_reduce_bytes, reduction_of,
+                                        sharding_of)
 from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 from hybrid.planning.validate import microbatches, ranks_per_node, validate_config
 
@@ -294,18 +296,25 @@ def _rank_memory(cfg: Config, layout: Layout, chunks: list[list[int]],
     return [replace(estimate, dp_state_bytes=extra) for estimate in estimates]
 
 
-def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: int
-                     ) -> StateBytes:
+def rank_state_bytes(cfg: Config, layout: Layout, blocks: list[int], dp_rank: int,
+                     expert_rank: int = 0) -> StateBytes:
     """Bytes of weights, gradients and AdamW state on the rank holding ``blocks`` at place
-    ``dp_rank`` of its sharding group (dp x cp)."""
+    ``dp_rank`` of its sharding group (dp x cp) and ``expert_rank`` of its experts' (each
+    placement's buckets are sharded over its own group)."""
     shapes = rank_shapes(cfg.model, blocks, tp=layout.tp,
-                         sp=cfg.parallel.sequence_parallel, pp=layout.pp)
-    tensors = [(math.prod(shape), late) for shape, late in shapes]
+                         sp=cfg.parallel.sequence_parallel, pp=layout.pp, ep=layout.ep)
     options = DpOptions.of(cfg.parallel)
-    held = sharding_of(options).state_bytes(tensors, dp=layout.role_size("sharding"),
-                                            dp_rank=dp_rank, bucket_mb=cfg.parallel.bucket_mb)
+    sums = [0, 0, 0]
+    for placement, part in by_tag_placement(shapes).items():
+        held = sharding_of(options).state_bytes(
+            [(math.prod(shape), tag) for shape, tag in part],
+            dp=layout.role_size(placement.shard_role),
+            dp_rank=dp_rank if placement == DENSE else expert_rank,
+            bucket_mb=cfg.parallel.bucket_mb)
+        sums = [a + b for a, b in zip(sums, (held.param_bytes, held.grad_bytes,
+                                              held.optimizer_bytes))]
     extra = dp_state_bytes(shapes, dp=layout.role_size("gradient"), options=options)
-    return replace(held, dp_state_bytes=extra)
+    return StateBytes(*sums, dp_state_bytes=extra)
 
 
 def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
@@ -323,6 +332,27 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
         gathers = rank_gathers(cfg, plan.layout, pp_rank, microbatches(cfg),
                                [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)],
                                policy=options.reshard)[1]
+    if plan.layout.ep > 1:
+        return _expert_parallel_dp_bytes(cfg, plan.layout, blocks, step, options,
+                                         rounds or microbatches(cfg))
     return step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
                       microbatches=rounds or microbatches(cfg), options=options,
                       bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)
+
+
+def _expert_parallel_dp_bytes(cfg: Config, layout: Layout, blocks: list[int], step: int,
+                              options: DpOptions, rounds: int) -> float:
+    """``rank_dp_bytes`` at ``ep > 1``: the dense buckets over dp x cp (with the step's loss
+    and norm scalars), the experts' over their expert data-parallel group (with, when the
+    state is sharded, the norm's sum over it), both reported as DP traffic."""
+    shapes = rank_shapes(cfg.model, blocks, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
+                         pp=layout.pp, ep=layout.ep)
+    parts = by_tag_placement(shapes)
+    total = step_bytes(parts.get(DENSE, []), dp=layout.role_size("gradient"), step=step,
+                       microbatches=rounds, options=options, bucket_mb=cfg.parallel.bucket_mb)
+    edp = layout.role_size(EXPERT.reduce_role)
+    if sharding_of(options).shards_optimizer:
+        total += all_reduce_bytes(SCALAR, edp)
+    return total + gradient_bytes(parts.get(EXPERT, []), dp=edp, step=step,
+                                  microbatches=rounds, options=options,
+                                  bucket_mb=cfg.parallel.bucket_mb)

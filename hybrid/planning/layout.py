@@ -20,10 +20,10 @@ sharding roles as megatron's ``dp_cp`` does, and has a role of its own for atten
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from hybrid.errors import UserError
+from hybrid.planning.grid import expert_order, grid_groups
 from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -59,16 +59,23 @@ ROLES = {
     "tensor": Role(("tp",), "split each weight matrix (tensor and sequence parallelism)"),
     "pipeline": Role(("pp",), "run the stages of one pipeline (point-to-point messages)"),
     "model": Role(("tp", "pp"), "hold one copy of every parameter between them (global norms)"),
-    "expert_gradient": Role(("cp", "dp"), "average an expert's gradients once per step"),
-    "expert_sharding": Role(("cp", "dp"), "share one copy of an expert's optimizer state "
-                                          "under ZeRO"),
-    "expert_model": Role(("tp", "pp"), "hold one copy of every expert between them (global "
-                                       "norms)"),
+    "expert": Role(("ep",), "hold different experts and exchange their tokens (all-to-all)"),
+    "expert_gradient": Role(("edp",), "average an expert's gradients once per step"),
+    "expert_sharding": Role(("edp",), "share one copy of an expert's optimizer state "
+                                      "under ZeRO"),
+    "expert_model": Role(("tp", "ep", "pp"), "hold one copy of every expert between them "
+                                             "(global norms)"),
 }
 """The roles every consumer asks for (``ParallelGroups.<role>``); ``EMBEDDING`` is the one
 role not made of whole axes. A parameter's ``Placement`` (``hybrid.planning.param_spec``) names
 the roles that reduce, shard and count it: the dense ones above, or the ``expert_*`` ones,
-which span the same axes (so the same groups) while there is no expert axis."""
+which live on the expert grid (``EXPERT_AXES``): at ``ep=1`` its ``edp`` groups are the
+``cp-dp`` groups and its ``tp-ep-pp`` groups the ``tp-pp`` ones (the same torch groups)."""
+EXPERT_AXES = ("tp", "ep", "edp", "pp")
+"""Expert parallelism's second decomposition of the same world (megatron-core's MoE folding):
+``ep`` ranks that hold different experts are carved out of ``dp x cp``, ``edp`` (megatron's
+expert ``dp``: ``dp * cp / ep``) is the rest; tp and pp are the layout's. Named in the order
+their role keys list them (``hybrid.planning.expert_grid``)."""
 EMBEDDING = "embedding"
 """The ranks of each pipeline holding its first and last stage (a tied embedding's copies)."""
 
@@ -81,7 +88,13 @@ def role_key(role: str) -> str:
         return EMBEDDING
     if role not in ROLES:
         raise LayoutError(f"unknown role {role!r}; roles are {', '.join(ROLES)}, {EMBEDDING}")
-    return "-".join(axis for axis in AXES if axis in ROLES[role].axes)
+    axes = ROLES[role].axes
+    return "-".join(axis for axis in (EXPERT_AXES if _on_expert_grid(axes) else AXES)
+                    if axis in axes)
+
+
+def _on_expert_grid(axes) -> bool:
+    return any(axis in ("ep", "edp") for axis in axes)
 
 
 def group_keys() -> list[str]:
@@ -128,10 +141,13 @@ class Layout:
     """Which pipeline rank holds each virtual stage (``hybrid.planning.schedules.actions.
     stage_rank``: "loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this).
     It decides where the first and last stage, and so the tied embedding, live."""
+    ep: int = 1
+    """Expert parallelism: ranks carved out of ``dp * cp`` that hold different experts
+    (``EXPERT_AXES``; not an axis of the dense grid: the world size does not change)."""
     _axes: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in (*AXES, "vpp"):
+        for name in (*AXES, "vpp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be an integer >= 1")
@@ -139,6 +155,11 @@ class Layout:
             raise LayoutError(f"stage_placement={self.stage_placement!r} is not one of "
                               f"{PLACEMENTS}")
         object.__setattr__(self, "_axes", parse_order(self.order, self.cp))
+        width = self.dp * self.cp
+        if width % self.ep:
+            fits = ", ".join(map(str, _divisors(width)))
+            raise LayoutError(f"parallel.ep={self.ep} does not divide dp*cp={width} (the ranks "
+                              f"experts are spread over); choose ep in {{{fits}}}")
 
     # ----- sizes and coordinates -------------------------------------------------------------
     @property
@@ -199,19 +220,21 @@ class Layout:
         if axis == EMBEDDING:
             return self.embedding_groups()
         wanted = axis.lower().split("-")
-        if not wanted or any(a not in AXES for a in wanted) or len(set(wanted)) != len(wanted):
+        if _on_expert_grid(wanted):
+            known, sizes, order = EXPERT_AXES, self.expert_sizes(), expert_order(self._axes)
+        else:
+            known, sizes, order = AXES, {a: self.size(a) for a in AXES}, self._axes
+        if not wanted or any(a not in known for a in wanted) or len(set(wanted)) != len(wanted):
             raise LayoutError(
-                f"unknown group axis {axis!r}; use one or more of {AXES} joined by '-', "
-                f"or 'embedding'"
+                f"unknown group axis {axis!r}; use one or more of {AXES} (or of the expert "
+                f"grid's {EXPERT_AXES}) joined by '-', or 'embedding'"
             )
-        strides = self._strides()
-        inner = [a for a in self._axes if a in wanted]
-        outer = [a for a in self._axes if a not in wanted]
-        inner_offsets = [_dot(idx, [strides[a] for a in inner])
-                         for idx in _fastest_first([self.size(a) for a in inner])]
-        return [[base + off for off in inner_offsets]
-                for base in (_dot(idx, [strides[a] for a in outer])
-                             for idx in _fastest_first([self.size(a) for a in outer]))]
+        return grid_groups(sizes, order, wanted)
+
+    def expert_sizes(self) -> dict[str, int]:
+        """The expert grid's axis sizes (``EXPERT_AXES``)."""
+        return {"tp": self.tp, "ep": self.ep, "edp": self.dp * self.cp // self.ep,
+                "pp": self.pp}
 
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The group along ``axis`` that contains ``rank``."""
@@ -221,9 +244,10 @@ class Layout:
     def role_size(self, role: str) -> int:
         """Ranks in each group of ``role``: the gradient reduction and ZeRO's sharding span
         ``dp * cp`` ranks."""
-        size = 1
-        for axis in ROLES[role].axes:
-            size *= self.size(axis)
+        size, axes = 1, ROLES[role].axes
+        sizes = self.expert_sizes() if _on_expert_grid(axes) else {a: self.size(a) for a in AXES}
+        for axis in axes:
+            size *= sizes[axis]
         return size
 
     def role_rank(self, role: str, rank: int) -> int:
@@ -283,16 +307,9 @@ class Layout:
 
     def describe(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"dp={self.dp}{cp} tp={self.tp} pp={self.pp} vpp={self.vpp} order={self.order}"
-
-
-def _fastest_first(shape: list[int]) -> list[tuple[int, ...]]:
-    """All index tuples of ``shape`` with the first index varying fastest."""
-    return [tuple(reversed(idx)) for idx in itertools.product(*(range(s) for s in reversed(shape)))]
-
-
-def _dot(idx: tuple[int, ...], strides: list[int]) -> int:
-    return sum(i * s for i, s in zip(idx, strides))
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp}{cp}{ep} tp={self.tp} pp={self.pp} vpp={self.vpp} "
+                f"order={self.order}")
 
 
 def valid_sizes(n: int) -> list[int]:

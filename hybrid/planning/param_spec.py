@@ -36,8 +36,10 @@ DENSE = Placement()
 """Every parameter of a dense model: reduced and sharded over dp x cp, split over tp x pp."""
 EXPERT = Placement(reduce_role="expert_gradient", shard_role="expert_sharding",
                    norm_role="expert_model")
-"""An expert's weights (``hybrid.planning.models.moe``): its own role groups, which span the
-same axes as the dense roles until expert parallelism carves an expert axis out of dp x cp."""
+"""An expert's weights (``hybrid.planning.models.moe``): its own role groups on the expert grid
+(``hybrid.planning.layout.EXPERT_AXES``), the dense ones' ranks at ``ep=1``."""
+PLACEMENTS = (DENSE, EXPERT)
+"""Every placement, in the fixed order the ranks reduce their norms in."""
 
 
 @dataclass(frozen=True)
@@ -63,25 +65,33 @@ class ParamSpec:
     gradient is summed with the first stage's over the embedding group."""
     placement: Placement = DENSE
     """The role groups that reduce, shard and count it (``Placement``)."""
+    ep_dim: Optional[int] = None
+    """The dimension split evenly over the expert-parallel group (an expert's stacked weights:
+    dim 0, the expert index); None: not split by expert parallelism."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def local_shape(self, tp: int) -> tuple[int, ...]:
-        """The shape one TP rank holds."""
-        if self.tp_dim is None:
-            return self.shape
+    def local_shape(self, tp: int, ep: int = 1) -> tuple[int, ...]:
+        """The shape one TP rank (of one expert-parallel rank) holds."""
         shape = list(self.shape)
-        assert shape[self.tp_dim] % tp == 0, f"{self.name}: tp={tp} does not split {shape}"
-        shape[self.tp_dim] //= tp
+        for dim, parts, axis in ((self.tp_dim, tp, "tp"), (self.ep_dim, ep, "ep")):
+            if dim is not None:
+                assert shape[dim] % parts == 0, f"{self.name}: {axis}={parts} does not split " \
+                                                f"{self.shape}"
+                shape[dim] //= parts
         return tuple(shape)
 
-    def local_offset(self, tp_rank: int, tp: int) -> tuple[int, ...]:
-        """Where TP rank ``tp_rank``'s shard starts in the global tensor."""
+    def local_offset(self, tp_rank: int, tp: int, ep_rank: int = 0, ep: int = 1
+                     ) -> tuple[int, ...]:
+        """Where the shard of TP rank ``tp_rank`` (and expert-parallel rank ``ep_rank``)
+        starts in the global tensor."""
         offset = [0] * len(self.shape)
-        if self.tp_dim is not None:
-            offset[self.tp_dim] = tp_rank * self.local_shape(tp)[self.tp_dim]
+        local = self.local_shape(tp, ep)
+        for dim, rank in ((self.tp_dim, tp_rank), (self.ep_dim, ep_rank)):
+            if dim is not None:
+                offset[dim] = rank * local[dim]
         return tuple(offset)
 
 

@@ -15,6 +15,7 @@ import math
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
 from hybrid.planning.balance import balance_warnings, check_balance, replica_speed_problem
 from hybrid.planning.context import context_problem
+from hybrid.planning.expert_grid import expert_problem
 from hybrid.planning.data_sources import data_problem, eval_problem, eval_size_problem
 from hybrid.planning.strategies import DpOptions, option_problem, reduction_of
 from hybrid.planning.layout import Layout, LayoutError
@@ -76,7 +77,7 @@ def layout_of(cfg: Config) -> Layout:
     """The rank grid ``cfg.parallel`` declares (raises ``LayoutError`` on a bad size)."""
     par = cfg.parallel
     return Layout(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp, order=par.order, vpp=par.vpp,
-                  stage_placement=_placement(par.schedule))
+                  stage_placement=_placement(par.schedule), ep=par.ep)
 
 
 def config_problems(cfg: Config) -> list[str]:
@@ -209,7 +210,7 @@ def _check_model(cfg: Config, layout: Layout) -> None:
     if cfg.parallel.sequence_parallel and m.seq_len % layout.tp:
         raise LayoutError(f"parallel.sequence_parallel=true needs model.seq_len={m.seq_len} "
                           f"divisible by parallel.tp={layout.tp}; change seq_len or tp")
-    problem = context_problem(m.seq_len, cfg.parallel)
+    problem = context_problem(m.seq_len, cfg.parallel) or expert_problem(cfg, layout)
     if problem:
         raise LayoutError(problem)
     stages = layout.pp * layout.vpp

@@ -8,19 +8,35 @@ parameters, memory per rank, as plain data.
 from __future__ import annotations
 
 from hybrid.planning.config import Config
+from hybrid.planning.cost.moe_traffic import a2a_step_bytes
 from hybrid.planning.cost.sizes import human_bytes, param_count
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import AXIS_TRAFFIC
 from hybrid.planning.cost.block_costs import partition_basis
 from hybrid.planning.schedules.partition import format_partition
 
-GROUP_KEYS = ("tp", "cp", "dp", "cp-dp", "pp", "tp-pp", "embedding")
+GROUP_KEYS = ("tp", "cp", "dp", "cp-dp", "pp", "tp-pp", "embedding", "ep", "edp", "tp-ep-pp")
 """The groups shown, each once (roles over the same axes share one); those over ``cp`` only
-when it is above 1."""
+when it is above 1, the expert grid's (``hybrid.planning.expert_grid``) when ``ep`` is."""
 
 
 def shown_group_keys(layout) -> list[str]:
-    return [key for key in GROUP_KEYS if layout.cp > 1 or "cp" not in key.split("-")]
+    return [key for key in GROUP_KEYS
+            if (layout.cp > 1 or "cp" not in key.split("-"))
+            and (layout.ep > 1 or not {"ep", "edp"} & set(key.split("-")))]
+
+
+def _experts(plan: JobPlan) -> dict:
+    """Expert parallelism's figures: ``ep``, and the all-to-all bytes a rank of each pipeline
+    rank sends per step at an even load (``hybrid.planning.cost.moe_traffic``)."""
+    cfg, layout = plan.cfg, plan.layout
+    per_pp = []
+    for r in range(layout.pp):
+        moe = sum(cfg.model.is_moe_layer(b) for st in plan.stages_of(r) for b in st.blocks
+                  if 1 <= b <= cfg.model.layers)
+        per_pp.append(a2a_step_bytes(cfg, layout, moe, plan.schedule.microbatches))
+    return {"ep": layout.ep, "experts": cfg.model.experts,
+            "a2a_bytes_per_step": per_pp}
 
 
 def build_plan(cfg: Config) -> dict:
@@ -36,7 +52,7 @@ def plan_dict(plan: JobPlan) -> dict:
     return {
         "world_size": layout.world_size,
         "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp,
-                   "vpp": layout.vpp,
+                   "vpp": layout.vpp, "ep": layout.ep,
                    "order": layout.order, "nodes": plan.nodes, "ranks_per_node": per_node,
                    "nodes_given": cfg.launcher.nnodes > 1
                    or cfg.launcher.nproc_per_node is not None},
@@ -61,6 +77,7 @@ def plan_dict(plan: JobPlan) -> dict:
                      "bubble_fraction": sched.bubble_fraction,
                      "bubble_fraction_per_rank": list(sched.bubble_per_rank),
                      "peak_inflight": list(sched.peak_inflight)},
+        "experts": _experts(plan),
         "memory": [{"pp_rank": r, "params": est.params, "param_bytes": est.param_bytes,
                     "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
                     "activation_bytes": est.activation_bytes,
@@ -110,6 +127,7 @@ def _node_lines(plan: dict) -> list[str]:
 def format_plan(plan: dict, full: bool = False) -> str:
     lay, model, batch = plan["layout"], plan["model"], plan["batch"]
     cp = f" cp={lay['cp']}" if lay["cp"] > 1 else ""
+    cp += f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else ""
     lines = [
         f"model {model['name']}: {model['layers']} layers, hidden {model['hidden']}, "
         f"{model['heads']} heads, vocab {model['vocab']} (padded {model['padded_vocab']}), "
@@ -124,11 +142,18 @@ def format_plan(plan: dict, full: bool = False) -> str:
     lines += _rank_rows(plan["ranks"], full)
     lines += ["", "groups (ranks in each):"]
     names = {"tp-pp": "tp-pp (model parallel)", "embedding": "embedding (first+last stage)",
-             "cp": "cp (context: attention's ring)", "cp-dp": "cp-dp (gradients, loss, ZeRO)"}
+             "cp": "cp (context: attention's ring)", "cp-dp": "cp-dp (gradients, loss, ZeRO)",
+             "ep": "ep (experts' all-to-all)", "edp": "edp (experts' gradients, ZeRO)",
+             "tp-ep-pp": "tp-ep-pp (experts' norm)"}
     for axis, groups in plan["groups"].items():
         lines.append(f"  {names.get(axis, axis):<30} "
                      + _group_line(groups, full, plan["world_size"]))
     lines.append("")
+    experts = plan.get("experts", {})
+    if experts.get("ep", 1) > 1:
+        sent = ", ".join(human_bytes(b) for b in experts["a2a_bytes_per_step"])
+        lines += [f"experts: {experts['experts']} per MoE layer over ep={experts['ep']}; "
+                  f"all-to-all per rank per step at an even load (per pp rank): {sent}", ""]
     lines += _node_lines(plan)
     stages = plan["stages"]
     lines += ["", f"pipeline stages (partition={stages['partition']}, by {stages['split_by']}):"]

@@ -49,11 +49,20 @@ def blocks_sent(cfg: Config, layout: Layout) -> tuple[int, int]:
     return forward, backward
 
 
-def cp_step_bytes(cfg: Config, layout: Layout, layers: int, microbatches: int) -> float:
-    """Bytes a rank holding ``layers`` transformer layers sends over its context group in one
-    training step, as ``hybrid.comm.CommCounter`` counts them (``comm_bytes["cp"]``)."""
+def cp_step_bytes(cfg: Config, layout: Layout, layers: int, microbatches: int,
+                  moe_layers: int = 0) -> float:
+    """Bytes a rank holding ``layers`` transformer layers (``moe_layers`` of them MoE layers)
+    sends over its context group in one training step, as ``hybrid.comm.CommCounter`` counts
+    them (``comm_bytes["cp"]``): the ring's, and with the load-balancing loss on, each MoE
+    layer's sum of the experts' token counts over the sequence (``E`` fp32 per forward)."""
     forward, backward = blocks_sent(cfg, layout)
-    return float((forward + backward) * kv_block_bytes(cfg, layout) * layers * microbatches)
+    ring = (forward + backward) * kv_block_bytes(cfg, layout) * layers * microbatches
+    m, cp = cfg.model, layout.cp
+    if cp == 1 or not (m.experts and m.moe_aux_loss > 0):
+        return float(ring)
+    forwards = 2 if m.recompute == "full" else 1  # a recomputed forward sums them again
+    counts = 2.0 * (cp - 1) / cp * 4 * m.experts
+    return float(ring) + counts * moe_layers * microbatches * forwards
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,9 @@ class Candidate:
 
 def settings_of(cfg: Config) -> dict:
     par = cfg.parallel
+    experts = {"ep": par.ep} if cfg.model.experts else {}  # tried for MoE models only
     return {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp, "vpp": par.vpp,
-            "schedule": par.schedule,
+            **experts, "schedule": par.schedule,
             "micro_batch": cfg.train.micro_batch, "zero": par.zero,
             "sequence_parallel": par.sequence_parallel, "recompute": cfg.model.recompute}
 
@@ -80,11 +81,21 @@ def candidates(cfg: Config, world: int) -> Iterator[Config]:
             for pp in [p for p in valid_sizes(world // (tp * cp)) if p <= m.layers]:
                 dp = world // (tp * cp * pp)
                 for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp * cp, tp):
-                    yield _copied(
-                        cfg, launcher=launcher,
-                        parallel=_copied(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp, vpp=vpp,
-                                         schedule=schedule, zero=zero, sequence_parallel=sp),
-                        train=trains[mb], model=models[recompute])
+                    for ep in searched_eps(m.experts, dp * cp, zero):
+                        yield _copied(
+                            cfg, launcher=launcher,
+                            parallel=_copied(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp,
+                                             vpp=vpp, schedule=schedule, zero=zero,
+                                             sequence_parallel=sp, ep=ep),
+                            train=trains[mb], model=models[recompute])
+
+
+def searched_eps(experts: int, width: int, zero: int) -> list[int]:
+    """The expert-parallel sizes tried: 1, and for a model with experts every size dividing
+    both its experts and ``dp * cp`` (not with ZeRO-3, which ep does not run with)."""
+    if not experts or zero == 3:
+        return [1]
+    return [ep for ep in valid_sizes(width) if experts % ep == 0]
 
 
 def _copied(section, **changes):

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from hybrid.planning.config import ModelConfig
-from hybrid.planning.param_spec import DENSE, Placement
+from hybrid.planning.param_spec import DENSE, PLACEMENTS, Placement
 from hybrid.planning.params import TIED_HEAD_ALIAS, block_param_specs
 
 MIB = 2**20
@@ -44,7 +44,7 @@ class StateBytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int
+def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int, ep: int = 1
                    ) -> tuple[tuple[tuple[int, ...], str, str], ...]:
     """(local shape, bucket tag, local name) of a block's parameters in the order the block
     registers them (``attach_specs`` holds the spec table to that order); the tag is
@@ -54,7 +54,7 @@ def _block_tensors(model_key: tuple, block_id: int, tp: int, sp: bool, pp: int
     for local, spec in block_param_specs(m, block_id, sequence_parallel=sp).items():
         late = "tp" if spec.sequence_partial and tp > 1 else (
             "embedding" if spec.tied and pp > 1 else "")
-        out.append((spec.local_shape(tp), bucket_tag(late, spec.placement), local))
+        out.append((spec.local_shape(tp, ep), bucket_tag(late, spec.placement), local))
     return tuple(out)
 
 
@@ -70,7 +70,23 @@ def late_axis(tag: str) -> str:
     return tag.partition("/")[0]
 
 
-def rank_shapes(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
+def tag_placement(tag: str) -> Placement:
+    """The ``Placement`` a ``bucket_tag`` names (``DENSE`` when it names none)."""
+    role = tag.partition("/")[2]
+    return next((p for p in PLACEMENTS if p.reduce_role == role), DENSE)
+
+
+def by_tag_placement(items: list, tag_of=lambda item: item[1]) -> dict[Placement, list]:
+    """``items`` (each with a bucket tag) split by placement, every placement's in order: its
+    buckets are the same as among all (``bucket_members`` keeps placements apart), and each
+    placement's are averaged and sharded over its own groups."""
+    out: dict[Placement, list] = {}
+    for item in items:
+        out.setdefault(tag_placement(tag_of(item)), []).append(item)
+    return out
+
+
+def rank_shapes(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int, ep: int = 1
                 ) -> list[tuple[tuple[int, ...], str]]:
     """(local shape, bucket tag: ``bucket_tag``) of the distinct parameters a rank holding ``blocks``
     (in chunk order) trains: with tied embeddings on one stage the head uses the embedding's
@@ -78,7 +94,7 @@ def rank_shapes(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
     key = tuple(vars(m).items())
     shared_head = m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks
     return [(shape, late) for block in blocks
-            for shape, late, local in _block_tensors(key, block, tp, sp and tp > 1, pp)
+            for shape, late, local in _block_tensors(key, block, tp, sp and tp > 1, pp, ep)
             if not (shared_head and block == m.layers + 1 and local == TIED_HEAD_ALIAS)]
 
 

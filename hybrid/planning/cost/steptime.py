@@ -26,6 +26,7 @@ from dataclasses import replace as dc_replace
 
 from hybrid.planning.cost.collectives import ring_gather
 from hybrid.planning.cost.context_time import ring_times
+from hybrid.planning.cost.moe_traffic import a2a_times
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import (
@@ -137,18 +138,32 @@ def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fal
     elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
         extra = layers * attention_core_flops(m, b) / tp / rate + bound.scores
     tp_fwd, tp_bwd = fwd_wire + fwd_calls * call, bwd_wire + bwd_calls * call
+    a2a_fwd, a2a_bwd = _a2a_times(plan, device, blocks)  # the experts' all-to-all (ep > 1)
     recompute_comm = recompute_wire + recompute_calls * call
     all_calls = fwd_calls + bwd_calls + recompute_calls
     backward_compute = ((2 * (compute - bound.forward) + bound.backward)
                         * (device.split_backward_factor if split else 1.0))
-    return _StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s,
+    return _StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s + a2a_fwd,
                        backward=(backward_compute + tp_bwd + extra + recompute_comm
-                                 + layers * ring.backward_exposed_s),
+                                 + layers * ring.backward_exposed_s + a2a_bwd),
                        tp_comm=tp_fwd + tp_bwd + recompute_comm,
                        tp_wire=(fwd_wire + bwd_wire + recompute_wire
                                 + all_calls * (call - call_cpu)),
                        cp_ring=layers * (ring.forward_s + ring.backward_s),
                        cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
+
+
+def _a2a_times(plan: JobPlan, device: Device, blocks: range) -> tuple[float, float]:
+    """The experts' all-to-all in one micro-batch's forward and backward of ``blocks``
+    (``hybrid.planning.cost.moe_traffic``), on the link its expert groups use."""
+    m, layout = plan.cfg.model, plan.layout
+    if layout.ep == 1:
+        return 0.0, 0.0
+    moe = sum(m.is_moe_layer(b) for b in blocks if 1 <= b <= m.layers)
+    per_node = plan.priced_ranks_per_node
+    crosses = any(len({r // per_node for r in g}) > 1 for g in layout.groups("ep"))
+    link = device.inter if crosses else device.intra_for(per_node)
+    return a2a_times(plan.cfg, layout, link, moe)
 
 
 SIMULATE_UP_TO = 4096

@@ -11,8 +11,9 @@ Parameters of an MoE layer's MLP (``E`` experts, ``F`` = ``moe_ffn_hidden``)::
     mlp.experts.up      [E, F, h]   dim 1
     mlp.experts.down    [E, h, F]   dim 2
 
-The three expert tensors carry the ``EXPERT`` placement (``hybrid.planning.param_spec``); the
-router is dense.
+The three expert tensors carry the ``EXPERT`` placement (``hybrid.planning.param_spec``) and
+are split over the expert-parallel group on dim 0 (``ep_dim``: each rank of it holds
+``E / ep`` whole experts, TP-split as above); the router is dense.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def moe_mlp_specs(m) -> dict[str, ParamSpec]:
         "mlp.router.weight": ParamSpec(name="", shape=(e, h), weight_decay=True,
                                        sequence_partial=True),
         "mlp.experts.gate": ParamSpec(name="", shape=(e, f, h), tp_dim=1, weight_decay=True,
-                                      placement=EXPERT),
+                                      placement=EXPERT, ep_dim=0),
         "mlp.experts.up": ParamSpec(name="", shape=(e, f, h), tp_dim=1, weight_decay=True,
-                                    placement=EXPERT),
+                                    placement=EXPERT, ep_dim=0),
         "mlp.experts.down": ParamSpec(name="", shape=(e, h, f), tp_dim=2, weight_decay=True,
-                                      placement=EXPERT),
+                                      placement=EXPERT, ep_dim=0),
     }
 
 
