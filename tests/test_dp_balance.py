@@ -260,7 +260,7 @@ def test_zero2_spreads_its_rounds_of_zeros_among_its_own(own, extra, expected):
             return None
 
     def shard(index):
-        bucket = SimpleNamespace(index=index, numel=4, late=False, params=[0],
+        bucket = SimpleNamespace(index=index, numel=4, late=False, params=[0], shard_group=None,
                                  span=lambda slot: (0, 4))
         return SimpleNamespace(bucket=bucket, grad=torch.zeros(2))
 
