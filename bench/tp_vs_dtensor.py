@@ -61,9 +61,9 @@ class SizedCounter(CommCounter):
         super().__init__(groups)
         self.log: list[tuple[str, int]] = []
 
-    def collective(self, group, op, kind, payload, issue, waits):
+    def collective(self, group, op, kind, payload, issue, waits, sent=0):
         self.log.append((op.replace("_", "-"), payload))
-        return super().collective(group, op, kind, payload, issue, waits)
+        return super().collective(group, op, kind, payload, issue, waits, sent)
 
 
 # ----- the plain torch model: hybrid's parameter names, activations [b, s, h] ------------------

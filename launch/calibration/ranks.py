@@ -216,7 +216,7 @@ class _SkipCollectives:
 
     active = True
 
-    def collective(self, group, op, kind, payload, issue, waits: bool):
+    def collective(self, group, op, kind, payload, issue, waits: bool, sent: int = 0):
         return None
 
 
@@ -246,7 +246,7 @@ class _CallTimer:
     def __init__(self) -> None:
         self.calls, self.wall, self.cpu = 0, 0.0, 0.0
 
-    def collective(self, group, op, kind, payload, issue, waits: bool):
+    def collective(self, group, op, kind, payload, issue, waits: bool, sent: int = 0):
         cpu, begun = time.process_time(), time.perf_counter()
         work = issue()
         if waits and work is not None:

@@ -25,13 +25,13 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from hybrid.planning.layout import COORD_ORDER
+from hybrid.step_record import COUNTED as COMM_AXES  # the layout's axes and the experts' a2a
 from launch.commands.compare import load_run
 from launch.reports.loss_compare import CompareError, deviations_from_reference
 
 CELL_FILE = "cell.json"
 COLUMNS = ("cell", "settings", "status", "reason", "tokens_per_s", "step_time_s",
-           "peak_mem_bytes", "bubble_measured", *(f"comm_bytes_{axis}" for axis in COORD_ORDER),
+           "peak_mem_bytes", "bubble_measured", *(f"comm_bytes_{axis}" for axis in COMM_AXES),
            "predicted_step_time_s", "predicted_mem_bytes_per_rank", "max_loss_dev",
            "loss_reference", "predicted_on", "assumes", "replica_speed", "dp_balance_saving")
 
@@ -230,12 +230,12 @@ def _fmt(value, scale: float = 1, digits: str = ".3g") -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["# Sweep", "", "| cell | settings | status | tokens/s | step s | predicted step s "
-             f"| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB {'/'.join(COORD_ORDER)} "
+             f"| peak mem GiB | predicted mem/rank GiB | bubble | comm MiB {'/'.join(COMM_AXES)} "
              "| loss dev "
              "| reason |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        comm = "/".join(_fmt(r[f"comm_bytes_{a}"], 2**20) for a in COORD_ORDER)
+        comm = "/".join(_fmt(r[f"comm_bytes_{a}"], 2**20) for a in COMM_AXES)
         cells = [r["cell"], r["settings"], r["status"], _fmt(r["tokens_per_s"], 1, ",.0f"),
                  _fmt(r["step_time_s"]), _fmt(r["predicted_step_time_s"]),
                  _fmt(r["peak_mem_bytes"], 2**30), _fmt(r["predicted_mem_bytes_per_rank"], 2**30),
