@@ -170,3 +170,21 @@ def test_a_search_where_nothing_fits_says_so_in_one_line():
     line = no_layout_line(search(cfg, 8, A100, top=3))
     assert "\n" not in line and "have does not fit in device memory, e.g. parallel.dp=" in line
     assert "or more of 80.0 GiB (a100-80gb)" in line
+
+
+def test_a_mixture_of_experts_search_prints_each_layouts_ep():
+    """A mixture-of-experts model's candidates vary ``parallel.ep``: the table shows it in its
+    own column, as their run lines carry it; a dense model's table has no such column."""
+    from hybrid.planning.cost.search_report import format_search
+
+    def table(model: str) -> tuple[list[str], list[dict]]:
+        cfg = compose_plan_config([f"model={model}", "search.world=8", "search.top=40"])
+        result = search(cfg, 8, PRESETS["cpu"], top=40)
+        return format_search(result).splitlines(), result["candidates"]
+
+    lines, found = table("moe-tiny")
+    header = lines[1].split()
+    assert header[:6] == ["#", "dp", "cp", "tp", "pp", "ep"]
+    rows = [line.split() for line in lines[2:2 + len(found)]]
+    assert [int(row[5]) for row in rows] == [c["settings"]["ep"] for c in found]
+    assert "ep" not in table("tiny")[0][1].split()

@@ -25,14 +25,17 @@ def no_layout_line(result: dict) -> str:
 
 def format_search(result: dict) -> str:
     """The table ``hybrid-plan search.world=N`` prints, best first."""
+    # an ep column for a mixture-of-experts model only (its candidates carry ep)
+    experts = any("ep" in c["settings"] for c in result["candidates"])
     lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
              f"{result['world']} devices ({result['device']}), by predicted step time:",
-             " #   dp  cp  tp  pp vpp schedule          mb zero sp  recompute  step s   "
-             "TFLOP/s   mem/rank"]
+             f" #   dp  cp  tp  pp{'  ep' * experts} vpp schedule          mb zero sp  "
+             "recompute  step s   TFLOP/s   mem/rank"]
     for i, c in enumerate(result["candidates"], 1):
         s, p = c["settings"], c["predicted"]
+        ep = f" {s['ep']:>3}" if experts else ""
         lines.append(
-            f"{i:>2} {s['dp']:>4} {s['cp']:>3} {s['tp']:>3} {s['pp']:>3} {s['vpp']:>3} "
+            f"{i:>2} {s['dp']:>4} {s['cp']:>3} {s['tp']:>3} {s['pp']:>3}{ep} {s['vpp']:>3} "
             f"{s['schedule']:<17} "
             f"{s['micro_batch']:>2} {s['zero']:>4} {'y' if s['sequence_parallel'] else 'n':>2}  "
             f"{s['recompute']:>9} {p['step_time_s']:>7.3g} "
