@@ -1,8 +1,15 @@
 """Fixtures that several test files share."""
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One OpenMP thread for whatever runs in the two pytest workers themselves (in-process models,
+# spawned test jobs, the commands the tests start): two workers on two cores, each computing
+# with both, only take turns. Set before any test module imports torch; a value the person
+# running the suite set wins. hybrid-train's workers take theirs from launcher.omp_threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Test files that share an expensive session fixture run on one xdist worker, so it is built
 # once: the README's main job (about a minute of both cores).
@@ -23,8 +30,6 @@ def user_cache(tmp_path_factory) -> Path:
     """The user's cache (``$XDG_CACHE_HOME``) of every run the tests start: one for the session,
     so the built-in corpus is built once, as on a user's machine, and never in the user's own
     cache."""
-    import os
-
     cache = tmp_path_factory.mktemp("user-cache")
     os.environ["XDG_CACHE_HOME"] = str(cache)
     return cache / "hybrid"
@@ -65,13 +70,33 @@ def reference_runs(tmp_path_factory) -> dict[str, Path]:
     write."""
     from test_train_e2e import TIED, run_train
 
-    def train(name: str) -> Path:
-        run_dir = tmp_path_factory.mktemp(f"reference-{name}")
+    def train(run_dir: Path, name: str) -> None:
         done = run_train(run_dir, "parallel=single", *{"untied": [], "tied": TIED}[name])
         assert done.returncode == 0, done.stderr[-3000:]
-        return run_dir
 
-    return _OnFirstUse(train)
+    return _OnFirstUse(lambda name: _made_once_per_session(
+        tmp_path_factory, f"reference-{name}", lambda run_dir: train(run_dir, name)))
+
+
+def _made_once_per_session(tmp_path_factory, name: str, make) -> Path:
+    """``make(folder)`` once for the whole test session, whichever xdist worker asks first
+    (the others wait for it under a file lock, then read the same folder): the session's
+    shared temporary folder holds it. A folder left unfinished by a failed ``make`` is made
+    again."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -117,8 +142,6 @@ machine's other load (``cpuacct`` of a cgroup v1 per pytest process; Linux, root
 
 
 def _cpu_cgroup():
-    import os
-
     root = Path("/sys/fs/cgroup/cpuacct")
     if not os.environ.get(CPU_LOG) or not root.is_dir():
         return None
@@ -136,7 +159,6 @@ def pytest_runtest_protocol(item, nextitem):
     """With ``HYBRID_TEST_CPU_LOG`` set, the test's CPU seconds (setup, call and teardown)
     and wall seconds are appended to that file."""
     import json
-    import os
     import time
 
     group = getattr(pytest_runtest_protocol, "group", None)
@@ -156,7 +178,6 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_unconfigure(config):
     """The CPU log's cgroup goes when its pytest process ends (the process moved out first)."""
     import contextlib
-    import os
 
     group = getattr(pytest_runtest_protocol, "group", None)
     if group is not None:
