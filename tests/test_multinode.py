@@ -44,7 +44,7 @@ def node(run_dir: Path, rank: int, endpoint: str, *overrides: str) -> subprocess
 def two_network_namespaces():
     """Two network namespaces joined by a veth pair, 10.77.x.1 and 10.77.x.2; yields
     ``[(namespace, interface, address), ...]`` and deletes both (and the pair) afterwards.
-    Skips the test where they cannot be made (not root, no ``ip``, no netns support)."""
+    Yields None where they cannot be made (not root, no ``ip``, no netns support)."""
     tag = f"{os.getpid() % 10000}"
     spaces = [(f"hyb{tag}a", f"hyb{tag}a", f"10.77.{os.getpid() % 250}.1"),
               (f"hyb{tag}b", f"hyb{tag}b", f"10.77.{os.getpid() % 250}.2")]
@@ -66,7 +66,9 @@ def two_network_namespaces():
     except (OSError, subprocess.SubprocessError) as err:
         for space in made:
             subprocess.run(["ip", "netns", "del", space], capture_output=True)
-        pytest.skip(f"cannot make network namespaces here (needs root and iproute2): {err}")
+        print(f"cannot make network namespaces here (needs root and iproute2): {err}")
+        yield None
+        return
     try:
         yield spaces
     finally:
