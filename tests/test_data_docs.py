@@ -32,7 +32,11 @@ def test_the_worked_example_trains_and_the_loss_falls(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for prefix in ("topics", "code"):
         assert (tmp_path / f"{prefix}.bin").is_file() and (tmp_path / f"{prefix}.idx").is_file()
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    losses = [r["loss"] for r in records if "loss" in r]
     assert losses[0] == pytest.approx(math.log(512), abs=0.15)  # a fresh model's guess
-    assert losses[-1] < 4.5  # well below a unigram model of this text
+    # Well below a unigram model of this text (5.3 nats: the blend's token frequencies), on
+    # the training and on the held-out documents.
+    assert len(losses) == 60 and losses[-1] < 4.8
+    assert [r["eval_loss"] for r in records if "eval_loss" in r][-1] < 4.8
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", done.stdout[-600:])
