@@ -141,7 +141,7 @@ def test_a_stopped_node_is_named_by_the_hang_diagnosis_and_left_behind(reference
     rejoining with its stale view."""
     endpoint = f"127.0.0.1:{free_port()}"
     extra = ("checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "launcher.min_nodes=1",
-             "train.collective_timeout_s=20", "launcher.silence_timeout_s=5")
+             "train.collective_timeout_s=10", "launcher.silence_timeout_s=5")
     node0, node1 = start_two_nodes(tmp_path, endpoint, extra)
     family: set[int] = set()
     try:
