@@ -93,12 +93,13 @@ def test_tp_calls_per_step_are_the_ones_hybrids_model_makes():
 def test_gloo_reduces_on_the_cores_that_compute_so_nothing_of_it_hides():
     dp2 = predict(dp=2)
     assert dp2.dp_s > 0 and dp2.dp_exposed_s == dp2.dp_s
-    # on a GPU the same reduction hides behind the backward, and its time is still reported
+    # on a GPU the same reduction hides behind the backward but for its last bucket (ready
+    # only when the backward ends), and its time is still reported
     wide = Config(model=replace(SMALL, hidden=2048, heads=16, seq_len=2048),
                   train=TrainConfig(global_batch=32, micro_batch=1, precision="bf16"))
     wide.parallel = replace(wide.parallel, dp=2)
     gpu = predict_step(plan_job(wide), PRESETS["h100-80gb"])
-    assert gpu.dp_s > 0 and gpu.dp_exposed_s == 0
+    assert gpu.dp_s > 0 and 0 < gpu.dp_exposed_s < 0.05 * gpu.dp_s
 
 
 def test_a_split_backward_costs_its_measured_factor_on_the_stages_that_split():

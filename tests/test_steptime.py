@@ -82,6 +82,31 @@ def test_dp_over_a_slow_network_is_exposed_and_stays_hidden_inside_a_node():
     assert inside.dp_s == pytest.approx(predict_step(plan_job(cfg), PRESETS["h100-80gb"]).dp_s)
 
 
+def test_the_last_bucket_of_a_single_backward_cannot_hide():
+    """PyTorch's DDP reduces each bucket while the backward makes the next, but the bucket
+    made last is ready only when the backward ends: its reduction sticks out however long
+    the backward. On the first stage that bucket is the tied word embedding's (its gradient
+    is complete only after the lookup's backward, the very last), a bucket of its own."""
+    from hybrid.planning.cost.collectives import BUCKET_BYTES
+    from hybrid.planning.cost.devices import PRESETS
+    from hybrid.planning.strategies.base import DpTime, RankTraffic
+    from hybrid.planning.strategies.zero import Replicated
+
+    link = Link(bandwidth=160e9, latency=1e-5)
+    traffic = RankTraffic(lambda: [], dp=32, microbatches=1, bucket_mb=25)
+    timing = DpTime(device=PRESETS["a100-80gb"], link=link, params=1_650_000_000,
+                    backward=2.0, makespan=3.0, matmul_width=2304)
+    total, exposed = Replicated().time(traffic, timing, 2)
+    assert exposed == pytest.approx(ring_all_reduce(BUCKET_BYTES, 32, link)) and total > 2e-2
+    embedding = 51200 * 2304  # Narayanan et al.'s 1.7B run: 236 MB in 16 bits
+    _, first_stage = Replicated().time(traffic, replace(timing, last_params=embedding), 2)
+    assert first_stage == pytest.approx(ring_all_reduce(2 * embedding, 32, link))
+    assert 3e-3 < first_stage < 4e-3  # 0.1% of that run's 3 s step
+    # a backward too short to hide the rest: all that is not hidden, as before
+    _, short = Replicated().time(traffic, replace(timing, backward=1e-3), 2)
+    assert short == pytest.approx(total - 1e-3)
+
+
 def test_dp_options_pay_where_the_network_is_slow():
     """DP over two nodes at 10 Gb/s: compression and fewer syncs cut the exposed DP time in
     proportion to the bytes they save, and cost the memory they keep; inside one node at

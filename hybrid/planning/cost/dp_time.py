@@ -41,7 +41,9 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
                               bucket_mb=cfg.parallel.bucket_mb,
                               gathers=_gathers(plan) if sharding.gathers_params else None)
         timing = DpTime(device=device, link=link, params=est.params, backward=last_backward[r],
-                        makespan=makespan, matmul_width=cfg.model.hidden / plan.layout.tp)
+                        makespan=makespan, matmul_width=cfg.model.hidden / plan.layout.tp,
+                        last_params=(cfg.model.padded_vocab * cfg.model.hidden / plan.layout.tp
+                                     if any(0 in b for b in stages) else 0.0))
         pair = reduction.time(traffic, timing, options, sharding)
         worst = max(worst, pair, key=lambda p: (p[1], p[0]))  # ties: the longer
     return worst

@@ -1,7 +1,7 @@
 """The pipeline's makespan three ways (pure: no torch): simulated on the stages' times, its
 closed-form bubble (for ranking thousands of layouts), and a lower bound no order of the
 schedule's actions can beat (what makes the layout search exact). ``times``: one entry per
-virtual stage with ``forward`` and ``backward`` seconds (``steptime._StageTimes``)."""
+virtual stage with ``forward`` and ``backward`` seconds (``stage_time.StageTimes``)."""
 
 from __future__ import annotations
 

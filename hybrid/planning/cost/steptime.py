@@ -1,7 +1,7 @@
 """Predicted step time of a planned job on a device (pure: no torch).
 
-Each stage's compute comes from its FLOPs at the device's achieved rate; tensor-parallel
-collectives (``tp_time``: the calls hybrid's layers make, each at the device's cost per call
+Each stage's compute (``stage_time``: one micro-batch's forward and backward on one rank)
+comes from its FLOPs at the device's achieved rate; tensor-parallel collectives (``tp_time``: the calls hybrid's layers make, each at the device's cost per call
 beyond its ring time), pipeline sends, context parallelism's ring (``context_time``) and the
 data-parallel gradient reduction from their volumes over the link they cross (inside a node
 or between nodes). The pipeline's makespan, bubbles included, is hybrid's own simulator run on
@@ -25,16 +25,13 @@ from dataclasses import asdict, dataclass
 from dataclasses import replace as dc_replace
 
 from hybrid.planning.cost.collectives import ring_gather
-from hybrid.planning.cost.context_time import ring_times
-from hybrid.planning.cost.moe_traffic import a2a_times
-from hybrid.planning.cost.devices import Device, Link
+from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.dp_time import dp_times
-from hybrid.planning.cost.flops import (
-    attention_core_flops, head_forward_flops, layer_forward_flops, paper_flops_per_step,
-)
-from hybrid.planning.cost.memory_bound import stage_memory_bound
+from hybrid.planning.cost.flops import paper_flops_per_step
 from hybrid.planning.cost.sizes import BYTES
-from hybrid.planning.cost.tp_time import tp_traffic
+from hybrid.planning.cost.stage_time import (
+    StageTimes, link_for, stage_times,
+)
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.registry import schedule_splits_backward
 from hybrid.planning.cost.makespan import (
@@ -71,101 +68,6 @@ class StepPrediction:
         return asdict(self)
 
 
-def _link(plan: JobPlan, device: Device, axis: str) -> Link:
-    """Between nodes, or inside one: there, as measured with as many processes as the node
-    runs (on shared CPU cores the ranks that are not in the group still compete). A GPU
-    group with ``g`` members on each node it spans crosses between nodes on ``g`` NICs at
-    once (a DGX A100 has one 200 Gb/s HCA per GPU; NCCL spreads its rings over them), so
-    its ring runs at ``g`` NICs' bandwidth, at most the node's own link's."""
-    per_node = plan.priced_ranks_per_node
-    if not plan.layout.crosses_nodes(axis, per_node):
-        return device.intra_for(per_node)
-    if device.cores or axis == "pp":  # a pipeline message leaves on its sender's NIC only
-        return device.inter
-    layout = plan.layout
-    stride = layout.rank(**{axis: 1})  # consecutive members' distance in ranks
-    members = min(layout.size(axis), per_node // stride) if stride < per_node else 1
-    if members <= 1:
-        return device.inter
-    return Link(bandwidth=min(device.intra.bandwidth, members * device.inter.bandwidth),
-                latency=device.inter.latency)
-
-
-@dataclass(frozen=True)
-class _StageTimes:
-    forward: float
-    backward: float
-    tp_comm: float
-    """TP collectives in both passes: their ring time and per-call overhead."""
-    tp_wire: float
-    """Of which waiting (ring time, and the calls' time that is not CPU work), which other
-    ranks can fill on shared cores."""
-    cp_ring: float = 0.0
-    """Context parallelism's ring in both passes (its exposed part is in forward/backward)."""
-    cp_exposed: float = 0.0
-
-
-def _stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = False
-                 ) -> _StageTimes:
-    """One micro-batch of one stage on one TP rank: forward and full backward seconds
-    (``split``: as ``I`` + ``W``, at the device's ``split_backward_factor``). Under
-    context parallelism a rank works on ``seq_len / cp`` tokens (zigzag: a ``1 / cp`` share of
-    the attention too) and passes keys and values around its ring."""
-    cfg, tp, cp = plan.cfg, plan.layout.tp, plan.layout.cp
-    m, b = cfg.model, cfg.train.micro_batch
-    rate = device.compute_rate(cfg.train.precision, m.hidden / tp, b * m.seq_len / cp,
-                               threads_per_rank(plan, device))
-    act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision] / cp
-    layers = sum(1 for block in blocks if 1 <= block <= m.layers)
-    layer = layer_forward_flops(m, b) / tp / cp / rate * device.tp_compute_factor(tp)
-    compute = layers * layer
-    ring = ring_times(cfg, plan.layout, _link(plan, device, "cp"),
-                      attention_core_flops(m, b) / tp / cp / rate, overlaps=not device.cores)
-    if m.layers + 1 in blocks:
-        compute += head_forward_flops(m, b) / tp / cp / rate
-    traffic = tp_traffic(plan, device, _link(plan, device, "tp"), blocks, act, layers)
-    fwd_wire, fwd_calls, bwd_wire, bwd_calls = traffic.forward + traffic.backward
-    call, call_cpu = (device.tp_call(tp, cfg.parallel.sequence_parallel) if tp > 1
-                      else (0.0, 0.0))
-    recompute_wire = recompute_calls = 0.0
-    extra = 0.0
-    bound = stage_memory_bound(cfg, tp, cp, device, blocks, layers,
-                               attention_core_flops(m, b) / tp / cp / rate)
-    compute += bound.forward
-    if m.recompute == "full":
-        extra = layers * layer + bound.forward
-        recompute_wire, recompute_calls = traffic.layers
-    elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
-        extra = layers * attention_core_flops(m, b) / tp / rate + bound.scores
-    tp_fwd, tp_bwd = fwd_wire + fwd_calls * call, bwd_wire + bwd_calls * call
-    a2a_fwd, a2a_bwd = _a2a_times(plan, device, blocks)  # the experts' all-to-all (ep > 1)
-    recompute_comm = recompute_wire + recompute_calls * call
-    all_calls = fwd_calls + bwd_calls + recompute_calls
-    backward_compute = ((2 * (compute - bound.forward) + bound.backward)
-                        * (device.split_backward_factor if split else 1.0))
-    return _StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s + a2a_fwd,
-                       backward=(backward_compute + tp_bwd + extra + recompute_comm
-                                 + layers * ring.backward_exposed_s + a2a_bwd),
-                       tp_comm=tp_fwd + tp_bwd + recompute_comm,
-                       tp_wire=(fwd_wire + bwd_wire + recompute_wire
-                                + all_calls * (call - call_cpu)),
-                       cp_ring=layers * (ring.forward_s + ring.backward_s),
-                       cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
-
-
-def _a2a_times(plan: JobPlan, device: Device, blocks: range) -> tuple[float, float]:
-    """The experts' all-to-all in one micro-batch's forward and backward of ``blocks``
-    (``hybrid.planning.cost.moe_traffic``), on the link its expert groups use."""
-    m, layout = plan.cfg.model, plan.layout
-    if layout.ep == 1:
-        return 0.0, 0.0
-    moe = sum(m.is_moe_layer(b) for b in blocks if 1 <= b <= m.layers)
-    per_node = plan.priced_ranks_per_node
-    crosses = any(len({r // per_node for r in g}) > 1 for g in layout.groups("ep"))
-    link = device.inter if crosses else device.intra_for(per_node)
-    return a2a_times(plan.cfg, layout, link, moe)
-
-
 SIMULATE_UP_TO = 4096
 """Virtual stages x micro-batches up to which ``predict_step`` simulates the schedule (about
 0.1 s); above, it prices the closed-form bubble, in ``hybrid-plan`` and the search alike."""
@@ -186,7 +88,7 @@ class _RankSums:
     cp_exposed: float
 
 
-def _rank_sums(times: list[_StageTimes], m: int) -> _RankSums:
+def _rank_sums(times: list[StageTimes], m: int) -> _RankSums:
     return _RankSums(busy=m * sum(t.forward + t.backward for t in times),
                      cpu_busy=m * sum(t.forward + t.backward - t.tp_wire for t in times),
                      wire=m * sum(t.tp_wire for t in times),
@@ -200,7 +102,7 @@ def _rank_sums(times: list[_StageTimes], m: int) -> _RankSums:
 class _Parts:
     """What every pricing of a plan shares: per-stage times and per-pipeline-rank sums."""
 
-    times: list[_StageTimes]
+    times: list[StageTimes]
     p2p: float
     """What a pipeline message adds between two ranks' actions (0 where it blocks a rank:
     then it is in the actions' times)."""
@@ -223,7 +125,7 @@ def _parts(plan: JobPlan, device: Device) -> _Parts:
         split = splits and stage.index > 0
         key = (len(stage.blocks), *(edge in stage.blocks for edge in edges), split)
         if key not in known:
-            known[key] = _stage_times(plan, device, stage.blocks, split=split)
+            known[key] = stage_times(plan, device, stage.blocks, split=split)
         keys.append(key)
     message = _p2p_time(plan, device)
     link_p2p = message
@@ -291,7 +193,7 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
                 simulated: bool) -> StepPrediction:
     cfg, layout = plan.cfg, plan.layout
     busiest = max(range(layout.pp), key=parts.busy.__getitem__)
-    dp_link = _link(plan, device, "dp")
+    dp_link = link_for(plan, device, "dp")
     last_backward = [r.last_backward for r in parts.ranks]
     dp_s, dp_exposed = dp_times(plan, device, dp_link, last_backward, makespan)
     if device.cores or device.dp_after_backward:
@@ -314,14 +216,6 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory),
         cp_s=parts.ranks[busiest].cp_ring, cp_exposed_s=parts.ranks[busiest].cp_exposed,
         schedule_simulated=simulated)
-
-
-def threads_per_rank(plan: JobPlan, device: Device) -> int:
-    """The threads each rank computes with: ``launcher.omp_threads``, else the node's cores
-    shared out as ``hybrid-train`` does (one on a device of its own)."""
-    if not device.cores:
-        return 1
-    return plan.cfg.launcher.omp_threads or max(1, device.cores // plan.priced_ranks_per_node)
 
 
 def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: float
@@ -355,7 +249,7 @@ def _p2p_time(plan: JobPlan, device: Device) -> float:
     cfg, tp = plan.cfg, plan.layout.tp
     nbytes = (cfg.train.micro_batch * cfg.model.seq_len // plan.layout.cp * cfg.model.hidden
               * BYTES[cfg.train.precision])
-    link = _link(plan, device, "pp")
+    link = link_for(plan, device, "pp")
     gather = 0.0
     if cfg.parallel.sequence_parallel:
         nbytes /= tp

@@ -114,9 +114,19 @@ class DpTime:
     """The pipeline's time: what a reduction a step late can hide in."""
     matmul_width: float
     """A weight's width per TP rank (the rate of a lossy option's own arithmetic)."""
+    last_params: float = 0.0
+    """Weights whose gradient the backward makes last: on the first stage the word
+    embedding, whose gradient is complete only after the input's lookup is differentiated,
+    the backward's very last step; a tensor larger than a bucket is a bucket of its own."""
 
     def buckets(self, grad_bytes: float) -> int:
         return max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+
+    def last_bucket_bytes(self, width: int) -> float:
+        """The bucket that is ready only when the backward ends, so that no compute is left
+        to hide its reduction behind: the last weights' gradients, or a bucket's worth of
+        the first layer's, at most all of them."""
+        return min(width * self.params, max(width * self.last_params, BUCKET_BYTES))
 
 
 class ShardingSpec:

@@ -46,7 +46,11 @@ class Replicated(ShardingSpec):
     def time(self, traffic, timing, width):
         grads = width * timing.params
         total = ring_all_reduce(grads, traffic.dp, timing.link, timing.buckets(grads))
-        return total, max(0.0, total - timing.backward)
+        # the buckets reduce while the backward makes the next ones, but the last is ready
+        # only when it ends: at least its reduction sticks out (PyTorch's DDP launches the
+        # buckets in order, so it also waits behind whatever has not finished)
+        last = ring_all_reduce(timing.last_bucket_bytes(width), traffic.dp, timing.link)
+        return total, max(0.0, total - timing.backward, min(last, total))
 
     def choices(self):
         return [("exact", {})]
