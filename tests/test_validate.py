@@ -155,6 +155,23 @@ def test_each_launcher_words_its_own_rules(launcher, expected):
         expected in launcher_problem(cfg)
 
 
+def test_the_launchers_are_named_in_one_order_whichever_registered_first():
+    """Importing ``launch.launchers.slurm`` before the others registers it first; the
+    message still names the built-in launchers in their order (#43: it did not)."""
+    from launch.launchers.launcher import LAUNCHERS
+    from launch.launchers.registered import launcher_problem
+
+    saved = dict(LAUNCHERS)
+    try:
+        LAUNCHERS.clear()
+        LAUNCHERS.update(reversed(list(saved.items())))
+        assert launcher_problem(make(launcher={"name": "mpirun"})).endswith(
+            "choose one of local, torchrun, slurm")
+    finally:
+        LAUNCHERS.clear()
+        LAUNCHERS.update(saved)
+
+
 def test_torchrun_checkpoints_on_several_nodes_need_one_shared_directory():
     from launch.launchers.registered import launcher_problem
 

@@ -34,6 +34,8 @@ class Launcher(Protocol):
 
 
 LAUNCHERS: dict[str, type] = {}
+BUILT_IN = ("local", "torchrun", "slurm")
+"""The built-in launchers, in the order messages name them (whichever was imported first)."""
 
 
 def register_launcher(cls: type) -> type:
@@ -42,9 +44,17 @@ def register_launcher(cls: type) -> type:
     return cls
 
 
+def launcher_names() -> list[str]:
+    """The registered names: the built-in ones in ``BUILT_IN``'s order, then the others in
+    the order they registered (so a message does not depend on which module was imported
+    first)."""
+    return sorted(LAUNCHERS, key=lambda name: BUILT_IN.index(name) if name in BUILT_IN
+                  else len(BUILT_IN))
+
+
 def launcher_for(name: str) -> Launcher:
     """The registered launcher ``launcher.name`` names; ``LayoutError`` (one line) if none."""
     if name not in LAUNCHERS:
         raise LayoutError(f"launcher.name={name!r} is unknown; choose one of "
-                          f"{', '.join(LAUNCHERS)}")
+                          f"{', '.join(launcher_names())}")
     return LAUNCHERS[name]()

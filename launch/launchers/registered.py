@@ -9,7 +9,7 @@ from typing import Optional
 from launch.launchers import local  # noqa: I001
 from launch.launchers import torchrun
 from launch.launchers import slurm
-from launch.launchers.launcher import LAUNCHERS, Launcher, launcher_for
+from launch.launchers.launcher import LAUNCHERS, Launcher, launcher_for, launcher_names
 
 BUILT_IN = (local, torchrun, slurm)
 
@@ -20,7 +20,7 @@ def unknown_launcher(cfg) -> Optional[str]:
     """The one line refusing an unregistered ``launcher.name``, or None."""
     if cfg.launcher.name not in LAUNCHERS:
         return (f"launcher.name={cfg.launcher.name!r} is unknown; choose one of "
-                f"{', '.join(LAUNCHERS)}")
+                f"{', '.join(launcher_names())}")
     return None
 
 
