@@ -160,3 +160,21 @@ def test_hf_export_drops_a_zero_bias_and_refuses_a_moved_one():
     with pytest.raises(ConversionError, match="blocks.2.mlp.expert_bias is nonzero .max "
                                               r"\|bias\| 0.03, 1 MoE layers.*--format torch"):
         to_hf({**weights, **biases}, model)
+
+
+def test_a_resume_loads_the_saved_biases_and_leaves_missing_ones_at_zero(capsys):
+    """``Checkpointer._bias_targets``: what a resume asks DCP for (only what was saved: an
+    older checkpoint, or one saved with the rate at 0, has no bias to load)."""
+    from types import SimpleNamespace
+
+    from hybrid.checkpoint.checkpointer import Checkpointer
+
+    biases = {"blocks.1.mlp.expert_bias": torch.zeros(4)}
+    rank0 = SimpleNamespace(biases=biases, groups=SimpleNamespace(world=_OneRank()),
+                            cfg=SimpleNamespace(model=SimpleNamespace(moe_expert_bias_rate=0.01)))
+    saved = {"model.blocks.1.mlp.expert_bias": {}, "model.blocks.1.mlp.router.weight": {}}
+    assert Checkpointer._bias_targets(rank0, Path("step_3"), saved) == {
+        "model.blocks.1.mlp.expert_bias": biases["blocks.1.mlp.expert_bias"]}
+    assert capsys.readouterr().err == ""
+    assert Checkpointer._bias_targets(rank0, Path("step_3"), {}) == {}
+    assert "step_3 holds no MoE expert bias; the bias starts at zero" in capsys.readouterr().err
