@@ -114,6 +114,7 @@ def test_a_layer_counts_its_routed_slots_and_the_update_moves_its_bias():
 def test_the_plan_predicts_the_bias_all_reduce(parallel):
     from hybrid.planning.config import Config, ParallelConfig
     from hybrid.planning.job import plan_job, rank_dp_bytes
+    from hybrid.planning.view import plan_dict
 
     model = preset("moe-tiny")
     on = Config(model=replace(model, moe_expert_bias_rate=1e-3),
@@ -126,6 +127,8 @@ def test_the_plan_predicts_the_bias_all_reduce(parallel):
         payload = layers * model.experts * 8  # int64 routed slots
         extra = rank_dp_bytes(on, plan_on, pp_rank, 2) - rank_dp_bytes(off, plan_off, pp_rank, 2)
         assert extra == 2 * (ranks - 1) / ranks * payload
+        assert plan_dict(plan_on)["experts"]["expert_bias_bytes_per_step"][pp_rank] == extra
+    assert not any(plan_dict(plan_off)["experts"]["expert_bias_bytes_per_step"])
 
 
 def _manifest(model) -> dict:
