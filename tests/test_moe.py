@@ -1,8 +1,8 @@
 """The mixture-of-experts MLP (docs/moe.md): its parameter table and placements, FLOPs and
 parameter count, the router and the load-balancing loss, one-line errors before launch, and,
-through ``hybrid-train``, a tiny MoE model's losses with the aux loss on equal to the 1-process
-run's on dp2, dp2 with ZeRO-1, tp2 (with and without sequence parallelism) and pp2 1F1B
-(rtol 1e-4), and a checkpoint resumed on another layout."""
+through ``hybrid-train``, a tiny MoE model's losses with the aux loss and the aux-loss-free
+expert bias on equal to the 1-process run's, and its final expert biases too, on dense and
+expert-parallel layouts (rtol 1e-4), and a checkpoint resumed on another layout."""
 
 import math
 from dataclasses import replace
