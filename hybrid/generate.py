@@ -105,6 +105,7 @@ def one_process_model(source: Source) -> Iterator[torch.nn.Module]:
     from hybrid.groups import ParallelGroups
     from hybrid.interop.gpt2 import pad_vocabulary
     from hybrid.model import GPT, load_global_weights
+    from hybrid.model.expert_bias import load_expert_biases
     from hybrid.planning.layout import Layout
 
     started = not dist.is_initialized()
@@ -113,8 +114,9 @@ def one_process_model(source: Source) -> Iterator[torch.nn.Module]:
     try:
         groups = ParallelGroups.create(Layout())
         model = GPT(source.model, groups, seed=0)
+        weights = load_expert_biases([model], source.weights)  # MoE routing's, if any
         load_global_weights(model.parameters(),
-                            pad_vocabulary(source.weights, source.model.padded_vocab), groups)
+                            pad_vocabulary(weights, source.model.padded_vocab), groups)
         yield model.eval()
     finally:
         if started:

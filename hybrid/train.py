@@ -33,6 +33,7 @@ from hybrid.memory_check import counted_state_bytes, write_memory_check
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model import lm_loss
 from hybrid.model.activations import SavedTensors
+from hybrid.model.expert_bias import update_expert_biases
 from hybrid.model.moe import moe_step_stats, set_aux_loss_scale
 from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
@@ -159,6 +160,7 @@ class Trainer:
 
                 grad_norm = self.sync.finish_step(lr=lr, max_norm=self.cfg.train.grad_clip,
                                                   check=check)
+                update_expert_biases(self.chunks.values(), self.groups.loss)  # if any
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 waits = [self.watch.wait_s[axis] for axis in WAIT_AXES]
                 times = self._gather([elapsed, peak_memory_bytes(self.device), cpu,

@@ -1,8 +1,8 @@
 """The mixture-of-experts MLP (docs/moe.md): its parameter table and placements, FLOPs and
 parameter count, the router and the load-balancing loss, one-line errors before launch, and,
-through ``hybrid-train``, a tiny MoE model's losses with the aux loss on equal to the 1-process
-run's on dp2, dp2 with ZeRO-1, tp2 (with and without sequence parallelism) and pp2 1F1B
-(rtol 1e-4), and a checkpoint resumed on another layout."""
+through ``hybrid-train``, a tiny MoE model's losses with the aux loss and the aux-loss-free
+expert bias on equal to the 1-process run's, and its final expert biases too, on dense and
+expert-parallel layouts (rtol 1e-4), and a checkpoint resumed on another layout."""
 
 import math
 from dataclasses import replace
@@ -20,7 +20,9 @@ from hybrid.planning.validate import check_model_shape
 from hybrid.testing import checked_records
 from test_llama import assert_same_losses, preset, run_train
 
-MOE = ["model=moe-tiny"]
+MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01"]
+"""moe-tiny with the aux-loss-free expert bias on too (every run below, the reference's as
+well): each layout's losses and final biases are the 1-process run's."""
 
 
 def test_moe_layers_carry_a_router_and_stacked_experts_with_the_expert_placement():
@@ -107,6 +109,8 @@ def test_the_aux_loss_adds_its_scaled_gradient_and_leaves_the_output_alone():
     ({"moe_aux_loss": -0.1}, "model.moe_aux_loss=-0.1 must be a number >= 0"),
     ({"moe_every": 0}, "model.moe_every=0 must be an integer >= 1"),
     ({"experts": -2}, "model.experts=-2 must be an integer >= 1"),
+    ({"moe_expert_bias_rate": -0.001}, "model.moe_expert_bias_rate=-0.001 must be a number "
+                                        ">= 0"),
     ({"moe_router": "sinkhorn"}, "model.moe_router='sinkhorn' is not one of softmax_topk, "
                                  "topk_softmax"),
     ({"moe_ffn_hidden": 31}, None),  # tp=2 below does not split 31
@@ -156,24 +160,55 @@ LAYOUTS = {
 }
 
 
+LAST = ["checkpoint.every=6"]
+"""A checkpoint at the last step (test_llama's 6): the run's final expert biases."""
+
+
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
+def moe_reference_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe-reference")
-    done = run_train(run_dir, *MOE, "parallel=single")
+    done = run_train(run_dir, *MOE, "parallel=single", *LAST)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [r["loss"] for r in checked_records(run_dir)]
+    biases = final_biases(run_dir)
+    assert len(biases) == preset("moe-tiny").layers
+    assert any(bias.abs().max() > 0 for bias in biases.values())  # they moved
+    return [r["loss"] for r in checked_records(run_dir)], biases
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_reference_run):
+    return moe_reference_run[0]
+
+
+def final_biases(run_dir) -> dict:
+    """The expert biases of a run's step-6 checkpoint, by global name."""
+    from hybrid.checkpoint.weights import read_model_weights
+    from hybrid.planning.models.moe import is_expert_bias
+
+    weights = read_model_weights(run_dir / "checkpoints" / "step_00000006")
+    return {name: t for name, t in weights.items() if is_expert_bias(name)}
+
+
+def assert_same_biases(run_dir, reference: dict) -> None:
+    biases = final_biases(run_dir)
+    assert sorted(biases) == sorted(reference)
+    for name, bias in biases.items():
+        torch.testing.assert_close(bias, reference[name], rtol=1e-4, atol=0, msg=name)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_reference, tmp_path):
-    done = run_train(tmp_path, *MOE, *LAYOUTS[name])
+def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_reference_run,
+                                                              tmp_path):
+    done = run_train(tmp_path, *MOE, *LAYOUTS[name], *LAST)
     assert done.returncode == 0, done.stderr[-3000:]
     # checked: every rank's state bytes, and DP bytes (the experts' buckets over their own
-    # expert data-parallel group, the dense ones over dp x cp) as predicted, every step
+    # expert data-parallel group, the dense ones over dp x cp, the expert biases' counts over
+    # dp x cp) as predicted, every step
     records = checked_records(tmp_path)
-    assert_same_losses([r["loss"] for r in records], moe_reference)
+    assert_same_losses([r["loss"] for r in records], moe_reference_run[0])
+    assert_same_biases(tmp_path, moe_reference_run[1])  # every stage's layers, on any layout
     if "-ep" in name:
         assert all(r["comm_bytes"]["ep"] > 0 for r in records)  # tokens travelled
         _assert_expert_groups(tmp_path)
@@ -222,10 +257,12 @@ def test_the_aux_loss_changes_the_training(moe_reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_a_checkpoint_saved_on_ep2_resumes_on_ep1_and_ep4_with_the_same_losses(
-        moe_reference, tmp_path):
+        moe_reference_run, tmp_path):
     """Saved on dp2 ep2 x tp2 with sequence parallelism (experts split over ep and TP),
     resumed on dp2 (ep1: every expert on every rank) and on dp4 ep4 (one expert a rank): the
-    checkpoint holds every expert by its global index."""
+    checkpoint holds every expert by its global index, and the expert biases, so the resumed
+    runs end with the uninterrupted run's biases too."""
+    moe_reference, reference_biases = moe_reference_run
     source = tmp_path / "source"
     done = run_train(source, *MOE, *LAYOUTS["dp2-ep2-tp2"], "parallel.sequence_parallel=true",
                      "checkpoint.every=3")
@@ -233,11 +270,13 @@ def test_a_checkpoint_saved_on_ep2_resumes_on_ep1_and_ep4_with_the_same_losses(
     step = source / "checkpoints" / "step_00000003"
     for name in ("dp2", "dp4-ep4-zero2"):
         target = tmp_path / name
-        done = run_train(target, *MOE, *LAYOUTS[name], f"checkpoint.resume_from={step}")
+        done = run_train(target, *MOE, *LAYOUTS[name], f"checkpoint.resume_from={step}",
+                         "checkpoint.every=3")
         assert done.returncode == 0, done.stderr[-3000:]
         resumed = {r["step"]: r["loss"] for r in checked_records(target)}
         assert sorted(resumed) == [4, 5, 6]
         assert list(resumed.values()) == pytest.approx(moe_reference[3:], rel=1e-4)
+        assert_same_biases(target, reference_biases)
 
 
 def test_the_layer_runs_under_bf16_autocast_close_to_fp32():

@@ -41,6 +41,7 @@ from hybrid.checkpoint.store import (
 from hybrid.checkpoint.weights import read_model_weights
 from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
+from hybrid.model.expert_bias import expert_biases, load_expert_biases
 from hybrid.model.shards import load_global_weights
 from hybrid.planning.config import to_dict
 from hybrid.planning.balance import CHECKPOINT_KEY as SHARES_KEY
@@ -72,6 +73,9 @@ class Checkpointer:
         self.chunks, self.shares = chunks, shares
         self.params = unique_parameters(chunks.values())
         self.specs = {spec.name: spec for spec, _ in self.params}
+        self.biases = expert_biases(chunks.values())
+        """The MoE layers' aux-loss-free expert biases (buffers, the same on every rank that
+        holds the layer), saved as plain tensors beside the weights."""
         # DCP's async save runs collectives from its own thread: never on the training groups.
         self.async_group = None
         if cfg.checkpoint.async_save:
@@ -90,6 +94,7 @@ class Checkpointer:
     def _state(self, step: int) -> dict:
         state = {f"model.{spec.name}": as_global(param.detach(), spec, self.mesh)
                  for spec, param in self.params}
+        state.update({f"model.{name}": bias for name, bias in self.biases.items()})
         for name, moments in self.sync.state_dict().items():
             for key in MOMENTS:
                 state[f"optim.{name}.{key}"] = as_global(moments[key], self.specs[name], self.mesh)
@@ -223,6 +228,7 @@ class Checkpointer:
         an imported HF model) into this rank's parameters; the optimizer starts fresh. Every
         rank reads the whole model once and keeps its own shards."""
         weights = pad_vocabulary(read_model_weights(path), self.cfg.model.padded_vocab)
+        weights = load_expert_biases(self.chunks.values(), weights)
         names = {spec.name for spec, _ in self.params}
         with self.sync.whole_weights(self.chunks, write_back=True):
             load_global_weights([param for _, param in self.params],
@@ -242,6 +248,7 @@ class Checkpointer:
         manifest = read_manifest(path)
         verify_files(path, manifest, self.groups.world)
         targets, moments = self._targets()
+        targets.update(self._bias_targets(path, manifest["tensors"]))
         shares = {} if self.shares is None else self.shares.checkpoint_targets(
             manifest["tensors"])
         targets.update(shares)
@@ -278,6 +285,18 @@ class Checkpointer:
         targets["train.step"] = torch.zeros((), dtype=torch.int64)
         targets["rng.cpu"] = torch.get_rng_state()
         return targets, moments
+
+    def _bias_targets(self, path: Path, saved: dict) -> dict:
+        """The expert biases to load in place: those the checkpoint holds. A checkpoint
+        saved without them (``model.moe_expert_bias_rate`` was 0, or an older hybrid) leaves
+        them at zero, the unbiased routing it was trained with (rank 0 says so)."""
+        found = {f"model.{name}": bias for name, bias in self.biases.items()
+                 if f"model.{name}" in saved}
+        if len(found) < len(self.biases) and self.groups.world.rank() == 0:
+            print(f"note: {path} holds no MoE expert bias; the bias starts at zero and "
+                  f"model.moe_expert_bias_rate={self.cfg.model.moe_expert_bias_rate} moves it "
+                  f"from here", file=sys.stderr, flush=True)
+        return found
 
     def _check_every_key_loaded(self, path: Path, targets: dict) -> None:
         """A key of the checkpoint that no rank asked for would be silently dropped."""

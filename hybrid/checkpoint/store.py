@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 from hybrid.errors import UserError
+from hybrid.planning.models.moe import is_expert_bias
 
 MANIFEST = "hybrid.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -200,6 +201,20 @@ def check_model_matches(manifest: dict, model_cfg, path: Path, padding: bool = T
                 f"model.{key}: the checkpoint {path.name} has {name}={saved.get(name)}, the "
                 f"config {name}={wanted[name]}; set model.{key} to match the checkpoint "
                 f"(hybrid-ckpt show {path} prints its shape)")
+    _check_expert_bias(manifest, model_cfg, path)
+
+
+def _check_expert_bias(manifest: dict, model_cfg, path: Path) -> None:
+    """A checkpoint whose MoE layers carry the aux-loss-free expert bias routes by it: a
+    model without the bias (rate 0) would drop it and route otherwise, so it is refused."""
+    biased = [name for name in manifest.get("tensors", {}) if is_expert_bias(name)]
+    if biased and not (model_cfg.experts and model_cfg.moe_expert_bias_rate > 0):
+        saved = (manifest.get("config") or {}).get("model", {}).get("moe_expert_bias_rate")
+        raise CheckpointError(
+            f"the checkpoint {path.name} routes with an expert bias in each MoE layer "
+            f"(model.moe_expert_bias_rate={saved} when saved), which a model with "
+            f"model.moe_expert_bias_rate={model_cfg.moe_expert_bias_rate} has no place for; "
+            f"set model.moe_expert_bias_rate > 0 (e.g. {saved}) to keep it")
 
 
 def prune(directory: Path, keep: int) -> list[Path]:

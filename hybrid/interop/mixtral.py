@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid.interop import llama
 from hybrid.interop.hf_dir import ConversionError
+from hybrid.planning.models.moe import is_expert_bias
 
 if TYPE_CHECKING:
     import torch
@@ -46,9 +47,28 @@ def check_exportable(model: Any) -> None:
                               f"every layer; only moe_every=1 exports")
 
 
+def _without_expert_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` less the aux-loss-free expert biases (``model.moe_expert_bias_rate``),
+    which must be zero: HF Mixtral's router has no bias, and dropping a nonzero one would
+    export a model that routes its tokens otherwise than the one trained (no error would say
+    so, and its outputs would differ), so that export is refused instead."""
+    biases = {name: t for name, t in weights.items() if is_expert_bias(name)}
+    moved = {name: t for name, t in biases.items() if bool(t.abs().max() > 0)}
+    if moved:
+        name = next(iter(moved))
+        raise ConversionError(
+            f"{name} is nonzero (max |bias| {float(moved[name].abs().max()):.3g}, "
+            f"{len(moved)} MoE layers): the model routes with the aux-loss-free expert bias "
+            f"(model.moe_expert_bias_rate), which HF Mixtral's router has no place for, so "
+            f"the export would route differently; export it with --format torch instead")
+    return {name: t for name, t in weights.items() if name not in biases}
+
+
 def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    """hybrid global weights -> HF Mixtral tensors, experts one by one."""
+    """hybrid global weights -> HF Mixtral tensors, experts one by one (an all-zero expert
+    bias is dropped, a nonzero one refused: ``_without_expert_bias``)."""
     check_exportable(model)
+    weights = _without_expert_bias(weights)
     out = {}
     for ours, theirs in _pairs(model):
         tensor = llama._take(weights, ours, model)

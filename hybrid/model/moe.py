@@ -57,10 +57,21 @@ def _tp_slice(full: torch.Tensor, dim: int, tp_group: Group) -> torch.Tensor:
     return full.narrow(dim, tp_group.rank() * size, size).clone()
 
 
-def route(logits: torch.Tensor, k: int, router: str) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, router: str,
+          bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[T, k]``, expert ids ``[T, k]``) from fp32 router logits ``[T, E]``:
     ``softmax_topk`` (Mixtral: softmax, top-k, renormalised) or ``topk_softmax`` (top-k of the
-    logits, softmax over them)."""
+    logits, softmax over them). ``bias`` (``[E]``, the aux-loss-free expert bias) is added to
+    the softmax probabilities to choose the top k only: the weights are the chosen experts'
+    unbiased ones, renormalised (DeepSeek-V3; torchtitan's scores + bias), the same for
+    both routers in exact arithmetic."""
+    if bias is not None:
+        probs = logits.softmax(dim=-1)
+        ids = torch.topk(probs + bias, k, dim=-1).indices
+        if router == "topk_softmax":
+            return logits.gather(-1, ids).softmax(dim=-1), ids
+        top = probs.gather(-1, ids)
+        return top / top.sum(dim=-1, keepdim=True), ids
     if router == "topk_softmax":
         top, ids = torch.topk(logits, k, dim=-1)
         return top.softmax(dim=-1), ids
@@ -148,6 +159,15 @@ class MoeMLP(nn.Module):
         self.experts = Experts(cfg, tp_group, generator, ep_rank, ep)
         self.stats = MoeStats(cfg.experts)
         """This step's training forwards (``moe_step_stats`` reads and resets it)."""
+        self.bias_rate = cfg.moe_expert_bias_rate
+        on = self.bias_rate > 0
+        self.register_buffer("expert_bias", torch.zeros(cfg.experts) if on else None)
+        """``[E]`` fp32, the same on every rank (None when off): added to the router's
+        probabilities to choose the top k (``route``); ``update_expert_biases`` moves it."""
+        self.register_buffer("routed_slots", torch.zeros(cfg.experts, dtype=torch.int64)
+                             if on else None)
+        """Token slots routed to each expert in this step's training forwards, before any
+        dropping (the bias balances the router's choice), on this rank's tokens."""
         self.aux_scale = 1.0
         """What the load-balancing loss's gradient is multiplied by besides its coefficient:
         the trainer sets ``1 / micro-batches`` (``set_aux_loss_scale``)."""
@@ -160,13 +180,15 @@ class MoeMLP(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])  # [T, h]
         logits = (x @ self.router.weight.t()).float()
-        weights, ids = route(logits, self.topk, self.router_kind)
+        weights, ids = route(logits, self.topk, self.router_kind, self.expert_bias)
+        if self.routed_slots is not None and torch.is_grad_enabled():
+            self.routed_slots += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         keep = kept_slots(ids, self.num_experts, self._capacity(x.shape[0]))
         out = self._experts_out(x, weights, ids, keep).view(shape)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
             aux = load_balancing_loss(logits.softmax(dim=-1), ids, self.num_experts,
                                       self.context_group)
-            self.stats.aux += float(aux)
+            self.stats.aux += float(aux.detach())
             scale = self.aux_coeff * self.aux_scale / self.tp_group.size()
             out = AuxLossGradient.apply(out, aux, scale)
         if self.sequence_parallel:

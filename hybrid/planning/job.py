@@ -26,6 +26,7 @@ from hybrid.planning.cost.gathered import closed_form_gathered, gather_policy, r
 from hybrid.planning.cost.sizes import MemoryEstimate, block_params, estimate_memories
 from hybrid.planning.cost.dp_traffic import dp_state_bytes, gradient_bytes, step_bytes
 from hybrid.planning.cost.state_bytes import StateBytes, by_tag_placement, rank_shapes
+from hybrid.planning.models.moe import expert_bias_payload
 from hybrid.planning.param_spec import DENSE, EXPERT
 from hybrid.planning.layout import EMBEDDING, ROLES, Layout
 from hybrid.planning.schedules.actions import stage_chunk, stage_rank
@@ -332,12 +333,15 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
         gathers = rank_gathers(cfg, plan.layout, pp_rank, microbatches(cfg),
                                [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)],
                                policy=options.reshard)[1]
+    # the aux-loss-free expert bias's routed slots, summed over the ranks with other tokens
+    bias = all_reduce_bytes(expert_bias_payload(cfg.model, blocks),
+                            plan.layout.role_size("loss"))
     if plan.layout.ep > 1:
-        return _expert_parallel_dp_bytes(cfg, plan.layout, blocks, step, options,
-                                         rounds or microbatches(cfg))
-    return step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
-                      microbatches=rounds or microbatches(cfg), options=options,
-                      bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)
+        return bias + _expert_parallel_dp_bytes(cfg, plan.layout, blocks, step, options,
+                                                rounds or microbatches(cfg))
+    return bias + step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
+                             microbatches=rounds or microbatches(cfg), options=options,
+                             bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)
 
 
 def _expert_parallel_dp_bytes(cfg: Config, layout: Layout, blocks: list[int], step: int,

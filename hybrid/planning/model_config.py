@@ -64,6 +64,12 @@ class ModelConfig:
     """None: dropless (every routed token is computed). A number > 0: each expert takes at
     most ceil(factor * tokens * topk / experts) of a micro-batch's tokens, in token order,
     and drops the rest."""
+    moe_expert_bias_rate: float = 0.0
+    """Auxiliary-loss-free load balancing (DeepSeek-V3; megatron's
+    moe_router_bias_update_rate): each MoE layer keeps a per-expert bias, added to the router's
+    probabilities only to choose the top-k, and after every optimizer step moved by this rate
+    toward an even load (sign of the mean load minus each expert's, over the whole global
+    batch). 0 = off (no bias); 1e-3 is megatron's default."""
     moe_router: str = "softmax_topk"
     """softmax_topk (Mixtral: softmax over the experts, top-k, renormalised) | topk_softmax
     (top-k of the logits, softmax over those k: megatron's default; the same weights in exact

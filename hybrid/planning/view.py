@@ -12,6 +12,8 @@ from hybrid.planning.cost.moe_traffic import a2a_step_bytes
 from hybrid.planning.cost.sizes import human_bytes, param_count
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import AXIS_TRAFFIC
+from hybrid.planning.models.moe import expert_bias_payload
+from hybrid.planning.strategies import all_reduce_bytes
 from hybrid.planning.cost.block_costs import partition_basis
 from hybrid.planning.schedules.partition import format_partition
 
@@ -30,13 +32,15 @@ def _experts(plan: JobPlan) -> dict:
     """Expert parallelism's figures: ``ep``, and the all-to-all bytes a rank of each pipeline
     rank sends per step at an even load (``hybrid.planning.cost.moe_traffic``)."""
     cfg, layout = plan.cfg, plan.layout
-    per_pp = []
+    per_pp, bias = [], []
     for r in range(layout.pp):
-        moe = sum(cfg.model.is_moe_layer(b) for st in plan.stages_of(r) for b in st.blocks
-                  if 1 <= b <= cfg.model.layers)
+        blocks = [b for st in plan.stages_of(r) for b in st.blocks]
+        moe = sum(cfg.model.is_moe_layer(b) for b in blocks if 1 <= b <= cfg.model.layers)
         per_pp.append(a2a_step_bytes(cfg, layout, moe, plan.schedule.microbatches))
+        bias.append(all_reduce_bytes(expert_bias_payload(cfg.model, blocks),
+                                     layout.role_size("loss")))
     return {"ep": layout.ep, "experts": cfg.model.experts,
-            "a2a_bytes_per_step": per_pp}
+            "a2a_bytes_per_step": per_pp, "expert_bias_bytes_per_step": bias}
 
 
 def build_plan(cfg: Config) -> dict:
@@ -154,6 +158,10 @@ def format_plan(plan: dict, full: bool = False) -> str:
         sent = ", ".join(human_bytes(b) for b in experts["a2a_bytes_per_step"])
         lines += [f"experts: {experts['experts']} per MoE layer over ep={experts['ep']}; "
                   f"all-to-all per rank per step at an even load (per pp rank): {sent}", ""]
+    if any(experts.get("expert_bias_bytes_per_step", [])):
+        sent = ", ".join(human_bytes(b) for b in experts["expert_bias_bytes_per_step"])
+        lines += [f"expert bias: its counts' all-reduce over dp x cp per rank per step (DP "
+                  f"traffic, per pp rank): {sent}", ""]
     lines += _node_lines(plan)
     stages = plan["stages"]
     lines += ["", f"pipeline stages (partition={stages['partition']}, by {stages['split_by']}):"]

@@ -27,6 +27,35 @@ from hybrid.planning.param_spec import EXPERT, ParamSpec
 
 ROUTERS = ("softmax_topk", "topk_softmax")
 """``model.moe_router``'s values."""
+EXPERT_BIAS = "mlp.expert_bias"
+"""An MoE layer's aux-loss-free expert bias (``model.moe_expert_bias_rate`` > 0), under the
+layer: ``blocks.{b}.mlp.expert_bias``, ``[E]`` fp32. Not a parameter (no gradient, no
+optimizer state): the trainer moves it after each step; checkpoints hold it by this name."""
+BIAS_COUNT_BYTES = 8
+"""One expert's routed slots in the bias update's all-reduce (int64)."""
+
+
+def expert_bias_name(block_id: int) -> str:
+    return f"blocks.{block_id}.{EXPERT_BIAS}"
+
+
+def is_expert_bias(name: str) -> bool:
+    """Whether global (or ``model.``-prefixed) name ``name`` is an expert bias."""
+    return name.endswith("." + EXPERT_BIAS)
+
+
+def expert_bias_layers(m, blocks) -> int:
+    """How many of ``blocks`` are MoE layers with an expert bias (0 when it is off)."""
+    if not (m.experts and m.moe_expert_bias_rate > 0):
+        return 0
+    return sum(1 for b in blocks if 1 <= b <= m.layers and m.is_moe_layer(b))
+
+
+def expert_bias_payload(m, blocks) -> int:
+    """Bytes of the expert-bias update's one all-reduce per step on a rank holding
+    ``blocks``: its bias layers' routed slots, ``E`` int64 each, summed over the ranks that see
+    different tokens (dp x cp)."""
+    return expert_bias_layers(m, blocks) * m.experts * BIAS_COUNT_BYTES
 
 
 def moe_mlp_specs(m) -> dict[str, ParamSpec]:
@@ -90,6 +119,10 @@ def check_moe_shape(m, tp: int, fits) -> None:
             and m.moe_aux_loss >= 0):
         raise LayoutError(f"model.moe_aux_loss={m.moe_aux_loss} must be a number >= 0 "
                           f"(0: off; 0.01 is common)")
+    rate = m.moe_expert_bias_rate
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
+        raise LayoutError(f"model.moe_expert_bias_rate={rate} must be a number >= 0 (0: off; "
+                          f"1e-3 is megatron's default)")
     if m.moe_router not in ROUTERS:
         raise LayoutError(f"model.moe_router={m.moe_router!r} is not one of "
                           f"{', '.join(ROUTERS)}")
