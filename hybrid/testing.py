@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybrid.model.megatron_adapter",
            "hybrid.groups"]
-"""What the fork server imports once (``launch.launchers.agent.WORKER_PRELOAD`` says why)."""
+"""What the fork server imports once (``launch.launchers.fork_server.WORKER_PRELOAD`` says why)."""
 _CONTEXT = None
 
 
