@@ -8,11 +8,13 @@ failing rank's traceback, so a hang fails the test instead of blocking the suite
 
 Processes come from a fork server that imports torch and megatron-core once per test session,
 so each job pays fork cost, not import cost, and no process forks after running torch compute.
+
+``hybrid.testing_accounting`` checks a finished run against its plan; ``hybrid.testing_throttle``
+slows one worker of a live run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -20,11 +22,13 @@ import queue
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
+
+from hybrid.testing_throttle import run_throttled  # noqa: F401 (bench/dp_balance.py's import)
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybrid.model.megatron_adapter",
            "hybrid.groups"]
-"""What the fork server imports once (``launch.launchers.agent.WORKER_PRELOAD`` says why)."""
+"""What the fork server imports once (``launch.launchers.fork_server.WORKER_PRELOAD`` says why)."""
 _CONTEXT = None
 
 
@@ -136,171 +140,3 @@ def c10d_ops_mode():
             return func(*args, **(kwargs or {}))
 
     return C10dOps()
-
-
-def train_checked(overrides: list[str], run_dir, timeout: float = 280) -> list[dict]:
-    """Run ``hybrid-train`` with ``overrides`` in ``run_dir``; it must succeed; its
-    ``metrics.jsonl`` records after ``checked_records``' accounting checks."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    train = str(Path(sys.executable).parent / "hybrid-train")
-    done = subprocess.run([train, *overrides, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return checked_records(run_dir)
-
-
-def checked_records(run_dir) -> list[dict]:
-    """A finished run's ``metrics.jsonl`` records, after checking its accounting: every rank
-    held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts, and
-    under ZeRO-3 at its peak exactly the gathered weights it predicts (``memory_check.json``),
-    and rank 0 sent over DP in each step exactly the bytes
-    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options, and over its
-    context group what ``hybrid.planning.cost.context_time.cp_step_bytes`` predicts; and the run
-    directory's ``plan.json`` is the plan of its ``config.json`` (nothing written back)."""
-    import json
-    from pathlib import Path
-
-    from hybrid.metrics import read_metrics
-    from hybrid.planning.config import from_dict
-    from hybrid.planning.cost.context_time import cp_step_bytes
-    from hybrid.planning.job import plan_job, rank_dp_bytes
-    from hybrid.planning.plan_file import load_plan
-
-    run_dir = Path(run_dir)
-    check = json.loads((run_dir / "memory_check.json").read_text())
-    assert check["state_bytes_equal"], [r for r in check["ranks"]
-                                        if r["counted"] != r["predicted"]][:2]
-    assert check["gathered_bytes_equal"], [
-        r for r in check["ranks"]
-        if r["gathered_peak_bytes"] != r["predicted_gathered_bytes"]][:2]
-    plan = load_plan(run_dir)
-    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
-    assert plan.cfg == cfg and plan.stages == plan_job(cfg, block_costs=plan.block_costs).stages
-    records = read_metrics(run_dir / "metrics.jsonl")
-    layers = [b for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers]
-    ring = cp_step_bytes(cfg, plan.layout, len(layers), plan.schedule.microbatches,
-                         moe_layers=sum(cfg.model.is_moe_layer(b) for b in layers))
-    for record in records:
-        predicted = rank_dp_bytes(cfg, plan, 0, record["step"],
-                                  rounds=max(record.get("dp_shares", [0])) or None)
-        assert abs(record["comm_bytes"]["dp"] - predicted) <= 1e-9 * predicted, \
-            (record["step"], record["comm_bytes"]["dp"], predicted)
-        assert record["comm_bytes"]["cp"] == ring, (record["step"], record["comm_bytes"], ring)
-    return records
-
-
-def worker_pid(launcher_pid: int, rank: int) -> Optional[int]:
-    """The pid of global rank ``rank``'s worker (``rank >= 1``) under a local
-    ``hybrid-train`` (None until it runs): ranks above 0 write into
-    ``workers/<run>/attempt_<n>/<rank>/stdout.log`` (rank 0, to the console, is not told
-    apart from the agent's helpers this way)."""
-    import re
-    from pathlib import Path
-
-    if rank < 1:
-        raise ValueError(f"rank={rank}: only the workers of ranks >= 1 are found by their log")
-    workers: dict[int, int] = {}
-    for pid in _descendants(launcher_pid):
-        try:
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                    == launcher_pid:
-                continue  # the agent's own helpers, not workers
-            out = os.readlink(f"/proc/{pid}/fd/1")
-        except (OSError, ValueError):
-            continue
-        found = re.search(r"attempt_\d+/(\d+)/", out)
-        if found:
-            workers[int(found[1])] = pid
-    return workers.get(rank)
-
-
-def _descendants(pid: int) -> set[int]:
-    from pathlib import Path
-
-    found, todo = set(), [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = map(int, (task / "children").read_text().split())
-            except OSError:
-                continue
-            for child in children:
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
-
-
-class Throttle:
-    """Stops and continues a process from outside, again and again (SIGSTOP ``stop_s``,
-    SIGCONT ``run_s``): a worker at ``run_s / (stop_s + run_s)`` of its speed, as a throttled
-    node or a noisy neighbour makes it. Its waits are the disturbance's duty cycle itself."""
-
-    def __init__(self, pid: int, stop_s: float = 0.02, run_s: float = 0.02):
-        import threading
-
-        self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._cycle, daemon=True)
-
-    def _cycle(self) -> None:
-        import signal
-
-        while not self.done.is_set():
-            try:
-                os.kill(self.pid, signal.SIGSTOP)
-                self.done.wait(self.stop_s)
-                os.kill(self.pid, signal.SIGCONT)
-                self.done.wait(self.run_s)
-            except ProcessLookupError:
-                return
-
-    def __enter__(self) -> "Throttle":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import signal
-
-        self.done.set()
-        self.thread.join()
-        try:
-            os.kill(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
-def run_throttled(cmd: Sequence[str], *, rank: int, timeout: float, stop_s: float = 0.02,
-                  run_s: float = 0.02, env: Optional[dict] = None):
-    """Run ``cmd`` (a local ``hybrid-train``) with global rank ``rank``'s worker throttled
-    from the moment it exists to the end (``Throttle``); returns the ``CompletedProcess``.
-    Past ``timeout`` the command and its family are killed."""
-    import signal
-    import subprocess
-    import time
-
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    try:
-        deadline = time.monotonic() + timeout
-        pid = None
-        while pid is None and proc.poll() is None and time.monotonic() < deadline:
-            pid = worker_pid(proc.pid, rank)
-            if pid is None:
-                time.sleep(0.05)  # polling for the worker to exist, with a deadline
-        if pid is None:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        else:
-            with Throttle(pid, stop_s, run_s):
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    finally:
-        if proc.poll() is None:
-            for child in _descendants(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, signal.SIGKILL)
-            proc.kill()
-            proc.wait()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.testing import checked_records
+from hybrid.testing_accounting import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 COMMON = ["model=tiny", "data=synthetic", "parallel=single", "train.micro_batch=2",

@@ -15,7 +15,7 @@ def test_a_worker_fork_servers_imports_load_no_compiler():
     """What the fork server preloads (``WORKER_PRELOAD``): megatron-core's layers and datasets
     are there, Inductor's compiler and Dynamo's repro tools (what megatron's decorators
     imported) are not, and ``torch.compile`` is torch's own again."""
-    from launch.launchers.agent import WORKER_PRELOAD
+    from launch.launchers.fork_server import WORKER_PRELOAD
 
     code = ("import sys, importlib, torch\n"
             f"for name in {list(WORKER_PRELOAD)!r}: importlib.import_module(name)\n"

@@ -17,7 +17,7 @@ from hybrid.planning.layout import LayoutError
 from hybrid.planning.param_spec import DENSE, EXPERT
 from hybrid.planning.params import model_param_specs
 from hybrid.planning.validate import check_model_shape
-from hybrid.testing import checked_records
+from hybrid.testing_accounting import checked_records
 from test_llama import assert_same_losses, preset, run_train
 
 MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01"]

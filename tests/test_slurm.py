@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import Cluster, leftover_processes, missing_requirement
+from proc_tree import leftover_processes
+from slurm_cluster import Cluster, missing_requirement
 from test_train_cli import _wait_for
 from test_elastic import last_loss_per_step, records
 from test_train_e2e import COMMON, STEPS, assert_same_losses, losses_of, run_train

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch.launchers.registered import LAUNCHERS  # first: registers them in launcher.name's order
-import launch.launchers.slurm as slurm
+import launch.launchers.slurm_job as slurm_job
 from launch.launchers.failures import LaunchFailed
 from launch.launchers.slurm_partition import partition_problem
 
@@ -49,14 +49,14 @@ def test_a_job_pending_for_a_reason_that_never_clears_is_cancelled(monkeypatch, 
             return "CANCELLED", ""  # (here: end the test's wait)
         return "PENDING", reason
 
-    monkeypatch.setattr(slurm, "job_state_and_reason", state)
-    monkeypatch.setattr(slurm, "POLL_S", 0.01)
+    monkeypatch.setattr(slurm_job, "job_state_and_reason", state)
+    monkeypatch.setattr(slurm_job, "POLL_S", 0.01)
     job = _Job()
     if waits:
-        slurm.wait_for(job)
+        slurm_job.wait_for(job)
         assert not job.cancelled and len(looks) >= 2
         return
     with pytest.raises(LaunchFailed, match=r"slurm job 42 cannot start: Slurm keeps it pending "
                                            r"for PartitionConfig \(it asks for more"):
-        slurm.wait_for(job)
+        slurm_job.wait_for(job)
     assert job.cancelled

@@ -14,44 +14,36 @@ one save is in flight: the next one, and the end of training, wait for it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid import faults
-from hybrid.checkpoint.dcp_io import (
-    HostCopyStager, SafeReader, as_global, file_checksums, os_error_in, read_metadata, tp_mesh,
-    verify_files,
-)
-from hybrid.checkpoint.store import (
-    FORMAT_VERSION, TOKENIZER_FILE, CheckpointError, checkpoint_dir, checkpoint_name,
-    model_shape, partial_name, prune, read_manifest, resolve_resume, write_manifest,
-)
+from hybrid.checkpoint.dcp_io import HostCopyStager, as_global, file_checksums, tp_mesh, \
+    verify_files
+from hybrid.checkpoint.publish import build_manifest, replace_dir, write_errors_named
+from hybrid.checkpoint.restore import check_every_key_loaded, load_targets, read_checkpoint
+from hybrid.checkpoint.store import TOKENIZER_FILE, checkpoint_dir, checkpoint_name, \
+    partial_name, prune, read_manifest, resolve_resume, write_manifest
 from hybrid.checkpoint.weights import read_model_weights
 from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.expert_bias import expert_biases, load_expert_biases
 from hybrid.model.shards import load_global_weights
-from hybrid.planning.config import to_dict
-from hybrid.planning.balance import CHECKPOINT_KEY as SHARES_KEY
-from hybrid.planning.layout import COORD_ORDER
 from hybrid.dp.option_state import PREFIX as OPTION_PREFIX
 from hybrid.dp.option_state import (
     load_option_state, option_state, option_targets, same_option_layout,
 )
 from hybrid.dp.state import MOMENTS
-from hybrid.files import RunDirError
 from hybrid.optim import unique_parameters
 
 
@@ -127,7 +119,7 @@ class Checkpointer:
         self.groups.world.barrier()
         writer = FileSystemWriter(partial)
         if self.async_group is None:
-            with _write_errors_named(partial), self.sync.whole_weights(self.chunks):
+            with write_errors_named(partial), self.sync.whole_weights(self.chunks):
                 dcp.save(self._state(step), storage_writer=writer)
             self._finish(step, partial)
             self._announce(step, time.perf_counter() - started)
@@ -162,7 +154,7 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         future, step, partial, stall_s = self.pending
         self.pending = None
-        with _write_errors_named(partial):
+        with write_errors_named(partial):
             future.result()  # raises here if the background write failed
         self._finish(step, partial)
         self._announce(step, stall_s)
@@ -176,27 +168,13 @@ class Checkpointer:
             if tokenizer.is_file():  # the data's tokenizer travels with the model
                 shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
             write_manifest(partial, self._manifest(step, partial, files))
-            _replace_dir(partial, self.directory / checkpoint_name(step))
+            replace_dir(partial, self.directory / checkpoint_name(step))
             prune(self.directory, self.cfg.checkpoint.keep)
         self.groups.world.barrier()
 
     def _manifest(self, step: int, partial: Path, files: list[dict]) -> dict:
-        metadata = read_metadata(partial)
-        tensors = {}
-        for key, item in sorted(metadata.state_dict_metadata.items()):
-            dtype = item.properties.dtype
-            shape = list(item.size)
-            tensors[key] = {"shape": shape, "dtype": str(dtype).removeprefix("torch."),
-                            "bytes": int(torch.Size(shape).numel()) * dtype.itemsize}
-        cfg, layout = self.cfg, self.groups.layout
-        return {"format": FORMAT_VERSION, "step": step,
-                "consumed_samples": step * cfg.train.global_batch,
-                "layout": {**{axis: layout.size(axis) for axis in COORD_ORDER},
-                           "vpp": layout.vpp, "zero": cfg.parallel.zero,
-                           "schedule": cfg.parallel.schedule, "world": self.world},
-                "model": model_shape(cfg.model), "config": to_dict(cfg), "tensors": tensors,
-                "tokenizer": self.plan.tokenizer, "data": self._data_record(),
-                "files": {name: info for per_rank in files for name, info in per_rank.items()}}
+        return build_manifest(step, partial, files, plan=self.plan, layout=self.groups.layout,
+                              world=self.world, data=self._data_record())
 
     def _data_record(self) -> dict:
         """What the run's data is (``hybrid.data.fingerprint``): read once, on rank 0."""
@@ -247,7 +225,7 @@ class Checkpointer:
         """Load checkpoint ``path`` (saved on any layout) into this rank's model and AdamW."""
         manifest = read_manifest(path)
         verify_files(path, manifest, self.groups.world)
-        targets, moments = self._targets()
+        targets, moments = load_targets(self.params, self.groups.layout, self.mesh)
         targets.update(self._bias_targets(path, manifest["tensors"]))
         shares = {} if self.shares is None else self.shares.checkpoint_targets(
             manifest["tensors"])
@@ -259,8 +237,8 @@ class Checkpointer:
             print(f"note: {path} was saved on another layout or DP options; "
                   f"parallel.dp_compress / dp_delay state starts afresh", file=sys.stderr)
         with self.sync.whole_weights(self.chunks, write_back=True):
-            _read(path, targets)
-        self._check_every_key_loaded(path, targets)
+            read_checkpoint(path, targets)
+        check_every_key_loaded(path, targets, self.groups.world)
         self.sync.load_state_dict(moments)
         if options:
             load_option_state(self.sync, targets)
@@ -268,23 +246,6 @@ class Checkpointer:
         if shares:
             self.shares.load_checkpoint_state(targets)
         return int(targets["train.step"])
-
-    def _targets(self) -> tuple[dict, dict]:
-        """Tensors for DCP to load into: the parameters themselves, fresh moment buffers."""
-        tp, ep = self.groups.layout.tp, self.groups.layout.ep
-        targets = {f"model.{spec.name}": as_global(param.detach(), spec, self.mesh)
-                   for spec, param in self.params}
-        moments: dict[str, dict] = {}
-        for spec, param in self.params:
-            entry = moments[spec.name] = {"step": torch.zeros((), dtype=torch.float32)}
-            targets[f"optim.{spec.name}.step"] = entry["step"]
-            for key in MOMENTS:
-                entry[key] = torch.zeros(spec.local_shape(tp, ep), dtype=torch.float32,
-                                         device=param.device)
-                targets[f"optim.{spec.name}.{key}"] = as_global(entry[key], spec, self.mesh)
-        targets["train.step"] = torch.zeros((), dtype=torch.int64)
-        targets["rng.cpu"] = torch.get_rng_state()
-        return targets, moments
 
     def _bias_targets(self, path: Path, saved: dict) -> dict:
         """The expert biases to load in place: those the checkpoint holds. A checkpoint
@@ -297,67 +258,3 @@ class Checkpointer:
                   f"model.moe_expert_bias_rate={self.cfg.model.moe_expert_bias_rate} moves it "
                   f"from here", file=sys.stderr, flush=True)
         return found
-
-    def _check_every_key_loaded(self, path: Path, targets: dict) -> None:
-        """A key of the checkpoint that no rank asked for would be silently dropped."""
-        asked = self.groups.world.all_gather_objects(sorted(targets))
-        saved = set(read_metadata(path).state_dict_metadata)
-        # DP option state is left out on purpose where the layout changed (dp.option_state)
-        # ... and so are the DP shares of a dynamic run (hybrid.replica_balance)
-        unused = sorted(key for key in saved - set().union(*map(set, asked))
-                        if not key.startswith(OPTION_PREFIX) and key != SHARES_KEY)
-        if unused:
-            raise CheckpointError(f"checkpoint {path} holds {len(unused)} tensors this model "
-                                  f"has no place for (first: {unused[0]}); check the model "
-                                  f"config against hybrid-ckpt show {path}")
-
-
-@contextlib.contextmanager
-def _write_errors_named(path: Path) -> Iterator[None]:
-    """A save DCP could not write ends in one line naming the checkpoint and the free space.
-
-    A full disk shows up as an ``OSError`` or, inside ``torch.save``'s zip writer, as a
-    ``RuntimeError`` ("unexpected pos"); DCP wraps either in a ``CheckpointException``, which
-    is a ``BaseException`` and would escape the worker's error reporting."""
-    try:
-        yield
-    except CheckpointException as err:
-        cause = os_error_in(err) or next(iter(err.failures.values()))[0]
-        free = shutil.disk_usage(path.parent).free
-        raise RunDirError(f"cannot write checkpoint {path}: {type(cause).__name__}: "
-                          f"{str(cause).strip().splitlines()[-1]} ({free} bytes free there); "
-                          f"free space or choose another checkpoint.dir") from None
-
-
-def _replace_dir(partial: Path, final: Path) -> None:
-    """Rename ``partial`` to ``final``; an older ``final`` (a run resumed from an earlier
-    step saves the same step again) is moved aside first and removed after."""
-    aside = None
-    if final.exists():
-        aside = final.with_name(final.name + ".old")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(final, aside)
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read(path: Path, targets: dict) -> None:
-    """DCP's load of ``targets`` from checkpoint ``path``; an unreadable file in one line."""
-    try:
-        dcp.load(targets, storage_reader=SafeReader(path))
-    except CheckpointException as err:
-        cause = os_error_in(err)
-        if cause is None:
-            raise
-        raise CheckpointError(f"checkpoint {path} cannot be read ({cause}); resume from "
-                              f"an older one") from None

@@ -1,11 +1,12 @@
 """The rank layout of a job: named axes in one declared order, and the roles built on them
 (pure: no torch).
 
-A layout is a grid of ``dp * cp * tp * pp`` ranks. The axes are declared once, in ``AXES``; the
-``order`` string names them from the fastest-varying to the slowest, exactly as megatron-core's
-``RankGenerator`` reads it (``"tp-cp-ep-dp-pp"`` there, without ``ep`` here): with the default
-``"tp-cp-dp-pp"`` the ranks of one TP group are consecutive (so they sit inside one node), then
-those of one context-parallel group. As there, an order may leave out ``cp`` while it is 1
+A layout is a grid of ``dp * cp * tp * pp`` ranks. The axes are declared once, in ``AXES``
+(``hybrid.planning.axes``, with the roles); the ``order`` string names them from the
+fastest-varying to the slowest, exactly as megatron-core's ``RankGenerator`` reads it
+(``"tp-cp-ep-dp-pp"`` there, without ``ep`` here): with the default ``"tp-cp-dp-pp"`` the
+ranks of one TP group are consecutive (so they sit inside one node), then those of one
+context-parallel group. As there, an order may leave out ``cp`` while it is 1
 (``"tp-dp-pp"``, every layout before context parallelism). Every group of every axis is a
 slice of this one grid, so all groups agree.
 
@@ -23,61 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybrid.errors import UserError
+from hybrid.planning.axes import (AXES, AXIS_TRAFFIC, COORD_ORDER, DEFAULT_ORDER, EMBEDDING,
+                                  EXPERT_AXES, ROLES, on_expert_grid)
 from hybrid.planning.grid import expert_order, grid_groups
 from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
-
-AXES = ("tp", "cp", "dp", "pp")
-"""The parallel axes, in Megatron's default order (fastest-varying first): the one place that
-names them. Each is also a ``Layout`` field holding its size."""
-DEFAULT_ORDER = "-".join(AXES)
-COORD_ORDER = ("dp", "cp", "tp", "pp")
-"""The same axes in the order people read them: ``Layout.coords``' keys, rank tables."""
-AXIS_TRAFFIC = {
-    "tp": "TP all-reduces run every layer: keep TP inside a node",
-    "cp": "CP passes keys and values around a ring every layer",
-    "pp": "PP sends activations between neighbouring stages",
-    "dp": "DP all-reduces gradients once per step",
-}
-"""What crosses each axis's groups, heaviest first: why a group that spans nodes is slow."""
-
-
-@dataclass(frozen=True)
-class Role:
-    """What a group of ranks does together: the axes its ranks differ in."""
-
-    axes: tuple[str, ...]
-    doc: str
-
-
-ROLES = {
-    "data": Role(("dp",), "read different samples of the global batch (the loader's split)"),
-    "gradient": Role(("cp", "dp"), "average their gradients once per step (DP reduction)"),
-    "sharding": Role(("cp", "dp"), "share one copy of optimizer state (and gradients) under "
-                                   "ZeRO"),
-    "loss": Role(("cp", "dp"), "average the last stage's losses into the step's loss"),
-    "context": Role(("cp",), "split each sequence and pass keys and values around a ring"),
-    "tensor": Role(("tp",), "split each weight matrix (tensor and sequence parallelism)"),
-    "pipeline": Role(("pp",), "run the stages of one pipeline (point-to-point messages)"),
-    "model": Role(("tp", "pp"), "hold one copy of every parameter between them (global norms)"),
-    "expert": Role(("ep",), "hold different experts and exchange their tokens (all-to-all)"),
-    "expert_gradient": Role(("edp",), "average an expert's gradients once per step"),
-    "expert_sharding": Role(("edp",), "share one copy of an expert's optimizer state "
-                                      "under ZeRO"),
-    "expert_model": Role(("tp", "ep", "pp"), "hold one copy of every expert between them "
-                                             "(global norms)"),
-}
-"""The roles every consumer asks for (``ParallelGroups.<role>``); ``EMBEDDING`` is the one
-role not made of whole axes. A parameter's ``Placement`` (``hybrid.planning.param_spec``) names
-the roles that reduce, shard and count it: the dense ones above, or the ``expert_*`` ones,
-which live on the expert grid (``EXPERT_AXES``): at ``ep=1`` its ``edp`` groups are the
-``cp-dp`` groups and its ``tp-ep-pp`` groups the ``tp-pp`` ones (the same torch groups)."""
-EXPERT_AXES = ("tp", "ep", "edp", "pp")
-"""Expert parallelism's second decomposition of the same world (megatron-core's MoE folding):
-``ep`` ranks that hold different experts are carved out of ``dp x cp``, ``edp`` (megatron's
-expert ``dp``: ``dp * cp / ep``) is the rest; tp and pp are the layout's. Named in the order
-their role keys list them (``hybrid.planning.expert_grid``)."""
-EMBEDDING = "embedding"
-"""The ranks of each pipeline holding its first and last stage (a tied embedding's copies)."""
 
 
 def role_key(role: str) -> str:
@@ -89,12 +39,8 @@ def role_key(role: str) -> str:
     if role not in ROLES:
         raise LayoutError(f"unknown role {role!r}; roles are {', '.join(ROLES)}, {EMBEDDING}")
     axes = ROLES[role].axes
-    return "-".join(axis for axis in (EXPERT_AXES if _on_expert_grid(axes) else AXES)
+    return "-".join(axis for axis in (EXPERT_AXES if on_expert_grid(axes) else AXES)
                     if axis in axes)
-
-
-def _on_expert_grid(axes) -> bool:
-    return any(axis in ("ep", "edp") for axis in axes)
 
 
 def group_keys() -> list[str]:
@@ -220,7 +166,7 @@ class Layout:
         if axis == EMBEDDING:
             return self.embedding_groups()
         wanted = axis.lower().split("-")
-        if _on_expert_grid(wanted):
+        if on_expert_grid(wanted):
             known, sizes, order = EXPERT_AXES, self.expert_sizes(), expert_order(self._axes)
         else:
             known, sizes, order = AXES, {a: self.size(a) for a in AXES}, self._axes
@@ -245,7 +191,7 @@ class Layout:
         """Ranks in each group of ``role``: the gradient reduction and ZeRO's sharding span
         ``dp * cp`` ranks."""
         size, axes = 1, ROLES[role].axes
-        sizes = self.expert_sizes() if _on_expert_grid(axes) else {a: self.size(a) for a in AXES}
+        sizes = self.expert_sizes() if on_expert_grid(axes) else {a: self.size(a) for a in AXES}
         for axis in axes:
             size *= sizes[axis]
         return size

@@ -5,7 +5,8 @@ the fix, or returns the ``Layout`` the job will use; ``plan_job`` calls it, once
 process starts, so a bad config never starts one. The rules of a schedule, a DP strategy or a
 launcher are their own (their registries: ``schedules``, ``strategies``, ``launch.launchers.launcher``);
 the choices of ``parallel.schedule``, ``parallel.dp_compress`` and ``parallel.zero`` are the
-registered ones.
+registered ones. Each field's own range is checked in ``value_checks``, the launcher's world
+in ``world_checks``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from hybrid.planning.models import model_spec
 from hybrid.planning.schedules import SCHEDULES, batch_problem, layout_problem, schedule_names
 from hybrid.planning.schedules.actions import LOOP
 from hybrid.planning.schedules.gathers import RESHARD_POLICIES
+from hybrid.planning.value_checks import check_numbers, choose, positive
+from hybrid.planning.world_checks import check_world
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -30,30 +33,9 @@ DEVICES = ("auto", "cpu", "cuda")
 PARTITIONS = ("uniform", "balanced", "measured")
 
 
-def _choose(field: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
-        raise LayoutError(f"{field}={value!r} is unknown; choose one of "
-                          f"{', '.join(map(str, allowed))}")
-
-
-def _positive(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LayoutError(f"{field}={value!r} must be an integer >= 1")
-
-
 def valid_tp_sizes(m: ModelConfig) -> list[int]:
     """TP sizes that split the model evenly (its family's rule: heads, MLP, vocabulary)."""
     return model_spec(m).valid_tp_sizes(m)
-
-
-def _non_negative(field: str, value: float) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise LayoutError(f"{field}={value} must be a finite number >= 0")
-
-
-def _above_zero(field: str, value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
-        raise LayoutError(f"{field}={value} must be a finite number > 0")
 
 
 def check_model_shape(m: ModelConfig, tp: int = 1) -> None:
@@ -84,12 +66,12 @@ def config_problems(cfg: Config) -> list[str]:
     """Every problem of ``cfg``, one line each (each check reports its first); the checks of
     the layout's consequences run only once the sizes make a layout."""
     problems = [p for p in (_problem(check, cfg) for check in (
-        _check_names, _check_numbers, _check_dp_options, _check_data)) if p]
+        _check_names, check_numbers, _check_dp_options, _check_data)) if p]
     try:
         layout = layout_of(cfg)
     except LayoutError as err:
         return problems + [str(err)]
-    for check in (_check_model, _check_partition, _check_schedule, _check_batch, _check_world):
+    for check in (_check_model, _check_partition, _check_schedule, _check_batch, check_world):
         problem = _problem(check, cfg, layout)
         if problem:
             problems.append(problem)
@@ -105,15 +87,15 @@ def _problem(check, *args) -> str | None:
 
 
 def _check_names(cfg: Config) -> None:
-    _choose("parallel.schedule", cfg.parallel.schedule, schedule_names())
-    _choose("parallel.zero3_reshard", cfg.parallel.zero3_reshard, RESHARD_POLICIES)
-    _choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
-    _choose("train.precision", cfg.train.precision, PRECISIONS)
-    _choose("model.recompute", cfg.model.recompute, RECOMPUTE)
-    _choose("train.device", cfg.train.device, DEVICES)
-    _choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
-    _choose("optim.name", cfg.optim.name, ("adamw",))
-    _choose("optim.implementation", cfg.optim.implementation, ADAMW_IMPLEMENTATIONS)
+    choose("parallel.schedule", cfg.parallel.schedule, schedule_names())
+    choose("parallel.zero3_reshard", cfg.parallel.zero3_reshard, RESHARD_POLICIES)
+    choose("parallel.partition", cfg.parallel.partition, PARTITIONS)
+    choose("train.precision", cfg.train.precision, PRECISIONS)
+    choose("model.recompute", cfg.model.recompute, RECOMPUTE)
+    choose("train.device", cfg.train.device, DEVICES)
+    choose("launcher.start_method", cfg.launcher.start_method, ("forkserver", "spawn"))
+    choose("optim.name", cfg.optim.name, ("adamw",))
+    choose("optim.implementation", cfg.optim.implementation, ADAMW_IMPLEMENTATIONS)
 
 
 def _check_dp_options(cfg: Config) -> None:
@@ -135,59 +117,6 @@ def _check_data(cfg: Config) -> None:
         eval_size_problem(cfg.eval, cfg.data, cfg.train.global_batch)
     if problem:
         raise LayoutError(problem)
-
-
-MAX_SEED = (2**63 - 1) // 1_000_003 - 1_000_003
-"""The largest seed whose per-block streams (``seed * 1_000_003 + block``,
-``hybrid.model.gpt.block_seed``) fit torch's 64-bit generator seed."""
-
-
-def _check_numbers(cfg: Config) -> None:
-    """Every number finite and in range (a NaN passes ``< 0`` checks, so test finiteness)."""
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or \
-            not 0 <= cfg.seed <= MAX_SEED:
-        raise LayoutError(f"seed={cfg.seed} must be an integer in 0..{MAX_SEED:,} (each block's "
-                          f"weights draw from a 64-bit stream derived from it); choose one in "
-                          f"that range")
-    optim = cfg.optim
-    for field in ("lr", "min_lr", "weight_decay"):
-        _non_negative(f"optim.{field}", getattr(optim, field))
-    _above_zero("optim.eps", optim.eps)
-    if optim.min_lr > optim.lr:
-        raise LayoutError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}; the "
-                          f"cosine decays from lr down to min_lr: lower min_lr")
-    _non_negative("optim.warmup_steps", optim.warmup_steps)
-    for field in ("beta1", "beta2"):
-        if not 0 <= getattr(optim, field) < 1:
-            raise LayoutError(f"optim.{field}={getattr(optim, field)} must be in [0, 1)")
-    _above_zero("model.init_std", cfg.model.init_std)
-    _above_zero("model.norm_eps", cfg.model.norm_eps)
-    _non_negative("train.grad_clip", cfg.train.grad_clip)
-    _non_negative("checkpoint.every", cfg.checkpoint.every)
-    _non_negative("checkpoint.keep", cfg.checkpoint.keep)
-    _non_negative("train.timeline_step", cfg.train.timeline_step)
-    _positive("train.log_every", cfg.train.log_every)
-    _above_zero("parallel.bucket_mb", cfg.parallel.bucket_mb)
-    _above_zero("train.collective_timeout_s", cfg.train.collective_timeout_s)
-    ratio = cfg.train.straggler_ratio
-    if ratio != 0 and not ratio > 1:
-        raise LayoutError(f"train.straggler_ratio={ratio} must be above 1 (a rank that slow "
-                          f"relative to its peers is named), or 0 to turn the warning off")
-    if cfg.launcher.omp_threads is not None:
-        _positive("launcher.omp_threads", cfg.launcher.omp_threads)
-    _non_negative("launcher.max_restarts", cfg.launcher.max_restarts)
-    _check_slurm_numbers(cfg.launcher)
-    if cfg.data.source == "synthetic":
-        _positive("data.samples", cfg.data.samples)
-
-
-def _check_slurm_numbers(launcher) -> None:
-    _positive("launcher.time_min", launcher.time_min)
-    for name in ("cpus_per_task", "mem_gb"):
-        if getattr(launcher, name) is not None:
-            _positive(f"launcher.{name}", getattr(launcher, name))
-    if launcher.gpus_per_node is not None:
-        _non_negative("launcher.gpus_per_node", launcher.gpus_per_node)
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -262,7 +191,7 @@ def microbatches(cfg: Config) -> int:
 def _check_batch(cfg: Config, layout: Layout) -> None:
     t = cfg.train
     for name in ("steps", "global_batch", "micro_batch"):
-        _positive(f"train.{name}", getattr(t, name))
+        positive(f"train.{name}", getattr(t, name))
     per_step = layout.dp * t.micro_batch
     if t.global_batch % per_step:
         fits = [g for g in range(per_step, 4 * per_step + 1, per_step)]
@@ -278,42 +207,6 @@ def _check_batch(cfg: Config, layout: Layout) -> None:
                                 f"micro_batch {t.micro_batch})")
     if problem:
         raise LayoutError(problem)
-
-
-def _check_world(cfg: Config, layout: Layout) -> None:
-    launcher = cfg.launcher
-    _positive("launcher.nnodes", launcher.nnodes)
-    _check_nodes(launcher)
-    if launcher.nproc_per_node is None:
-        if layout.world_size % launcher.nnodes:
-            raise LayoutError(
-                f"dp*cp*tp*pp={layout.world_size} ranks cannot be spread evenly over "
-                f"launcher.nnodes={launcher.nnodes}; set launcher.nproc_per_node or the sizes")
-        return
-    _positive("launcher.nproc_per_node", launcher.nproc_per_node)
-    world = launcher.nnodes * launcher.nproc_per_node
-    if world != layout.world_size:
-        sizes = f"{layout.dp}*{layout.cp}*{layout.tp}*{layout.pp}" if layout.cp > 1 else \
-            f"{layout.dp}*{layout.tp}*{layout.pp}"
-        raise LayoutError(
-            f"parallel.dp*{'cp*' * (layout.cp > 1)}tp*pp = {sizes} = {layout.world_size} "
-            f"but the launcher starts {world} processes (launcher.nnodes={launcher.nnodes} x "
-            f"nproc_per_node={launcher.nproc_per_node}); make them equal")
-
-
-def _check_nodes(launcher) -> None:
-    """Where the nodes meet: ``node_rank`` among them, a ``HOST:PORT`` endpoint."""
-    if not 0 <= launcher.node_rank < launcher.nnodes:
-        raise LayoutError(f"launcher.node_rank={launcher.node_rank} must be in 0.."
-                          f"{launcher.nnodes - 1} for launcher.nnodes={launcher.nnodes}")
-    _above_zero("launcher.rdzv_timeout_s", launcher.rdzv_timeout_s)
-    endpoint = launcher.rdzv_endpoint
-    if endpoint is None:  # whether the launcher needs one is its own rule (launch.launchers.launcher)
-        return
-    host, _, port = str(endpoint).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LayoutError(f"launcher.rdzv_endpoint={endpoint} is not HOST:PORT; write node 0's "
-                          f"address and a port, e.g. launcher.rdzv_endpoint=node0:29500")
 
 
 def ranks_per_node(cfg: Config, layout: Layout) -> int:

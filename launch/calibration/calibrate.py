@@ -50,7 +50,7 @@ from pathlib import Path
 
 from hybrid.planning.cost.devices import PRESETS, Device, Link, calibrated_path
 from hybrid.planning.cost.collectives import ring_gather
-from launch.launchers.agent import MEGATRON_IMPORT_WARNING
+from launch.launchers.fork_server import MEGATRON_IMPORT_WARNING
 from launch.calibration.ranks import (BF16_SHAPE, LARGE_BYTES, SHAPES, SMALL_BYTES, TP_SHAPE,
                                     collective_times, compute_rates, thread_speedups,
                                     tp_call_seconds)

@@ -30,7 +30,7 @@ def train() -> None:
     except KeyboardInterrupt as err:
         _report_interrupt(err)
     finally:
-        from launch.launchers.agent import stop_fork_server
+        from launch.launchers.fork_server import stop_fork_server
 
         stop_fork_server()
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from launch.launchers.agent import default_omp_threads, run_agent, worker_env_summary
+from launch.launchers.agent import default_omp_threads, run_agent
+from launch.launchers.agent_worker import worker_env_summary
 from launch.launchers.failures import LaunchInterrupted, WorkerFailure
 from launch.launchers.launcher import register_launcher
 from launch.launchers.rendezvous import Rendezvous

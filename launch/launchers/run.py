@@ -17,8 +17,8 @@ from hybrid.files import write_text
 from hybrid.planning.config import to_dict
 from hybrid.planning.plan_file import plan_to_dict, save_plan
 from hybrid.stall import FAILURE_FILE
-from launch.launchers.agent import AGENT_LOG, MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, \
-    default_omp_threads, start_fork_server
+from launch.launchers.agent import AGENT_LOG, default_omp_threads
+from launch.launchers.fork_server import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, start_fork_server
 from launch.launchers.failures import count_restarts
 
 WORKER_FAILED_EXIT = 1

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from launch.launchers.slurm import SWEEP_JOBS, job_failure, wait_for
+from launch.launchers.slurm import SWEEP_JOBS
+from launch.launchers.slurm_job import job_failure, wait_for
 from launch.reports.sweep_report import record_cell, varying, write_report
 
 

@@ -1,0 +1,82 @@
+"""The fork server hybrid's workers start from: it imports torch and megatron-core once, in
+the background, and every worker forked from it shares them (an 8-rank job pays one torch
+import instead of eight).
+
+Apart from ``agent.py`` because the launcher starts it before any agent exists, as soon as
+the config has passed its checks (``launch.launchers.run.start_workers_fork_server``), and
+stops it when the launcher exits early (``launch.commands.console``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Iterator, Optional, Sequence
+
+from launch.launchers.agent_scope import restored_environ
+from launch.launchers.agent_worker import worker_environ
+
+WORKER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hybrid.model.megatron_adapter",
+                  "hybrid.train")
+"""Imported once by the fork server, before any worker exists (no torch compute has run).
+TorchDynamo is among them because torch's ``Optimizer`` imports it when the first one is built
+(about 1 s): once here rather than in every worker; Inductor's compiler is not
+(``hybrid.megatron_import``)."""
+MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
+"""PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
+and Apex are absent, expected on CPU and noise on a console."""
+
+def start_fork_server(preload: Sequence[str], omp_threads: Optional[int] = None) -> None:
+    """Start this process's fork server now, if it is not running yet: it imports ``preload``
+    in the background (torch and megatron-core: 5-7 s on a small machine) while the caller
+    goes on, e.g. composing its config or importing torch itself. ``run_agent`` with
+    ``start_method="forkserver"`` calls it too. The server keeps the environment it started
+    with: ``omp_threads`` (OMP_NUM_THREADS) when known; each worker's own comes from the agent
+    and ``hybrid.worker`` applies it. ``stop_fork_server`` ends it."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    environ = worker_environ(omp_threads)
+    with restored_environ(tuple(environ)), hangup_ignored():
+        os.environ.update(environ)
+        forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def hangup_ignored() -> Iterator[None]:
+    """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP:
+    a closed terminal sends it to the whole process group, and a tracker that dies of it while
+    workers still unregister their shared memory prints a traceback per segment. The launcher
+    keeps its own handler (it stops the workers and says so in one line); an ignored signal
+    stays ignored in the helpers and the workers they fork, so each worker takes SIGHUP's
+    default back (``call_entrypoint``)."""
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+
+
+def stop_fork_server() -> None:
+    """End this process's fork server, if one runs, without waiting for its imports: a
+    launcher that exits before starting workers (a refused config) leaves none behind. Forked
+    workers are not its children's children to kill: they live on their own."""
+    from multiprocessing import forkserver
+
+    # multiprocessing offers no call for this; the server's pid is the module's own record.
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass  # already gone
+
