@@ -72,6 +72,7 @@ def _save_load(rank, world, cfg_dict, tmp, repeats):
 
     from hybrid.planning.config import from_dict
     from hybrid.groups import ParallelGroups
+    from hybrid.checkpoint.restore import load_targets
     from hybrid.train import Trainer
     from hybrid.planning.job import plan_job
 
@@ -88,7 +89,7 @@ def _save_load(rank, world, cfg_dict, tmp, repeats):
         times["dcp save"].append(_timed(lambda: dcp.save(state, checkpoint_id=plain)))
         saved = ckpt.directory / f"step_{r + 1:08d}"
         times["hybrid load"].append(_timed(lambda: ckpt.load(saved)))
-        targets, _ = ckpt._targets()
+        targets, _ = load_targets(ckpt.params, ckpt.groups.layout, ckpt.mesh)
         times["dcp load"].append(_timed(lambda: dcp.load(targets, checkpoint_id=plain)))
     return {"times": times, "hybrid_bytes": _rank_bytes(saved, rank),
             "dcp_bytes": _rank_bytes(plain, rank)}

@@ -7,6 +7,7 @@ same model, seed and global batch. Each run starts real workers under the elasti
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -165,8 +166,10 @@ def test_2x2x2_losses_run_directory_and_straggler_report(reference, tmp_path):
     waits = [max(r["max_wait_s"].values()) for r in records]
     # step 2 before the slowdown (step 1 warms up, with waits of its own; step 3 waits for
     # rank 0 drawing step 2's timeline). Step 2 alone is the baseline, and 8 ranks on 2 cores
-    # once waited 0.26 s there (0.04 s is usual): half the sleep is the margin.
-    assert min(waits[4:]) > waits[1] + 0.3, waits
+    # once waited 0.26 s there (0.04 s is usual): half the sleep is the margin. The median of
+    # the slowed steps, as one of them under CI's load once waited 0.49 s where the rest
+    # waited 0.58-0.69 s.
+    assert statistics.median(waits[4:]) > waits[1] + 0.3, waits
     assert all(r["slowest_rank"]["rank"] == 5 for r in records[4:]), records
     times = [json.loads(line) for line in (tmp_path / "rank_times.jsonl").read_text()
              .splitlines()]
