@@ -24,7 +24,6 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from hybrid.testing_throttle import run_throttled  # noqa: F401 (bench/dp_balance.py's import)
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybrid.model.megatron_adapter",
            "hybrid.groups"]
