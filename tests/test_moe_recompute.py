@@ -7,6 +7,7 @@ process)."""
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from test_llama import preset
@@ -62,3 +63,24 @@ def _exchange(rank, world, recompute: str) -> dict:
         layer(hidden.requires_grad_()).sum().backward()
     return {"ep_bytes": counter.snapshot()["ep"]["bytes"],
             "tokens_per_expert": moe_step_stats([layer])["tokens_per_expert"]}
+
+
+def test_the_step_time_prices_the_recomputed_exchange_in_the_backward():
+    from hybrid.planning.config import Config, ParallelConfig
+    from hybrid.planning.cost.devices import load_device
+    from hybrid.planning.cost.stage_time import stage_times
+    from hybrid.planning.job import plan_job
+
+    device, blocks = load_device("cpu"), range(1, preset("moe-tiny").layers + 1)
+    times = {}
+    for recompute in ("none", "full"):
+        model = replace(preset("moe-tiny"), recompute=recompute)
+        for ep in (1, 2):
+            plan = plan_job(Config(model=model, parallel=ParallelConfig(dp=2, ep=ep)))
+            times[recompute, ep] = stage_times(plan, device, blocks)
+    exchange_forward = times["none", 2].forward - times["none", 1].forward
+    assert exchange_forward > 0
+    assert times["full", 2].forward - times["full", 1].forward == exchange_forward
+    backward = {r: times[r, 2].backward - times[r, 1].backward for r in ("none", "full")}
+    assert backward["full"] - backward["none"] == \
+        pytest.approx(exchange_forward, rel=1e-12)
