@@ -109,6 +109,50 @@ def test_a_layer_counts_its_routed_slots_and_the_update_moves_its_bias():
     assert left == other and torch.equal(fresh.mlp.expert_bias, layer.mlp.expert_bias)
 
 
+def test_a_full_recompute_counts_every_slot_once():
+    """``model.recompute=full`` runs each layer's forward again in the backward: the MoE
+    layer routes the same tokens again and must not count them again, so a step's routed
+    slots, kept and dropped slots, aux loss and bias update are those without recompute."""
+    from hybrid.testing import spawn
+
+    plain, recomputed = spawn(_step_counts, 1)[0]
+    assert plain["routed"].sum() == 2 * 16 * 2  # two micro-batches of 16 tokens, top-2
+    assert plain["moe"]["dropped"] > 0  # the capacity drops some: counted once as well
+    assert recomputed["moe"] == plain["moe"]
+    for name in ("routed", "bias", "router_grad"):
+        assert torch.equal(recomputed[name], plain[name]), name
+
+
+def _step_counts(rank, world) -> tuple[dict, dict]:
+    """One step of two micro-batches through an MoE llama layer, without and with full
+    recompute (same seed, same data): its counts, its bias after the update, its router's
+    gradient."""
+    from hybrid.groups import ParallelGroups
+    from hybrid.model.expert_bias import update_expert_biases
+    from hybrid.model.llama import LlamaLayer
+    from hybrid.model.moe import moe_step_stats, set_aux_loss_scale
+    from hybrid.planning.layout import Layout
+
+    groups = ParallelGroups.create(Layout())
+    base = replace(preset("moe-tiny"), moe_expert_bias_rate=0.01, moe_capacity_factor=1.0,
+                   init_std=0.2)
+    data = torch.randn(2, 8, 2, 32, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for recompute in ("none", "full"):
+        layer = LlamaLayer(replace(base, recompute=recompute), groups.tensor,
+                           generator=torch.Generator().manual_seed(0), sequence_parallel=False)
+        layer.block_id = 1
+        set_aux_loss_scale([layer], 0.5)
+        for micro_batch in data:
+            layer(micro_batch.clone().requires_grad_()).square().sum().backward()
+        routed = layer.mlp.routed_slots.clone()
+        moe = moe_step_stats([layer])
+        update_expert_biases([layer], _OneRank())
+        runs.append({"routed": routed, "moe": moe, "bias": layer.mlp.expert_bias.clone(),
+                     "router_grad": layer.mlp.router.weight.grad.clone()})
+    return runs[0], runs[1]
+
+
 @pytest.mark.parametrize("parallel", [dict(dp=2), dict(dp=2, cp=2), dict(dp=2, pp=2),
                                       dict(dp=2, ep=2, tp=2)])
 def test_the_plan_predicts_the_bias_all_reduce(parallel):

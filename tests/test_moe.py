@@ -2,7 +2,9 @@
 parameter count, the router and the load-balancing loss, one-line errors before launch, and,
 through ``hybrid-train``, a tiny MoE model's losses with the aux loss and the aux-loss-free
 expert bias on equal to the 1-process run's, and its final expert biases too, on dense and
-expert-parallel layouts (rtol 1e-4), and a checkpoint resumed on another layout."""
+expert-parallel layouts (rtol 1e-4), one with full recompute (its MoE figures each step the
+1-process run's: the recomputed forward counts nothing again), and a checkpoint resumed on
+another layout."""
 
 import math
 from dataclasses import replace
@@ -143,7 +145,8 @@ def test_bad_moe_setting_exits_2_with_one_line_before_launch(tmp_path):
 
 LAYOUTS = {
     "dp2": ["parallel=single", "parallel.dp=2"],
-    "tp2": ["parallel=single", "parallel.tp=2"],
+    # full recompute: the backward re-runs each layer's forward, routing its tokens again
+    "tp2-recompute": ["parallel=single", "parallel.tp=2", "model.recompute=full"],
     "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.schedule=1f1b"],
     # small buckets: dense and expert buckets apart, each padded for its ZeRO shards
@@ -172,7 +175,8 @@ def moe_reference_run(tmp_path_factory):
     biases = final_biases(run_dir)
     assert len(biases) == preset("moe-tiny").layers
     assert any(bias.abs().max() > 0 for bias in biases.values())  # they moved
-    return [r["loss"] for r in checked_records(run_dir)], biases
+    records = checked_records(run_dir)
+    return [r["loss"] for r in records], biases, [r["moe"] for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +216,14 @@ def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_referenc
     if "-ep" in name:
         assert all(r["comm_bytes"]["ep"] > 0 for r in records)  # tokens travelled
         _assert_expert_groups(tmp_path)
-    _assert_moe_metrics(records, name)
+    _assert_moe_metrics(records, name, moe_reference_run[2])
 
 
-def _assert_moe_metrics(records, name):
-    """Rank 0's MoE layers' figures in every record: dropless, so every routed slot kept."""
+def _assert_moe_metrics(records, name, reference):
+    """Rank 0's MoE layers' figures in every record: dropless, so every routed slot kept,
+    once (a full recompute routes them again); where rank 0 routes every token of every layer
+    (TP only), each step's slots per expert and mean aux loss are the 1-process run's
+    (``reference``: its records' ``moe``)."""
     cfg = preset("moe-tiny")
     layers = cfg.layers // 2 if "pp2" in name else cfg.layers
     cp = 2 if "cp2" in name else 1
@@ -227,6 +234,12 @@ def _assert_moe_metrics(records, name):
         moe = record["moe"]
         assert sum(moe["tokens_per_expert"]) == slots and moe["dropped"] == 0, (moe, slots)
         assert moe["load_max_over_mean"] >= 1.0 and moe["aux_loss"] > 0
+    if name.startswith("tp2"):
+        moe = [r["moe"] for r in records]
+        assert [m["tokens_per_expert"] for m in moe] == \
+            [m["tokens_per_expert"] for m in reference]
+        assert [m["aux_loss"] for m in moe] == \
+            pytest.approx([m["aux_loss"] for m in reference], rel=1e-4)
 
 
 def _assert_expert_groups(run_dir):

@@ -13,6 +13,7 @@ its gradient is partial over TP there, as GPT-2's LayerNorm's).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
 import torch
@@ -170,8 +171,16 @@ class LlamaLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._layer, hidden, use_reentrant=False)
+            return checkpoint(self._layer, hidden, use_reentrant=False,
+                              context_fn=self.recompute_contexts)
         return self._layer(hidden, cache)
+
+    def recompute_contexts(self) -> tuple[AbstractContextManager, AbstractContextManager]:
+        """``checkpoint``'s ``context_fn``: nothing around the forward; around its re-run in
+        the backward, an MoE MLP's ``uncounted``, so a step's MoE figures and expert-bias
+        counts are those without recompute."""
+        again = self.mlp.uncounted() if isinstance(self.mlp, MoeMLP) else nullcontext()
+        return nullcontext(), again
 
     def _layer(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         hidden = hidden + self.attention(self.input_norm(hidden), cache)

@@ -21,7 +21,8 @@ language-model loss is scaled), and changes no reported loss.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -171,6 +172,10 @@ class MoeMLP(nn.Module):
         self.aux_scale = 1.0
         """What the load-balancing loss's gradient is multiplied by besides its coefficient:
         the trainer sets ``1 / micro-batches`` (``set_aux_loss_scale``)."""
+        self.counting = True
+        """Whether a training forward adds to ``stats`` and ``routed_slots``; off only inside
+        ``uncounted``. A flag on the layer rather than a global: it is this layer's forward
+        that runs twice, and ``uncounted`` sets and clears it around that second run alone."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -181,14 +186,15 @@ class MoeMLP(nn.Module):
         x = hidden.reshape(-1, shape[-1])  # [T, h]
         logits = (x @ self.router.weight.t()).float()
         weights, ids = route(logits, self.topk, self.router_kind, self.expert_bias)
-        if self.routed_slots is not None and torch.is_grad_enabled():
+        if self.routed_slots is not None and self._counts():
             self.routed_slots += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         keep = kept_slots(ids, self.num_experts, self._capacity(x.shape[0]))
         out = self._experts_out(x, weights, ids, keep).view(shape)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
             aux = load_balancing_loss(logits.softmax(dim=-1), ids, self.num_experts,
                                       self.context_group)
-            self.stats.aux += float(aux.detach())
+            if self._counts():
+                self.stats.aux += float(aux.detach())
             scale = self.aux_coeff * self.aux_scale / self.tp_group.size()
             out = AuxLossGradient.apply(out, aux, scale)
         if self.sequence_parallel:
@@ -204,9 +210,24 @@ class MoeMLP(nn.Module):
         y = run_experts(rows, plan.local_expert, self.local_experts, self.experts)
         back = all_to_all(y, self._group(), plan.send, plan.recv)
         back = back * weights[plan.token, plan.slot, None]
-        if torch.is_grad_enabled():
+        if self._counts():
             self.stats.add(plan.tokens_per_expert, keep.numel() - plan.token.numel())
         return torch.zeros_like(x).index_add(0, plan.token, back.to(x.dtype))
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Forwards inside count nothing: a full recompute's second run of a forward already
+        counted (``LlamaLayer.recompute_contexts``), which routes the same tokens the same way
+        (the bias moves only after the step) and would count every slot twice."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def _counts(self) -> bool:
+        """Whether this forward adds to the step's figures: training, and not a recompute."""
+        return self.counting and torch.is_grad_enabled()
 
     def _group(self) -> Group:
         return self.expert_group if self.expert_group is not None else ALONE

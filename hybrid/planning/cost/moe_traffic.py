@@ -64,7 +64,8 @@ def a2a_step_bytes(cfg, layout, moe_layers: int, microbatches: int) -> float:
 def a2a_times(cfg, layout, link, moe_layers: int) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch's exchanges on a rank holding
     ``moe_layers`` MoE layers, at an even load over ``link`` (a ``devices.Link``): each
-    all-to-all's bytes at the link's bandwidth and ``ep - 1`` latencies (a pairwise exchange).
+    all-to-all's bytes at the link's bandwidth and ``ep - 1`` latencies (a pairwise exchange);
+    under a full recompute the backward holds the forward's exchange a second time.
     The experts' compute is in the layer's FLOPs already: dropless at an even load, a rank's
     experts compute as many slots as its own tokens have."""
     m, ep = cfg.model, layout.ep
@@ -81,4 +82,6 @@ def a2a_times(cfg, layout, link, moe_layers: int) -> tuple[float, float]:
     calls_forward, calls_backward = 3, 2  # counts, dispatch, combine; their gradients
     time_forward = forward / link.bandwidth + calls_forward * (ep - 1) * link.latency
     time_backward = (both - forward) / link.bandwidth + calls_backward * (ep - 1) * link.latency
+    if m.recompute == "full":  # the backward re-runs the forward, its exchange included
+        time_backward += time_forward
     return moe_layers * time_forward, moe_layers * time_backward
