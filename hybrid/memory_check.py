@@ -13,12 +13,14 @@ shows how close (``bench/cost_vs_measured.py`` reports the error over many layou
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
+from hybrid.model.activations import SavedTensors
 from hybrid.planning.job import JobPlan, rank_state_bytes
 from hybrid.files import write_text
 
@@ -69,3 +71,21 @@ def write_memory_check(run_dir: Path, plan: JobPlan, per_rank: list[list[float]]
     write_text(run_dir / FILE, json.dumps({"state_bytes_equal": equal,
                                            "gathered_bytes_equal": gathered_equal,
                                            "ranks": ranks}, indent=1) + "\n")
+
+
+def saved_tensors(chunks: Iterable[torch.nn.Module], on: bool):
+    """Around the first updating step: counts what autograd keeps for backward (not the
+    parameters themselves); a no-op context on the other steps."""
+    if not on:
+        return contextlib.nullcontext()
+    return SavedTensors(p for chunk in chunks for p in chunk.parameters())
+
+
+def check_memory(run_dir: Path, plan: JobPlan, chunks: Iterable[torch.nn.Module], sync,
+                 saved: SavedTensors, gathered_peak: int,
+                 gather: Callable[[list[float]], list[list[float]]]) -> None:
+    """Every rank's counted bytes, gathered over the job (``gather``); rank 0 writes them
+    beside the prediction."""
+    per_rank = gather([*counted_state_bytes(chunks, sync), saved.peak, gathered_peak])
+    if torch.distributed.get_rank() == 0:
+        write_memory_check(run_dir, plan, per_rank)

@@ -1,10 +1,13 @@
-"""What a training step reports, and its ``metrics.jsonl`` record (docs/metrics.md)."""
+"""What a training step reports, its ``metrics.jsonl`` record (docs/metrics.md), and the stop
+when its loss or gradient norm is not finite."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+from hybrid.errors import UserError
 from hybrid.planning.cost.flops import hardware_flops_per_step, model_flops_per_step
 from hybrid.planning.job import JobPlan, rank_dp_bytes
 from hybrid.planning.layout import COORD_ORDER as AXES
@@ -78,3 +81,16 @@ def exact_dp_bytes(plan: JobPlan, step: int, shares: Optional[list[int]] = None)
     ``shares``: the replicas' micro-batches under ``parallel.dp_balance=dynamic``)."""
     exact = DpOptions.of(plan.cfg.parallel).uncompressed()
     return rank_dp_bytes(plan.cfg, plan, 0, step, exact, rounds=max(shares) if shares else None)
+
+
+class NonFiniteError(UserError):
+    """The loss or the gradient norm of a step is NaN or infinite; the update was not applied."""
+
+
+def stop_if_not_finite(step: int, loss: float, grad_norm: float, lr: float) -> None:
+    """Raise on a non-finite loss or gradient norm (every rank has both, reduced)."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}; the update was "
+                         f"not applied and training stopped. Lower optim.lr (this step's lr "
+                         f"{lr:.3g}) or resume from an earlier checkpoint")

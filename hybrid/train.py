@@ -9,8 +9,6 @@ batch, runs its pipeline rank's action list (forward/backward of micro-batches),
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import socket
 import sys
 import time
@@ -26,17 +24,15 @@ from hybrid.comm import CommCounter
 from hybrid.data import TokenDataset, open_dataset, rank_microbatches
 from hybrid.evaluate import make_evaluator
 from hybrid.dp import GradSync
-from hybrid.errors import UserError
-from hybrid.files import write_text
 from hybrid.groups import ParallelGroups
-from hybrid.memory_check import counted_state_bytes, write_memory_check
+from hybrid.memory_check import check_memory, saved_tensors
 from hybrid.metrics import MetricsWriter, peak_memory_bytes
 from hybrid.model import lm_loss
 from hybrid.model.activations import SavedTensors
 from hybrid.model.expert_bias import update_expert_biases
 from hybrid.model.moe import moe_step_stats, set_aux_loss_scale
 from hybrid.optim import lr_at
-from hybrid.pipeline.recorder import ActionRecorder, gather_events, write_timeline
+from hybrid.pipeline.recorder import ActionRecorder, write_step_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
 from hybrid.relayout import relayout_asked
@@ -44,22 +40,9 @@ from hybrid.replica_balance import ReplicaShares
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.rank_check import RankPlan
 from hybrid.stall import who
-from hybrid.step_record import StepReport, metrics_record
+from hybrid.step_record import StepReport, metrics_record, stop_if_not_finite
 from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
 from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
-
-
-class NonFiniteError(UserError):
-    """The loss or the gradient norm of a step is NaN or infinite; the update was not applied."""
-
-
-def stop_if_not_finite(step: int, loss: float, grad_norm: float, lr: float) -> None:
-    """Raise on a non-finite loss or gradient norm (every rank has both, reduced)."""
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return
-    raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}; the update was "
-                         f"not applied and training stopped. Lower optim.lr (this step's lr "
-                         f"{lr:.3g}) or resume from an earlier checkpoint")
 
 
 class Trainer:
@@ -247,14 +230,14 @@ class Trainer:
                                 log_every=cfg.train.log_every, first_step=self.start_step + 1)
         times = self._times_log() if is_rank0 else None
         if is_rank0:
-            self._say_where_it_starts()
+            self.checkpointer.say_where_it_starts(self.start_step)
         losses, norms, evals = [], [], {}
         stopped_at = None
         checking = True  # until the first step that updates (dp_delay's step 1 does not)
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
                 recorder = self._recorder_for(step)
-                with self._saved_tensors(checking) as saved:
+                with saved_tensors(self.chunks.values(), checking) as saved:
                     report = self.step(step, recorder)
                 if checking and self.sync.optimizer.state:
                     self._check_memory(saved)
@@ -286,35 +269,16 @@ class Trainer:
                 "start_step": self.start_step, "resumed_from": self.checkpointer.resumed_from,
                 "relayout_at": stopped_at}
 
-    def _say_where_it_starts(self) -> None:
-        """Before the first step: the checkpoint this run (or this attempt, after a restart)
-        resumed from, or the weights it started from."""
-        resumed, initialised = self.checkpointer.resumed_from, self.checkpointer.initialised_from
-        if resumed is not None:
-            print(f"resumed from {resumed} (step {self.start_step})", flush=True)
-        if initialised:
-            print(f"started from the weights of {initialised} (step 0, a fresh optimizer)",
-                  flush=True)
-
     def _evaluate(self, step: int) -> dict:
         """The validation loss when ``step`` is an evaluation step, on every rank, else {}."""
         if self.evaluator is None or not self.evaluator.due(step):
             return {}
         return self.evaluator.evaluate(self._autocast)
 
-    def _saved_tensors(self, on: bool):
-        """The first updating step counts what autograd keeps for backward
-        (``memory_check.json``)."""
-        if not on:
-            return contextlib.nullcontext()
-        return SavedTensors(p for chunk in self.chunks.values() for p in chunk.parameters())
-
     def _check_memory(self, saved: SavedTensors) -> None:
-        counted = counted_state_bytes(self.chunks.values(), self.sync)
         gathered = 0 if self.weights is None else self.weights.peak_bytes
-        per_rank = self._gather([*counted, saved.peak, gathered])
-        if dist.get_rank() == 0:
-            write_memory_check(self.run_dir, self.plan, per_rank)
+        check_memory(self.run_dir, self.plan, self.chunks.values(), self.sync, saved, gathered,
+                     self._gather)
 
     def _times_log(self) -> RankTimesLog:
         pp_of_rank = [self.coords_of(r)["pp"] for r in range(dist.get_world_size())]
@@ -337,20 +301,8 @@ class Trainer:
         return ActionRecorder(rank=self.groups.pp_rank)
 
     def _write_timeline(self, recorder: ActionRecorder, step: int) -> None:
-        """Rank 0's pipeline writes ``timeline.json``/``.png`` and the measured bubble."""
-        pipeline = self.groups.pipeline
-        events = gather_events(recorder.events, group=pipeline, dst=pipeline.ranks[0])
-        if dist.get_rank() != 0:
-            return
-        layout = self.groups.layout
-        report = write_timeline(events, self.schedule, self.run_dir / "timeline", pp=layout.pp,
-                                m=self.shares.mine, vpp=layout.vpp,
-                                placement=layout.stage_placement,
-                                title=f"{self.cfg.parallel.schedule} step {step}")
-        write_text(self.run_dir / "timeline_bubble.json", json.dumps(report, indent=1))
-        print(f"timeline of step {step}: {report['png']} (bubble measured "
-              f"{report['measured']:.1%}, simulated {report['simulated']:.1%})", flush=True)
-
+        write_step_timeline(recorder, self.schedule, self.groups, self.run_dir, step=step,
+                            m=self.shares.mine, schedule=self.cfg.parallel.schedule)
 
 def train(plan: JobPlan, groups: ParallelGroups, run_dir: Path,
           store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None,

@@ -201,6 +201,15 @@ class Checkpointer:
         self.resumed_from = str(path)
         return self.load(path)
 
+    def say_where_it_starts(self, start_step: int) -> None:
+        """Rank 0, before the first step: the checkpoint this run (or this attempt, after a
+        restart) resumed from, or the weights it started from."""
+        if self.resumed_from is not None:
+            print(f"resumed from {self.resumed_from} (step {start_step})", flush=True)
+        if self.initialised_from:
+            print(f"started from the weights of {self.initialised_from} (step 0, a fresh "
+                  f"optimizer)", flush=True)
+
     def load_weights(self, path: Path) -> None:
         """``checkpoint.init_from``: the model weights of checkpoint ``path`` (any layout, or
         an imported HF model) into this rank's parameters; the optimizer starts fresh. Every

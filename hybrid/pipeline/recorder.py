@@ -8,11 +8,13 @@ clock-sync precision, across machines); the drawings start at the earliest event
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Optional
 
 from hybrid.comm import Group
+from hybrid.files import write_text
 from hybrid.planning.schedules.actions import COMPUTE_KINDS, LOOP, Action
 from hybrid.planning.schedules.simulate import Costs, simulate
 from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
@@ -84,3 +86,20 @@ def write_timeline(events: list[Event], lists: list[list[Action]], out_prefix: s
                   unit="s")
     report.update(trace=str(trace), png=str(picture))
     return report
+
+
+def write_step_timeline(recorder: ActionRecorder, lists: list[list[Action]], groups, run_dir: Path,
+                        *, step: int, m: int, schedule: str) -> None:
+    """Rank 0's pipeline writes ``timeline.json``/``.png`` and the measured bubble
+    (``timeline_bubble.json``) of the step ``recorder`` recorded; every rank calls it."""
+    pipeline = groups.pipeline
+    events = gather_events(recorder.events, group=pipeline, dst=pipeline.ranks[0])
+    if groups.world.rank() != 0:
+        return
+    layout = groups.layout
+    report = write_timeline(events, lists, run_dir / "timeline", pp=layout.pp, m=m,
+                            vpp=layout.vpp, placement=layout.stage_placement,
+                            title=f"{schedule} step {step}")
+    write_text(run_dir / "timeline_bubble.json", json.dumps(report, indent=1))
+    print(f"timeline of step {step}: {report['png']} (bubble measured "
+          f"{report['measured']:.1%}, simulated {report['simulated']:.1%})", flush=True)
