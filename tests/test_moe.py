@@ -275,7 +275,7 @@ def test_a_checkpoint_saved_on_ep2_resumes_on_ep1_and_ep4_with_the_same_losses(
     resumed on dp2 (ep1: every expert on every rank) and on dp4 ep4 (one expert a rank): the
     checkpoint holds every expert by its global index, and the expert biases, so the resumed
     runs end with the uninterrupted run's biases too."""
-    moe_reference, reference_biases = moe_reference_run
+    moe_reference, reference_biases, _ = moe_reference_run
     source = tmp_path / "source"
     done = run_train(source, *MOE, *LAYOUTS["dp2-ep2-tp2"], "parallel.sequence_parallel=true",
                      "checkpoint.every=3")
