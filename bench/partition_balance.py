@@ -25,7 +25,8 @@ TIMELINE_STEP = 4
 MODEL = ["parallel=single", "model=small", "model.layers=12", "model.vocab=16384",
          "train.global_batch=16", "train.micro_batch=2", "train.log_every=100",
          f"train.timeline_step={TIMELINE_STEP}", "optim.warmup_steps=0"]
-SMOKE_JOB = ["model.layers=4", "data=synthetic"]  # --smoke: after MODEL, so these win
+SMOKE_JOB = ["model.layers=4", "model.vocab=2048", "train.global_batch=8",
+             "data=synthetic"]  # --smoke: after MODEL, so these win
 
 
 def run_partition(mode: str, pp: int, steps: int, out: Path, job: list[str]) -> dict:
@@ -69,7 +70,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", help="where the runs go (default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
-                        "suite's): 4 layers on generated data, 4 steps; its figures mean nothing")
+                        "suite's): 4 layers, a 2048 vocabulary, batch 8, generated data, "
+                        "4 steps; its figures mean nothing")
     args = parser.parse_args()
     if args.smoke:  # what the command line gave explicitly stays
         args = parser.parse_args(namespace=argparse.Namespace(steps=TIMELINE_STEP))

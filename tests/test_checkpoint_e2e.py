@@ -35,7 +35,6 @@ LAYOUTS = {
     # ZeRO-3's weight shards: saved whole from every layout, loaded into shards on any
     "2x2x2-zero3": ["parallel.zero=3", "parallel.bucket_mb=0.02"],
     "single": SINGLE,
-    "dp4-zero1": SINGLE + ["parallel.dp=4", "parallel.zero=1"],
     "dp2-zero3": SINGLE + ["parallel.dp=2", "parallel.zero=3", "parallel.bucket_mb=0.02"],
     # the DP options' own state (error feedback and Q; the mean in flight) is checkpointed
     "dp2-powersgd": SINGLE + ["parallel.dp=2", "parallel.dp_compress=powersgd",
@@ -101,10 +100,10 @@ def test_resume_on_the_same_layout_is_bitwise(layout, saved, tmp_path):
     assert [resumed[s] for s in resumed] == [expected[s] for s in resumed]  # bitwise
 
 
-# Every axis changes: DP, TP, PP and the ZeRO stage at once; TP into interleaved PP; ZeRO-3
-# on 2x2x2 into one process, and ZeRO-1 on dp4 into ZeRO-3 on dp2.
+# Every axis changes: DP, TP, PP and the ZeRO stage at once (into ZeRO-2 on dp4, and into
+# ZeRO-3's weight shards on dp2); TP into interleaved PP; ZeRO-3 on 2x2x2 into one process.
 RESHARD = [("2x2x2-zero1", "dp4-zero2"), ("tp2", "pp4-vpp2"), ("2x2x2-zero3", "single"),
-           ("dp4-zero1", "dp2-zero3")]
+           ("2x2x2-zero1", "dp2-zero3")]
 
 
 @pytest.mark.parametrize("source_layout, target_layout", RESHARD,

@@ -13,8 +13,7 @@ STEPS = 6
 COMMON = ["model=tiny", "data=synthetic", f"train.steps={STEPS}", "train.global_batch=8",
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=0", "seed=5",
           "parallel=single", "eval.every=3", "eval.batches=2"]
-LAYOUTS = {
-    "cp2": ["parallel.cp=2"],
+LAYOUTS = {  # no plain cp2: cp2-zero1 runs the same ring (p2p) with dp2 beside it
     "cp4-recompute-full": ["parallel.cp=4", "model.recompute=full"],
     "cp2-allgather-selective": ["parallel.cp=2", "parallel.cp_comm=allgather",
                                 "model.recompute=selective"],

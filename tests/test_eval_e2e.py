@@ -12,8 +12,9 @@ COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS
           "train.global_batch=8", "train.micro_batch=2", "train.log_every=100",
           "train.timeline_step=0", "seed=3"]
 EVAL = ["eval.every=2", "eval.batches=2", "eval.at_end=true"]
+BASE = "2x2x2-1f1b"  # the base layout: no parallel override
 LAYOUTS = {
-    "2x2x2-1f1b": [],
+    BASE: [],
     "pp2-1f1b": ["parallel=single", "parallel.pp=2"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                              "parallel.schedule=interleaved-1f1b"],
@@ -42,9 +43,17 @@ def reference(tmp_path_factory) -> list[dict]:
     return records
 
 
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory) -> list[dict]:
+    """The base layout with evaluation on: one run that both the layout comparison and the
+    on/off comparison read (the same job)."""
+    return run_train(tmp_path_factory.mktemp("evaluated"), *LAYOUTS[BASE], *EVAL)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_eval_loss_equals_the_1_process_run(name, reference, tmp_path):
-    records = run_train(tmp_path, *LAYOUTS[name], *EVAL)
+def test_eval_loss_equals_the_1_process_run(name, reference, request, tmp_path):
+    records = (request.getfixturevalue("evaluated") if name == BASE
+               else run_train(tmp_path, *LAYOUTS[name], *EVAL))
     expected = evals(reference)
     assert sorted(evals(records)) == sorted(expected)
     assert evals(records) == pytest.approx(expected, rel=1e-5)
@@ -55,9 +64,8 @@ def test_eval_loss_equals_the_1_process_run(name, reference, tmp_path):
     assert all(0 < r["mfu"] <= r["hfu"] for r in records)
 
 
-def test_evaluating_changes_no_training_number(tmp_path):
-    on = run_train(tmp_path / "on", *EVAL)
-    off = run_train(tmp_path / "off")
+def test_evaluating_changes_no_training_number(evaluated, tmp_path):
+    on, off = evaluated, run_train(tmp_path, *LAYOUTS[BASE])
     keys = ("loss", "grad_norm", "lr", "comm_bytes", "comm_calls")
     assert [{k: r[k] for k in keys} for r in on] == [{k: r[k] for k in keys} for r in off]
     assert not evals(off)

@@ -1,6 +1,6 @@
-"""HF GPT-2 with training, through the real commands: a 2x2x2-trained model exported to HF
-gives hybrid's 1-process logits; fine-tuning an imported HF model on 2x2x2 starts from HF's
-loss; greedy hybrid-generate equals HF's greedy generate."""
+"""HF GPT-2 with training, through the real commands: fine-tuning an imported HF model on
+2x2x2 starts from HF's loss, and the model it trains, exported to HF, gives hybrid's 1-process
+logits (one run for both); greedy hybrid-generate equals HF's greedy generate."""
 
 import json
 import re
@@ -37,6 +37,16 @@ def imported(tmp_path_factory) -> dict:
     return {"hf": hf_dir, "checkpoint": folder / "imported"}
 
 
+@pytest.fixture(scope="module")
+def fine_tuned(imported, tmp_path_factory) -> tuple[Path, str]:
+    """``imported`` fine-tuned for 4 steps on the base layout (DP 2 x TP 2 x PP 2, 1F1B),
+    saving at step 4: its run directory and console output."""
+    run_dir = tmp_path_factory.mktemp("fine-tuned")
+    done = run(BIN / "hybrid-train", *COMMON, "train.steps=4", "checkpoint.every=4",
+               f"checkpoint.init_from={imported['checkpoint']}", f"hydra.run.dir={run_dir}")
+    return run_dir, done.stdout
+
+
 def _logits(rank, world, weights_path, tokens):
     from hybrid.generate import Source, one_process_model
     from hybrid.planning.config import ModelConfig
@@ -47,11 +57,10 @@ def _logits(rank, world, weights_path, tokens):
         return model.logits(tokens)
 
 
-def test_a_2x2x2_trained_model_exported_to_hf_gives_hybrids_logits(tmp_path):
-    run(BIN / "hybrid-train", *COMMON, "train.steps=4", "checkpoint.every=4",
-        f"hydra.run.dir={tmp_path / 'run'}")  # the base layout: DP 2 x TP 2 x PP 2, 1F1B
-    run(BIN / "hybrid-ckpt", "export", tmp_path / "run", tmp_path / "hf", "--format", "hf")
-    run(BIN / "hybrid-ckpt", "export", tmp_path / "run", tmp_path / "model.pt")
+def test_a_2x2x2_trained_model_exported_to_hf_gives_hybrids_logits(fine_tuned, tmp_path):
+    run_dir, _ = fine_tuned
+    run(BIN / "hybrid-ckpt", "export", run_dir, tmp_path / "hf", "--format", "hf")
+    run(BIN / "hybrid-ckpt", "export", run_dir, tmp_path / "model.pt")
     tokens = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(8))
     ours, = spawn(_logits, 1, str(tmp_path / "model.pt"), tokens, timeout=120)
     model, info = load_hf(tmp_path / "hf")
@@ -62,15 +71,13 @@ def test_a_2x2x2_trained_model_exported_to_hf_gives_hybrids_logits(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-def test_fine_tuning_an_imported_model_on_2x2x2_starts_from_hfs_loss(imported, tmp_path):
+def test_fine_tuning_an_imported_model_on_2x2x2_starts_from_hfs_loss(imported, fine_tuned):
     from hybrid.data import global_batch_indices, make_dataset
     from hybrid.planning.config import from_dict
 
-    done = run(BIN / "hybrid-train", *COMMON, "train.steps=2",
-               f"checkpoint.init_from={imported['checkpoint']}",
-               f"hydra.run.dir={tmp_path / 'run'}")
-    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
-    cfg = from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+    run_dir, stdout = fine_tuned
+    first = read_metrics(run_dir / "metrics.jsonl")[0]
+    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     data = make_dataset(cfg.data, cfg.model, cfg.seed)
     indices = global_batch_indices(0, num_samples=len(data), global_batch=8, seed=cfg.seed)
     batch = torch.from_numpy(__import__("numpy").stack([data[int(i)] for i in indices]))
@@ -79,7 +86,7 @@ def test_fine_tuning_an_imported_model_on_2x2x2_starts_from_hfs_loss(imported, t
         logits = model(batch[:, :-1]).logits
     hf_loss = F.cross_entropy(logits.reshape(-1, 300), batch[:, 1:].reshape(-1)).item()
     assert first["step"] == 1 and first["loss"] == pytest.approx(hf_loss, rel=1e-5)
-    assert "started from the weights of" in done.stdout
+    assert "started from the weights of" in stdout
 
 
 def test_greedy_generation_equals_hfs(imported):

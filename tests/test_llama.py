@@ -95,6 +95,9 @@ TIED_LAYOUTS = {
                       "parallel.schedule=zb-v"],
 }
 
+RESUME_SOURCE = "dp2-tp2-pp2-1f1b"
+"""Also saves at step 3 (a save changes no training number): the resume test's source."""
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -111,6 +114,24 @@ def reference(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Each layout's run directory (each made when first asked for)."""
+    runs = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            run_dir = tmp_path_factory.mktemp(f"llama-{name}")
+            tied = name in TIED_LAYOUTS
+            overrides = TIED_LAYOUTS[name] + TIED if tied else LAYOUTS[name]
+            saves = ["checkpoint.every=3"] if name == RESUME_SOURCE else []
+            done = run_train(run_dir, *overrides, *saves)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[name] = run_dir
+        return runs[name]
+    return get
+
+
 def assert_same_losses(losses: list[float], reference: list[float]) -> None:
     assert len(losses) == len(reference) == STEPS
     assert losses[0] == pytest.approx(reference[0], rel=1e-5)
@@ -121,26 +142,21 @@ def assert_same_losses(losses: list[float], reference: list[float]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", list(LAYOUTS) + list(TIED_LAYOUTS))
-def test_losses_equal_the_1_process_run(name, reference, tmp_path):
-    tied = name in TIED_LAYOUTS
-    done = run_train(tmp_path, *(TIED_LAYOUTS[name] + TIED if tied else LAYOUTS[name]))
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [r["loss"] for r in checked_records(tmp_path)]  # state bytes as predicted
-    assert_same_losses(losses, reference(tied))
+def test_losses_equal_the_1_process_run(name, reference, layout_runs):
+    losses = [r["loss"] for r in checked_records(layout_runs(name))]  # state bytes as predicted
+    assert_same_losses(losses, reference(name in TIED_LAYOUTS))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_checkpoint_saved_on_2x2x2_resumes_on_tp2_with_sequence_parallelism(reference,
+                                                                              layout_runs,
                                                                               tmp_path):
-    source, target = tmp_path / "source", tmp_path / "target"
-    done = run_train(source, *LAYOUTS["dp2-tp2-pp2-1f1b"], "checkpoint.every=3")
-    assert done.returncode == 0, done.stderr[-3000:]
-    step = source / "checkpoints" / "step_00000003"
-    done = run_train(target, *LAYOUTS["tp2-sp-kv2"], f"checkpoint.resume_from={step}")
+    step = layout_runs(RESUME_SOURCE) / "checkpoints" / "step_00000003"
+    done = run_train(tmp_path, *LAYOUTS["tp2-sp-kv2"], f"checkpoint.resume_from={step}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
-    resumed = {r["step"]: r["loss"] for r in checked_records(target)}
+    resumed = {r["step"]: r["loss"] for r in checked_records(tmp_path)}
     assert sorted(resumed) == [4, 5, 6]
     assert list(resumed.values()) == pytest.approx(reference(False)[3:], rel=1e-4)
 

@@ -132,6 +132,16 @@ def trained(tmp_path_factory) -> Path:
     return run_dir / "checkpoints" / "step_00000004"
 
 
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``trained`` through ``hybrid-ckpt export``: the plain file and the command's outcome,
+    one export for the tests that check the file and that load it."""
+    out = tmp_path_factory.mktemp("exported") / "model.pt"
+    done = subprocess.run([CKPT, "export", str(trained), str(out)], capture_output=True,
+                          text=True, timeout=60)
+    return out, done
+
+
 def _copy(checkpoint: Path, to: Path) -> Path:
     shutil.copytree(checkpoint, to)
     return to
@@ -144,19 +154,19 @@ def _flip_byte(file: Path, offset: int) -> None:
 
 
 @pytest.mark.slow
-def test_export_refuses_a_damaged_checkpoint_and_writes_a_plain_file(trained, tmp_path):
+def test_export_refuses_a_damaged_checkpoint_and_writes_a_plain_file(trained, exported,
+                                                                    tmp_path):
     damaged = _copy(trained, tmp_path / "damaged")
     _flip_byte(next(damaged.glob("__0_*.distcp")), 100)
     done = subprocess.run([CKPT, "export", str(damaged), str(tmp_path / "bad.pt")],
                           capture_output=True, text=True, timeout=60)
     one_line_error(done, "does not match the checksum written with it: it is corrupted")
     assert not (tmp_path / "bad.pt").exists()
-    done = subprocess.run([CKPT, "export", str(trained), str(tmp_path / "model.pt")],
-                          capture_output=True, text=True, timeout=60)
+    model, done = exported
     assert done.returncode == 0 and done.stderr == "", done.stderr  # no torch warning
     umask = os.umask(0)
     os.umask(umask)
-    assert (tmp_path / "model.pt").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert model.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 @pytest.mark.slow
@@ -199,11 +209,12 @@ def test_restarts_without_checkpoints_are_warned_of(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_docs_load_an_exported_model_in_a_python_session_of_its_own(trained, tmp_path):
+def test_the_docs_load_an_exported_model_in_a_python_session_of_its_own(trained, exported,
+                                                                       tmp_path):
     """docs/checkpoints.md's block, as written: it sets up its own 1-rank process group."""
-    done = subprocess.run([CKPT, "export", str(trained), str(tmp_path / "model.pt")],
-                          capture_output=True, text=True, timeout=60)
+    model, done = exported
     assert done.returncode == 0, done.stderr
+    shutil.copy(model, tmp_path / "model.pt")
     shutil.copy(trained.parent.parent / "config.json", tmp_path / "config.json")
     doc = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
     block = doc.split("the 1-process model loads it so:\n\n```python\n")[1].split("```")[0]
