@@ -18,6 +18,13 @@ def hello(port: int, node: int) -> socket.socket:
     return conn
 
 
+def heard(coordinator, node: int) -> None:
+    """Until the coordinator's reader has taken ``node``'s hello: sent is not yet read, and a
+    node the coordinator never heard of counts as never connected."""
+    with coordinator.changed:
+        assert coordinator.changed.wait_for(lambda: node in coordinator.nodes, timeout=10), node
+
+
 @pytest.fixture
 def coordinator():
     joined = []
@@ -32,6 +39,7 @@ def test_exit_signal_and_silence_are_told_apart(coordinator):
     killed = Member("127.0.0.1", coordinator.port, 2, 10)
     silent = hello(coordinator.port, 3)
     try:
+        heard(coordinator, 3)
         assert exits.word(10) == {"attempt": 0, "nodes": 4, "node_rank": 1, "resume_from": None}
         exits.close("exit code 1")
         killed.closed.set()
