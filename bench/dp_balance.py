@@ -9,7 +9,8 @@ layout's, ``LAYOUTS``; ``hybrid.testing_throttle.Throttle``): the same throttlin
 each run's median step time over the steps after the first two decision windows, its last
 shares, last loss and the load; then per layout the median over each mode's runs, the cost model's prediction
 (``hybrid.planning.cost.replicas``) for replicas at the speeds the even runs measured (each
-replica's slowest rank's median compute, against the fastest replica's), and last
+replica's slowest rank's median compute, against the fastest replica's), how busy each mode
+kept the cores and the floor they put on the ratio (``cores_busy``), and last
 ``ratio=<dynamic median / even median>``.
 
     .venv/bin/python bench/dp_balance.py [--layouts dp2,dp2xpp2-1f1b,dp4-zero2] [--rounds 2]
@@ -66,6 +67,7 @@ def run_mode(layout: str, mode: str, args, run_dir: Path) -> dict:
     records = read_lines(run_dir / "metrics.jsonl")
     settled = slice(min(2 * args.every, len(records) - 1), None)
     return {"mode": mode, "step_s": [r["step_time_s"] for r in records[settled]],
+            "cpu_s": [r["cpu_s"] for r in records[settled]],
             "shares": records[-1].get("dp_shares", ["even"]), "loss": records[-1]["loss"],
             "speeds": measured_speeds(run_dir, settled),
             "cfg": from_dict(json.loads((run_dir / "config.json").read_text()))}
@@ -106,10 +108,24 @@ def bench_layout(layout: str, args, out: Path) -> str:
     speeds = [round(statistics.median(s), 3)
               for s in zip(*(row["speeds"] for row in runs["even"]))]
     p = predicted(runs["even"][0]["cfg"], speeds)
+    busy, floor = cores_busy(runs, median)
     return (f"{layout}: median step even {median['even'] * 1e3:.1f} ms, dynamic "
             f"{median['dynamic'] * 1e3:.1f} ms; replica speeds measured {speeds}; predicted "
-            f"{p['ratio']:.3f} (balanced {p['balanced_shares']}); "
+            f"{p['ratio']:.3f} (balanced {p['balanced_shares']}); cores busy even "
+            f"{busy['even']:.2f}, dynamic {busy['dynamic']:.2f}; cpu floor {floor:.3f}; "
             f"ratio={median['dynamic'] / median['even']:.3f}")
+
+
+def cores_busy(runs: dict, median: dict) -> tuple[dict, float]:
+    """How busy each mode kept this machine's cores (the workers' CPU a step, summed over
+    ranks, over cores x step time), and the floor on the ratio where the cores are what
+    limits: dynamic's CPU a step spread over every core, against even's step. When workers
+    outnumber cores, balancing can only fill the cores an even step leaves idle."""
+    cores = len(os.sched_getaffinity(0))
+    cpu = {mode: statistics.median(c for row in rows for c in row["cpu_s"])
+           for mode, rows in runs.items()}
+    busy = {mode: cpu[mode] / (cores * median[mode]) for mode in runs}
+    return busy, cpu["dynamic"] / cores / median["even"]
 
 
 def main() -> None:
