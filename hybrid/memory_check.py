@@ -21,7 +21,8 @@ from typing import Callable, Iterable
 import torch
 
 from hybrid.model.activations import SavedTensors
-from hybrid.planning.job import JobPlan, rank_state_bytes
+from hybrid.planning.job import JobPlan
+from hybrid.planning.rank_memory import rank_state_bytes
 from hybrid.files import write_text
 
 FILE = "memory_check.json"

@@ -89,7 +89,8 @@ def assert_holds_one_dp_share(run_dir: Path) -> dict[int, int]:
     has held it equal to the prediction)."""
     from dataclasses import replace
 
-    from hybrid.planning.job import plan_job, rank_state_bytes
+    from hybrid.planning.job import plan_job
+    from hybrid.planning.rank_memory import rank_state_bytes
 
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     unsharded = replace(cfg, parallel=replace(cfg.parallel, zero=0))
