@@ -7,7 +7,11 @@
 (c) single-GPU tokens/s and model-FLOPs utilisation of a GPT-2-sized model (124M: 12 layers,
     h=768, 12 heads, seq 1024, vocab 50257) in bf16, against the H200's bf16 dense peak;
 (d) with 2 or more GPUs, NCCL: dp2, tp2 and pp2 (measured partition, timeline) against (b)'s
-    1-process CUDA run.
+    1-process CUDA run;
+(e) with 8 or more CPU cores (a core per worker, which this project's 2-core machine lacks):
+    issue 40's replica balance, ``bench/dp_balance.py`` on dp2 x pp2 1F1B and dp4 ZeRO-2 with
+    replica 1 at half speed (20/20 ms), gloo on the host's cores: dynamic's median step at
+    most 0.8 of even's, and the same last loss.
 
 One PASS/FAIL/SKIP line per check, then a summary; exits 1 if a check failed. Synthetic data,
 nothing downloaded. Without CUDA it exits at once with one line (status 0: nothing to check).
@@ -42,6 +46,10 @@ GPT2 = ["model=tiny", "model.layers=12", "model.hidden=768", "model.heads=12",
         "model.seq_len=1024", "model.vocab=50257", "model.tie_embeddings=true"]
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2)}  # (loss, gradient), relative
 RUN_TIMEOUT_S = 240
+BALANCE_CORES = 8
+"""(e) needs a core per worker and room for the agent: on fewer, the workers share cores and
+balancing can only fill what an even step leaves idle (docs/data-parallel.md)."""
+BALANCE_BAR = 0.8
 
 
 def model_parity(device: str, precision: str) -> str:
@@ -89,6 +97,10 @@ def _loss_and_grads(m, device: str, precision: str, tokens, labels):
 
 class CheckFailed(Exception):
     """A check ran and its figures are out of bounds: the line says which."""
+
+
+class Skipped(Exception):
+    """A check this machine cannot run: the line says what it lacks."""
 
 
 def hybrid_train(run_dir: Path, overrides: list[str]) -> list[dict]:
@@ -154,8 +166,10 @@ def throughput(device: str, out: Path, small: bool) -> str:
     return detail
 
 
-def layouts_parity(device: str, out: Path, losses_of: dict) -> str:
+def layouts_parity(device: str, out: Path, losses_of: dict, gpus: int) -> str:
     """(d): dp2, tp2 and pp2 (measured partition, timeline) against (b)'s 1-process run."""
+    if gpus < 2:
+        raise Skipped(f"needs 2 or more GPUs, this machine has {gpus}")
     run = [*TINY_RUN, "parallel=single", "train.steps=4", "train.timeline_step=2",
            f"train.device={device}"]
     details = []
@@ -164,6 +178,32 @@ def layouts_parity(device: str, out: Path, losses_of: dict) -> str:
         records = hybrid_train(out / f"d-{name}", [*run, *layout])
         details.append(f"{name}: {same_losses([r['loss'] for r in records], losses_of[device])}")
     return "; ".join(details)
+
+
+def replica_balance(out: Path) -> str:
+    """(e): the throttled-replica bench on the host's cores, two rounds a layout."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < BALANCE_CORES:
+        raise Skipped(f"needs {BALANCE_CORES} or more cores, this machine has {cores}")
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("dp_balance.py")), "--layouts",
+         "dp2xpp2-1f1b,dp4-zero2", "--rounds", "2", "--stop-ms", "20", "--run-ms", "20",
+         "--out", str(out / "e")], capture_output=True, text=True, timeout=3 * RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        raise CheckFailed(f"bench/dp_balance.py exited {done.returncode}: "
+                          f"{done.stderr.strip().splitlines()[-1:]}")
+    lines = [line for line in done.stdout.splitlines() if "ratio=" in line]
+    ratios = {line.split(":")[0]: float(line.rsplit("ratio=", 1)[1]) for line in lines}
+    losses = {}
+    for line in done.stdout.splitlines():
+        if "last loss" in line:
+            layout = line.split()[0]
+            losses.setdefault(layout, set()).add(line.split("last loss")[1].split()[0])
+    detail = "; ".join(lines)
+    if len(ratios) != 2 or any(r > BALANCE_BAR for r in ratios.values()) \
+            or any(len(seen) != 1 for seen in losses.values()):
+        raise CheckFailed(f"dynamic/even above {BALANCE_BAR} or losses differ: {detail}")
+    return detail
 
 
 def main() -> None:
@@ -187,23 +227,23 @@ def main() -> None:
               ("a bf16 model vs cpu", lambda: model_parity(args.device, "bf16")),
               ("b trainer+timeline vs cpu", lambda: trainer_parity(args.device, out, losses_of)),
               ("c throughput bf16", lambda: throughput(args.device, out, args.device == "cpu")),
-              ("d dp2/tp2/pp2 vs 1 process", lambda: layouts_parity(args.device, out, losses_of)
-               if gpus >= 2 else None)]
+              ("d dp2/tp2/pp2 vs 1 process", lambda: layouts_parity(args.device, out, losses_of,
+                                                                    gpus)),
+              ("e replica balance on the cores", lambda: replica_balance(out))]
     print(f"gpu_check on {_device_name(args.device)}; runs in {out}", flush=True)
-    outcomes = [_run_check(name, check, gpus) for name, check in checks]
+    outcomes = [_run_check(name, check) for name, check in checks]
     failed = outcomes.count("FAIL")
     print(f"summary: {outcomes.count('PASS')} passed, {failed} failed, "
           f"{outcomes.count('SKIP')} skipped")
     sys.exit(1 if failed else 0)
 
 
-def _run_check(name: str, check, gpus: int) -> str:
+def _run_check(name: str, check) -> str:
     started = time.perf_counter()
     try:
-        detail = check()
-        outcome = "PASS" if detail is not None else "SKIP"
-        if detail is None:
-            detail = f"needs 2 or more GPUs, this machine has {gpus}"
+        outcome, detail = "PASS", check()
+    except Skipped as why:
+        outcome, detail = "SKIP", str(why)
     except Exception as err:  # every failure is reported as its check's line
         outcome, detail = "FAIL", f"{type(err).__name__}: {err}".splitlines()[0]
     print(f"{outcome} {name}: {detail} ({time.perf_counter() - started:.0f} s)", flush=True)
