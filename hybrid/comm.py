@@ -4,7 +4,7 @@ Every collective and point-to-point message hybrid issues goes through a ``Group
 model's tensor-parallel regions (megatron-core's layers are built so that they issue none of
 their own, ``hybrid.model.megatron_adapter``), the pipeline's messages, the DP reductions,
 clipping and the trainer's per-step reductions. A group knows its torch group (``pg``), its
-global ranks, its backend and the ``label`` its traffic is counted under (the axes of its role:
+global ranks, its backend (and through it its ``transport`` profile) and the ``label`` its traffic is counted under (the axes of its role:
 ``dp``, ``cp-dp``, ``cp``, ``tp``, ``pp``, ``tp-pp``, ``embedding``, or ``world``).
 
 While an observer is attached and active (``CommCounter``, during each training step), every
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.planning.layout import COORD_ORDER
+from hybrid.transport import Transport, transport_for
 
 REPORTED_AXES = (*COORD_ORDER, "ep", "other")
 """The labels ``CommCounter`` reports; a group labelled otherwise counts as ``other``."""
@@ -105,6 +106,12 @@ class Group:
 
     def __post_init__(self) -> None:
         self._size, self._rank = self.pg.size(), self.pg.rank()
+
+    @property
+    def transport(self) -> Transport:
+        """What this group's backend supports and how hybrid drives it
+        (``hybrid.transport``)."""
+        return transport_for(self.backend)
 
     @classmethod
     def world(cls) -> "Group":

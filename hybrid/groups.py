@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hybrid.comm import Group
 from hybrid.planning.layout import EMBEDDING, Layout, LayoutError, group_keys, role_key
+from hybrid.transport import transport_of
 
 
 def default_device() -> torch.device:
@@ -28,10 +29,6 @@ def default_device() -> torch.device:
 
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 @dataclass
@@ -69,7 +66,7 @@ class ParallelGroups:
                 f"({layout.describe()}); launch {layout.world_size} processes or change the layout"
             )
         device = device or default_device()
-        backend = backend_for(device)
+        backend = transport_of(device).backend
         replicas = world // layout.world_size
         by_key, made = {}, {}
         for key in group_keys():

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid.errors import UserError
-from hybrid.groups import ParallelGroups, backend_for, default_device
+from hybrid.groups import ParallelGroups, default_device
 from hybrid.planning.config import Config
 from hybrid.planning.plan_file import FILE as PLAN_FILE
 from hybrid.planning.plan_file import load_plan, plan_from_dict, plan_to_dict
+from hybrid.transport import transport_of
 
 
 
@@ -95,7 +96,7 @@ def worker_main(plan_dict: dict, run_dir: str, attempt: int = 0) -> dict:
     dataset, eval_dataset = open_dataset(plan), open_eval_dataset(plan)
     # A rank stuck in a collective this long fails instead of hanging the job forever.
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    store = init_distributed(backend_for(device), timeout, attempt)
+    store = init_distributed(transport_of(device).backend, timeout, attempt)
     try:
         groups = ParallelGroups.create(plan.layout, device, timeout)
         plan = settle_measured_partition(plan, groups, Path(run_dir))

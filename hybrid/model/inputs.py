@@ -73,7 +73,7 @@ def validate_batch_across(tokens, labels, cfg: ModelConfig, group: Group, *,
     if group.size() > 1:
         # Highest bad rank + 1, or 0 when every rank's batch is fine.
         flag = torch.tensor([group.rank() + 1 if problem else 0], dtype=torch.int64,
-                            device=_flag_device(group))
+                            device=group.transport.tensor_device())
         group.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad_rank = int(flag.item()) - 1
         if problem is None and bad_rank >= 0:
@@ -82,9 +82,3 @@ def validate_batch_across(tokens, labels, cfg: ModelConfig, group: Group, *,
     if problem is not None:
         raise ModelInputError(problem)
 
-
-def _flag_device(group: Group) -> torch.device:
-    # NCCL groups need a CUDA tensor; gloo takes CPU tensors.
-    if group.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

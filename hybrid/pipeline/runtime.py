@@ -34,15 +34,6 @@ Microbatch = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # (tokens, l
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# A gloo send waits for the receiver to post its RECV before moving the data, which costs
-# about one extra round trip per message (a 256 KB ping-pong: ~3.7 ms with receives posted
-# late, ~0.8 ms posted early, on one machine). So on gloo each RECV is posted this many compute
-# actions before the one that consumes it; posting a receive never blocks, so this cannot
-# deadlock. NCCL runs p2p ops in order on one stream, where an early RECV could hold back a
-# SEND: there the list's order holds.
-GLOO_RECV_LOOKAHEAD = 2
-
-
 class Recorder(Protocol):
     def record(self, action: Action, start_s: float, end_s: float) -> None: ...
 
@@ -119,14 +110,16 @@ def prepare_rank(actions: Sequence[Action], chunks: dict[int, nn.Module], *,
                  forward_only: bool = False) -> RankPlan:
     """This rank's ``RankPlan`` for ``run_pipeline_step``: ``actions`` lowered, checked
     against the stages in ``chunks``, and their messages planned for the PP group's backend."""
-    if placement != LOOP and pp > 1 and groups.pipeline.backend != "gloo":
+    transport = groups.pipeline.transport
+    if placement != LOOP and pp > 1 and not transport.matches_tags:
         raise ScheduleError(f"the {placement} placement's messages are matched by tag, which "
-                            f"only gloo does; use a loop-placed schedule (zb-h1) on "
-                            f"{groups.pipeline.backend}")
+                            f"{transport.backend} does not do (it runs them in the order "
+                            f"issued); use a loop-placed schedule (zb-h1) on {transport.backend}")
     return plan_rank(actions, sorted(chunks), rank=groups.pp_rank, pp=pp, vpp=vpp, m=m,
                      placement=placement, recv_lookahead=recv_lookahead(groups),
                      forward_only=forward_only)
 
 
 def recv_lookahead(groups: ParallelGroups) -> int:
-    return GLOO_RECV_LOOKAHEAD if groups.pipeline.backend == "gloo" else 0
+    """How many compute actions early this rank posts each RECV (``hybrid.transport``)."""
+    return groups.pipeline.transport.recv_lookahead

@@ -57,7 +57,7 @@ class Step:
         self.arrived: dict[Action, torch.Tensor] = {}  # RECVs waited on, not yet consumed
         self.deferred: dict[tuple[int, int], Callable[[], None]] = {}  # W work left by I
         self.losses: list[torch.Tensor] = []
-        self.sends = p2p.SendsInFlight(threaded=groups.pipeline.backend == "gloo")
+        self.sends = p2p.SendsInFlight(threaded=groups.pipeline.transport.threaded_sends)
         self.forward_only = forward_only
         self.weights = weights
 
@@ -111,10 +111,10 @@ class Step:
             self.weights.reshard(action.stage)
 
     def _now(self) -> float:
-        """Wall-clock time; when recording on CUDA, after the queued kernels have finished
-        (only then does a span measure the work, not its launch)."""
-        if self.recorder is not None and self.groups.device.type == "cuda":
-            torch.cuda.synchronize(self.groups.device)
+        """Wall-clock time; when recording, after the transport's queued work has finished
+        (on CUDA only then does a span measure the work, not its launch)."""
+        if self.recorder is not None:
+            self.groups.pipeline.transport.settle(self.groups.device)
         return time.time()
 
     def _precision(self, action: Action):
