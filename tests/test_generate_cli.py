@@ -47,6 +47,20 @@ def test_a_setting_out_of_range_is_one_line_before_the_model_loads(setting, need
     assert_one_line(done, needle)
 
 
+def test_help_names_every_setting_with_its_default():
+    import dataclasses
+
+    from launch.commands.generate import SETTINGS_HELP, GenerateConfig
+
+    done = subprocess.run([GENERATE, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("usage: hybrid-generate SOURCE prompt=")
+    settings = [f.name for f in dataclasses.fields(GenerateConfig) if f.name != "source"]
+    assert list(SETTINGS_HELP) == settings
+    assert "  max_new_tokens  how many tokens to add, 1..10,000 (default 32)" in done.stdout
+    assert "(default true)" in done.stdout and "True" not in done.stdout
+
+
 @pytest.mark.slow
 def test_a_checkpoint_with_a_flipped_byte_is_refused_as_resume_refuses_it(hf_imported,
                                                                          tmp_path):

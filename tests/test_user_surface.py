@@ -208,6 +208,18 @@ def test_restarts_without_checkpoints_are_warned_of(tmp_path):
         "again from step 1; set checkpoint.every=N to resume from the newest checkpoint")
 
 
+def test_a_checkpoint_dir_without_checkpoints_is_warned_of(tmp_path):
+    """``checkpoint.dir`` named but ``checkpoint.every`` off: nothing would be saved there (and
+    the folder is not checked), so the run says so before launch."""
+    done = subprocess.run([TRAIN, *TINY, "train.steps=1", "checkpoint.dir=/proc/x",
+                           "checkpoint.resume_from=/nowhere", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[0] == (
+        "warning: checkpoint.dir=/proc/x without checkpoint.every: nothing is saved there; "
+        "set checkpoint.every=N to save checkpoints")
+
+
 @pytest.mark.slow
 def test_the_docs_load_an_exported_model_in_a_python_session_of_its_own(trained, exported,
                                                                        tmp_path):

@@ -130,6 +130,9 @@ def config_warnings(cfg: Config) -> list[str]:
         warnings.append(f"launcher.max_restarts={cfg.launcher.max_restarts} without "
                         f"checkpoint.every: a restarted group starts again from step 1; set "
                         f"checkpoint.every=N to resume from the newest checkpoint")
+    if cfg.checkpoint.dir is not None and not cfg.checkpoint.every:
+        warnings.append(f"checkpoint.dir={cfg.checkpoint.dir} without checkpoint.every: "
+                        f"nothing is saved there; set checkpoint.every=N to save checkpoints")
     return warnings + balance_warnings(cfg)
 
 

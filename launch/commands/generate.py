@@ -55,6 +55,33 @@ class GenerateConfig:
     """Also print the prompt's and the new tokens' ids."""
 
 
+SETTINGS_HELP = {
+    "prompt": "the text to continue (required)",
+    "max_new_tokens": f"how many tokens to add, 1..{MAX_NEW_TOKENS:,}",
+    "temperature": "0: greedy; otherwise any finite number > 0",
+    "top_k": "sample among the k likeliest tokens, 0: all",
+    "seed": "the sampling seed, 0..2**64-1",
+    "stop_at_eod": "stop at the end-of-document token",
+    "show_ids": "also print the prompt's and the new tokens' ids",
+}
+
+
+def help_text() -> str:
+    """``--help``: the usage, what SOURCE may be, each setting with its default."""
+    defaults = GenerateConfig()
+    lines = [USAGE, "", "Continues the prompt with a model from SOURCE: a checkpoint directory "
+             "(step_*),", "a run directory (its newest checkpoint) or a local HF GPT-2, Llama or "
+             "Mixtral directory.", ""]
+    for name, text in SETTINGS_HELP.items():
+        value = getattr(defaults, name)
+        value = str(value).lower() if isinstance(value, bool) else value  # as typed: true
+        default = "" if name == "prompt" else f" (default {value})"
+        lines.append(f"  {name:<15} {text}{default}")
+    lines += ["", "A setting out of range is one line and exit status 2; Ctrl-C stops in one "
+              f"line (status {INTERRUPTED_EXIT}),", "keeping the text so far."]
+    return "\n".join(lines)
+
+
 def parse(argv: Sequence[str]) -> GenerateConfig:
     """``SOURCE key=value ...`` into a ``GenerateConfig`` (``GenerateError``: one line)."""
     cfg, fields = GenerateConfig(), {f.name: f for f in dataclasses.fields(GenerateConfig)}
@@ -156,9 +183,13 @@ def _say(text: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     # megatron-core warns on import that Transformer Engine and Apex are absent: expected here
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(help_text())
+        return
     shown = Shown()
     try:
-        cfg = parse(sys.argv[1:] if argv is None else argv)
+        cfg = parse(argv)
         prompt = run(cfg, shown)
     except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
