@@ -197,27 +197,23 @@ def test_a_checkpoint_copied_under_another_name_resumes(trained, tmp_path):
     assert f"resumed from {copy} (step 4)" in done.stdout
 
 
-def test_restarts_without_checkpoints_are_warned_of(tmp_path):
+@pytest.mark.parametrize("setting, warning", [
+    ("launcher.max_restarts=1",
+     "launcher.max_restarts=1 without checkpoint.every: a restarted group starts again from "
+     "step 1; set checkpoint.every=N to resume from the newest checkpoint"),
+    # nothing would be saved there, and the folder is not checked
+    ("checkpoint.dir=/proc/x",
+     "checkpoint.dir=/proc/x without checkpoint.every: nothing is saved there; set "
+     "checkpoint.every=N to save checkpoints"),
+], ids=["restarts", "checkpoint-dir"])
+def test_a_setting_that_needs_checkpoints_is_warned_of_without_them(setting, warning,
+                                                                     tmp_path):
     """Warned before launch (here the run then stops at a later check, also before launch)."""
-    done = subprocess.run([TRAIN, *TINY, "train.steps=1", "launcher.max_restarts=1",
+    done = subprocess.run([TRAIN, *TINY, "train.steps=1", setting,
                            "checkpoint.resume_from=/nowhere", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.splitlines()[0] == (
-        "warning: launcher.max_restarts=1 without checkpoint.every: a restarted group starts "
-        "again from step 1; set checkpoint.every=N to resume from the newest checkpoint")
-
-
-def test_a_checkpoint_dir_without_checkpoints_is_warned_of(tmp_path):
-    """``checkpoint.dir`` named but ``checkpoint.every`` off: nothing would be saved there (and
-    the folder is not checked), so the run says so before launch."""
-    done = subprocess.run([TRAIN, *TINY, "train.steps=1", "checkpoint.dir=/proc/x",
-                           "checkpoint.resume_from=/nowhere", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.splitlines()[0] == (
-        "warning: checkpoint.dir=/proc/x without checkpoint.every: nothing is saved there; "
-        "set checkpoint.every=N to save checkpoints")
+    assert done.stderr.splitlines()[0] == f"warning: {warning}"
 
 
 @pytest.mark.slow
