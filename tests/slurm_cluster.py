@@ -67,10 +67,13 @@ class Cluster:
 
     def kill_node(self, name: str) -> list[int]:
         """Lose machine ``name``: SIGKILL its slurmd, then every process its job steps run
-        (they carry ``SLURMD_NODENAME=name``) and the ``slurmstepd`` above them. Returns
-        the pids killed."""
+        (they carry ``SLURMD_NODENAME=name`` and this cluster's ``SLURM_CONF``) and the
+        ``slurmstepd`` above them. Returns the pids killed."""
         slurmd = int((self.directory / f"slurmd-{name}.pid").read_text())
-        tasks = pids_with_env(f"SLURMD_NODENAME={name}")
+        # this cluster's tasks only: each pytest-xdist worker runs a cluster of its own with
+        # the same node names, and killing the other's n2 tasks hung its job
+        tasks = (pids_with_env(f"SLURMD_NODENAME={name}")
+                 & pids_with_env(f"SLURM_CONF={self.conf}"))
         steps = {parent(pid) for pid in tasks} - {None}
         steps = {pid for pid in steps if b"slurmstepd" in cmdline(pid)}
         killed = [slurmd, *sorted(steps), *sorted(tasks)]
