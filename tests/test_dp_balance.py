@@ -152,8 +152,11 @@ def _parallel(**fields) -> ParallelConfig:
     ({"dp_sync_every": 4}, "cannot run with parallel.dp_sync_every=4: its maths assume equal"),
     ({"dp_compress": "powersgd"}, "cannot run with parallel.dp_compress=powersgd"),
     ({"dp_delay": 1}, "cannot run with parallel.dp_delay=1"),
-    ({"zero": 2, "vpp": 2}, "with parallel.zero=2 needs one model chunk per pipeline rank"),
-    ({"zero": 3}, "cannot run with parallel.zero=3"),
+    ({"zero": 2, "pp": 2}, "with parallel.zero=2 needs parallel.pp=1"),
+    ({"zero": 3, "pp": 2, "zero3_reshard": "after_step"},
+     "with parallel.zero=3 needs parallel.pp=1"),
+    ({"zero": 3}, "with parallel.zero=3 needs parallel.zero3_reshard=after_step: with "
+                  "after_forward each micro-batch gathers the weights over DP"),
 ])
 def test_settings_it_cannot_run_are_one_line_each(fields, needle):
     problem = balance_problem(_parallel(**fields))
@@ -162,7 +165,8 @@ def test_settings_it_cannot_run_are_one_line_each(fields, needle):
 
 def test_what_it_runs_with():
     for fields in ({}, {"zero": 1}, {"zero": 2}, {"dp_compress": "bf16"},
-                   {"dp_balance": "even", "zero": 3}):
+                   {"dp_balance": "even", "zero": 3}, {"zero": 3, "zero3_reshard": "after_step"},
+                   {"zero": 1, "pp": 2}):
         assert balance_problem(_parallel(**fields)) is None, fields
 
 

@@ -1,5 +1,6 @@
 """``parallel.dp_balance=dynamic`` through ``hybrid-train`` (issue 40), on dp2, dp2 x pp2 under
-1F1B (with ZeRO-1) and dp4 under ZeRO-2; two runs a layout, each checking several things:
+1F1B (with ZeRO-1), dp4 under ZeRO-2 and dp2 under ZeRO-3 (``after_step``); two runs a
+layout, each checking several things:
 
 - an undisturbed run under dynamic keeps even shares all run; so it computes what even shares
   do (bitwise: same shares, same order) and is the layout's even reference;
@@ -31,6 +32,9 @@ LAYOUTS = {  # name: (overrides, micro-batches per replica under even shares)
     "dp2xpp2-1f1b-zero1": (["parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b",
                             "parallel.zero=1", "train.global_batch=16"], 4),
     "dp4-zero2": (["parallel.dp=4", "parallel.zero=2", "train.global_batch=16"], 2),
+    # the weights gathered once a step; gradients reduce-scattered per micro-batch, as ZeRO-2
+    "dp2-zero3": (["parallel.dp=2", "parallel.zero=3", "parallel.zero3_reshard=after_step",
+                   "train.global_batch=16"], 4),
 }
 STEPS = 9
 SLOW = "slow:1:1:0.3"

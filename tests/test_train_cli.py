@@ -89,7 +89,7 @@ BAD = [
     (["parallel.dp_balance=dynamic", "parallel.dp_compress=powersgd"],
      "parallel.dp_balance=dynamic cannot run with parallel.dp_compress=powersgd"),
     (["parallel.dp_balance=dynamic", "parallel.zero=3"],
-     "parallel.dp_balance=dynamic cannot run with parallel.zero=3"),
+     "parallel.dp_balance=dynamic with parallel.zero=3 needs parallel.pp=1"),
 ]
 
 # One of each kind of refusal (a validation rule, Hydra's composition of a key, a preset and a

@@ -44,8 +44,10 @@ DEFAULT_EVERY = 5
 DEFAULT_MIN_SAVING = 0.1
 CHECKPOINT_KEY = "train.dp_shares"
 """The shares' tensor in a checkpoint (int64, one count per replica)."""
-UNBALANCED_ZERO = 3
-"""The first ZeRO stage dynamic shares refuse (it gathers weights every micro-batch)."""
+BALANCED_RESHARD = "after_step"
+"""The ZeRO-3 release policy dynamic shares run with: the weights gathered once a step, so a
+replica's share does not change how many gathers it issues (``after_forward`` gathers per
+micro-batch)."""
 
 
 @dataclass(frozen=True)
@@ -259,15 +261,21 @@ def balance_problem(parallel) -> Optional[str]:
             return (f"parallel.dp_balance=dynamic cannot run with {field}={value}: its maths "
                     f"assume equal shares per replica; use parallel.dp_balance=even or the "
                     f"default {field}")
-    if parallel.zero >= UNBALANCED_ZERO:
-        return (f"parallel.dp_balance=dynamic cannot run with parallel.zero={parallel.zero}: "
-                f"it communicates once per micro-batch, so unequal shares would issue unequal "
-                f"collectives; use parallel.zero<={UNBALANCED_ZERO - 1} or dp_balance=even")
-    if parallel.zero == 2 and parallel.vpp > 1:
-        return (f"parallel.dp_balance=dynamic with parallel.zero=2 needs one model chunk per "
-                f"pipeline rank, not parallel.vpp={parallel.vpp}: replicas of unequal shares "
-                f"would reduce-scatter their chunks' buckets in different orders; use a "
-                f"one-chunk schedule or parallel.zero=1")
+    if parallel.zero >= 2 and parallel.pp > 1:
+        # seen on dp2 x pp2 1F1B at shares 7/1 (a hang): the small replica's last stage waited
+        # in its rounds of zeros for the other replica's last stage, which waited for its
+        # first stage's activations, which waited in a reduce-scatter for the small replica's
+        # first stage, which waited for the backward its last stage had not sent yet
+        return (f"parallel.dp_balance=dynamic with parallel.zero={parallel.zero} needs "
+                f"parallel.pp=1: a replica with fewer micro-batches matches the others' "
+                f"per-micro-batch reduce-scatters inside its backward, where the other "
+                f"replicas' stages can wait on its own pipeline; use parallel.zero=1 with "
+                f"pipelines")
+    if parallel.zero == 3 and parallel.zero3_reshard != BALANCED_RESHARD:
+        return (f"parallel.dp_balance=dynamic with parallel.zero=3 needs "
+                f"parallel.zero3_reshard={BALANCED_RESHARD}: with {parallel.zero3_reshard} "
+                f"each micro-batch gathers the weights over DP, so unequal shares would issue "
+                f"unequal gathers; set parallel.zero3_reshard={BALANCED_RESHARD}")
     return None
 
 
