@@ -153,9 +153,11 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     out = Path(args.out or tempfile.mkdtemp(prefix="dp-balance-"))
+    throttles = {n: (args.stop_ms or LAYOUTS[n][2][0], args.run_ms or LAYOUTS[n][2][1])
+                 for n in layouts}  # as run_mode takes them
     print(f"runs in {out}; throttle: rank {THROTTLED_RANK} stopped/running "
-          f"{', '.join(f'{n} {LAYOUTS[n][2][0]:g}/{LAYOUTS[n][2][1]:g} ms' for n in layouts)}"
-          f" (unless --stop-ms/--run-ms); load {os.getloadavg()[0]:.2f}", flush=True)
+          f"{', '.join(f'{n} {stop:g}/{run:g} ms' for n, (stop, run) in throttles.items())}; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
     results = [bench_layout(layout, args, out) for layout in layouts]
     print(f"load {os.getloadavg()[0]:.2f} at the end")
     for line in results:
