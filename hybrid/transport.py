@@ -48,7 +48,7 @@ class Transport:
     def settle(self, device: torch.device) -> None:
         """Wait for the work queued on ``device``, so a host clock read after it measures
         the work, not its launch (nothing to wait for off CUDA)."""
-        if self.on_cuda and device.type == "cuda":
+        if self.on_cuda:
             torch.cuda.synchronize(device)
 
 

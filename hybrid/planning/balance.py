@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from hybrid.planning.layout import LayoutError
+from hybrid.planning.schedules.gathers import AFTER_STEP
 
 BALANCE_MODES = ("even", "dynamic")
 DEFAULT_EVERY = 5
 DEFAULT_MIN_SAVING = 0.1
 CHECKPOINT_KEY = "train.dp_shares"
 """The shares' tensor in a checkpoint (int64, one count per replica)."""
-BALANCED_RESHARD = "after_step"
+BALANCED_RESHARD = AFTER_STEP
 """The ZeRO-3 release policy dynamic shares run with: the weights gathered once a step, so a
 replica's share does not change how many gathers it issues (``after_forward`` gathers per
 micro-batch)."""
