@@ -42,7 +42,8 @@ def test_the_search_says_when_it_cannot_rank_and_which_device_and_error_it_assum
     result["assumes"] = "predictions assume cost.device=a100-80gb: ..."
     text = format_search(result)
     assert result["within_error_of_best"] > 1
-    assert "within the model's measured error (12%) of the best: it cannot rank them" in text
+    assert (f"within the model's measured error ({A100_ERROR_FRACTION:.0%}) of the best: it "
+            "cannot rank them") in text
     assert "predictions assume cost.device=a100-80gb" in text
     # ZeRO-2 is searched beside ZeRO-0 and ZeRO-1.
     assert 2 in searched_shardings()
@@ -67,7 +68,7 @@ def test_planning_for_a_gpu_checks_the_gpus_memory_not_this_hosts():
     assert done.returncode == 0, done.stderr
     assert "memory check: fits: needs about" in done.stdout
     assert "of 80.0 GiB (a100-80gb)" in done.stdout
-    assert "12%" in done.stdout  # the prediction states the preset's held-out error
+    assert f"{A100_ERROR_FRACTION:.0%}" in done.stdout  # the preset's held-out error, stated
 
 
 def test_the_memory_verdict_suggests_zero_2_when_zero_1_is_not_enough():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import socket
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from hybrid.errors import UserError
@@ -39,6 +39,13 @@ KERNEL_S = 3e-6
 """Fixed cost of a kernel on an A100: Calculon's A100 GEMM efficiency by size (60%, 90%, 95%
 of the peak at 1, 16, 128 GFLOP) is a large multiply's rate plus 2.3-3.6 us per GEMM; CUDA's
 launch latency is of the same order."""
+
+COLLECTIVE_SMS = 16
+"""SMs a running NCCL collective holds on a node of 8 GPUs and 8 NICs: one thread block a
+channel, each on an SM it shares with no other kernel, 16 on a DGX A100 (NCCL's maintainers,
+NVIDIA/nccl#689). Lee et al. 2025 ("Characterizing Compute-Communication Overlap in
+GPU-Accelerated Distributed Deep Learning") measure compute overlapped with communication
+18.9% slower on average on A100 and H100; 16 of an A100's 108 SMs is 14.8%."""
 
 
 class DeviceError(UserError):
@@ -89,9 +96,15 @@ class Device:
     dp_after_backward: bool = False
     """The software reduces gradients only after the pipeline's last backward (Megatron-LM's
     ``local`` DDP), so none of the reduction hides behind it."""
+    dp_one_collective: bool = False
+    """The software reduces a rank's gradients in one collective a step (Megatron-LM's
+    ``local`` DDP: its contiguous buffer), not in buckets: the ring's latency is paid once."""
     p2p_scatter_gather: bool = False
     """Between nodes, each TP rank sends ``1 / tp`` of an activation over its own NIC and the
     receiving node gathers it over NVLink (Narayanan et al. 2021, section 4.1)."""
+    collective_sm_share: float = 0.0
+    """The share of the SMs a running collective holds, that the multiplies beside a
+    reduction the backward hides lose while it runs (``COLLECTIVE_SMS``); 0: not priced."""
     optimizer_s_per_param: float = 0.0
     """Seconds of the AdamW step per parameter a rank updates (not overlapped)."""
     cores: int = 0
@@ -205,17 +218,17 @@ ADAMW_BYTES_PER_PARAM = 28
 
 UNCALIBRATED_CPU = ("uncalibrated round figures, not this machine: a sweep here ran 17x slower "
                     "than they predict; run hybrid-plan calibrate, then cost.device=calibrated")
-A100_ERROR_FRACTION = 0.12
+A100_ERROR_FRACTION = 0.11
 A100_ERROR = ("published A100 figures, nothing fitted; Korthikanti 2022's 8 runs within 10%; on "
-              "Narayanan 2021's 10 held-out runs mean |error| 12%, worst +19% on the smallest "
+              "Narayanan 2021's 10 held-out runs mean |error| 11%, worst +18% on the smallest "
               "(docs/sweeps.md)")
 UNCHECKED_GPU = ("not checked against measured runs: the A100 preset's achieved fractions on "
                  "this device's datasheet")
 
 
 def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
-         nvlink_gbs: float, nic_gbit: float, hbm_tbs: float, error: str = UNCHECKED_GPU,
-         error_fraction: float = 0.0) -> Device:
+         nvlink_gbs: float, nic_gbit: float, hbm_tbs: float, sms: int,
+         error: str = UNCHECKED_GPU, error_fraction: float = 0.0) -> Device:
     return Device(
         name=name,
         flops={"bf16": bf16_peak * ACHIEVED_COMPUTE, "fp32": fp32_peak * ACHIEVED_COMPUTE},
@@ -225,15 +238,16 @@ def _gpu(name: str, bf16_peak: float, fp32_peak: float, memory_gib: float,
         inter=Link(bandwidth=nic_gbit / 8 * 1e9 * ACHIEVED_LINK, latency=10e-6),
         memory_bandwidth=hbm_tbs * 1e12 * ACHIEVED_MEMORY, kernel_s=KERNEL_S,
         optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / (hbm_tbs * 1e12 * ACHIEVED_MEMORY),
-        error=error, error_fraction=error_fraction)
+        collective_sm_share=COLLECTIVE_SMS / sms, error=error, error_fraction=error_fraction)
 
 
 PRESETS = {
-    # bf16 dense peak, fp32 (TF32) peak, memory, NVLink per direction, NIC per GPU, HBM TB/s
-    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.039, A100_ERROR,
+    # bf16 dense peak, fp32 (TF32) peak, memory, NVLink per direction, NIC per GPU, HBM
+    # TB/s, SMs
+    "a100-80gb": _gpu("a100-80gb", 312e12, 156e12, 80, 300, 200, 2.039, 108, A100_ERROR,
                       A100_ERROR_FRACTION),
-    "h100-80gb": _gpu("h100-80gb", 989e12, 494e12, 80, 450, 400, 3.35),
-    "h200": _gpu("h200", 989e12, 494e12, 141e9 / GIB, 450, 400, 4.8),
+    "h100-80gb": _gpu("h100-80gb", 989e12, 494e12, 80, 450, 400, 3.35, 132),
+    "h200": _gpu("h200", 989e12, 494e12, 141e9 / GIB, 450, 400, 4.8, 132),
     # One gloo rank with a core of its own on this project's 2-core machines: a 512x512
     # matmul on one thread runs at 62 GFLOP/s in fp32 and 1.2 in bf16 (no bf16 units); a
     # 2-rank all-reduce of 32-64 KiB takes about 0.5 ms (two ring steps); the bandwidth is a
@@ -266,36 +280,21 @@ def load_device(name: str) -> Device:
         raise DeviceError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
                           f"calibrated) nor a JSON file of a device's fields "
                           f"(hybrid/planning/cost/devices.py)")
-    data = json.loads(path.read_text())
-    return Device(name=data["name"], flops=dict(data["flops"]),
-                  memory_bytes=int(data["memory_bytes"]), intra=Link(**data["intra"]),
-                  inter=Link(**data["inter"]),
-                  matmul_half_width=float(data.get("matmul_half_width", 0.0)),
-                  matmul_half_rows=float(data.get("matmul_half_rows", 0.0)),
-                  memory_bandwidth=float(data.get("memory_bandwidth", 0.0)),
-                  kernel_s=float(data.get("kernel_s", 0.0)),
-                  unfused_attention=bool(data.get("unfused_attention", False)),
-                  blocking_p2p=bool(data.get("blocking_p2p", False)),
-                  p2p_scatter_gather=bool(data.get("p2p_scatter_gather", False)),
-                  dp_after_backward=bool(data.get("dp_after_backward", False)),
-                  optimizer_s_per_param=float(data.get("optimizer_s_per_param", 0.0)),
-                  cores=int(data.get("cores", 0)),
-                  thread_speedup=float(data.get("thread_speedup", 1.0)),
-                  thread_half_rows=float(data.get("thread_half_rows", 0.0)),
-                  core_efficiency={n: float(e) for n, e
-                                   in data.get("core_efficiency", {}).items()},
-                  split_backward_factor=float(data.get("split_backward_factor", 1.0)),
-                  collective_overhead_s=float(data.get("collective_overhead_s", 0.0)),
-                  collective_cpu_s=float(data.get("collective_cpu_s", 0.0)),
-                  tp_calls={n: list(call) for n, call in data.get("tp_calls", {}).items()},
-                  tp_compute={n: float(f) for n, f in data.get("tp_compute", {}).items()},
-                  all_gather_factor=float(data.get("all_gather_factor", 1.0)),
-                  peak=dict(data.get("peak", {})),
-                  host=bool(data.get("host", int(data.get("cores", 0)) > 0)),
-                  error=str(data.get("error", "")),
-                  error_fraction=float(data.get("error_fraction", 0.0)),
-                  reduce_scatter_factor=float(data.get("reduce_scatter_factor", 1.0)),
-                  group_links={n: Link(**link) for n, link in data.get("group_links", {}).items()})
+    return device_from_dict(json.loads(path.read_text()))
+
+
+_FROM_JSON = {"float": float, "int": int, "bool": bool, "str": str, "dict": dict,
+              "Link": lambda link: Link(**link)}
+
+
+def device_from_dict(data: dict) -> Device:
+    """A ``Device`` from ``Device.to_dict``'s fields (one absent: its default; ``host``:
+    whether the file gives cores)."""
+    values = {f.name: _FROM_JSON[f.type](data[f.name]) for f in fields(Device)
+              if f.name in data}
+    values["group_links"] = {n: Link(**link) for n, link in data.get("group_links", {}).items()}
+    values.setdefault("host", int(data.get("cores", 0)) > 0)
+    return Device(**values)
 
 
 def with_inter_bandwidth(device: Device, gbit_per_s: float) -> Device:

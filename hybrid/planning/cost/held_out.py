@@ -95,7 +95,7 @@ def software_2021(device: Device, pp: int) -> Device:
     (reducing during the last backward) for a run without a pipeline, else Megatron-LM's
     ``local`` DDP (after the last backward): every row of the script pairs them so, as
     Megatron-LM's pipeline schedules then had no ``no_sync`` for PyTorch's DDP."""
-    return replace(megatron_lm(device, torch_ddp=pp == 1), dp_after_backward=pp > 1)
+    return megatron_lm(device, torch_ddp=pp == 1, fp16=True)
 
 
 def held_out_row(run: ThroughputRun, device: Device, error: float) -> dict:

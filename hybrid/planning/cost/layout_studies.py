@@ -34,7 +34,7 @@ def tflops(run: GptRun, tp: int, pp: int, batch: int, micro_batch: int = 1,
     cfg.parallel = replace(cfg.parallel, vpp=vpp,
                            schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
                            dp_compress="bf16" if cfg.parallel.dp > 1 else "none")
-    device = megatron_lm(load_device("a100-80gb"))
+    device = megatron_lm(load_device("a100-80gb"), fp16=True)
     return predict_step(plan_job(cfg, simulated=False), device,
                         simulated=False).tflops_per_device
 

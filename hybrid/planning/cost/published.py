@@ -81,23 +81,32 @@ TORCH_DDP_BYTES = 12
 """PyTorch's DDP (``--DDP-impl torch``; ``gradient_as_bucket_view`` off, its default) copies
 each 16-bit gradient into its bucket, divides the bucket by the group's size before the
 all-reduce and copies it back after: three read-write passes of 2 bytes."""
-LOCAL_DDP_BYTES = 2
-"""Megatron-LM's ``local`` DDP zeroes its 16-bit gradient buffer every step."""
+LOCAL_DDP_BYTES = 6
+"""Megatron-LM's ``local`` DDP zeroes its 16-bit gradient buffer every step (write 2) and
+divides it by the group's size before the all-reduce (read, write: 4)."""
 
 
-def megatron_lm(device, torch_ddp: bool = False):
+FP16_UNSCALE_BYTES = 8
+"""With ``--fp16`` (the 2021 scripts' setting, a constant loss scale of 8192) the step also
+unscales the 32-bit main gradients and checks them for overflow in one pass (read, write:
+``_unscale_main_grads_and_check_for_nan``); bf16 runs have no loss scale."""
+
+
+def megatron_lm(device, torch_ddp: bool = False, fp16: bool = False):
     """``device`` running the software these runs used: Megatron-LM writes the attention
     scores out (its fused scale-mask-softmax, then dropout: Korthikanti et al.'s selective
     recompute exists to drop them), where hybrid's own layer runs a fused attention kernel;
     its pipeline ranks wait for every exchange, which it scatters over the nodes' NICs and
     gathers over NVLink (Narayanan et al. 2021, section 4.1); its optimizer step moves
-    ``MIXED_PRECISION_STEP_BYTES`` a parameter and its DDP ``TORCH_DDP_BYTES`` (PyTorch's,
-    ``torch_ddp``) or ``LOCAL_DDP_BYTES`` (its own) more, at the memory bandwidth. The 2021
-    scripts' ``--fp16`` adds a pass unscaling the gradients (8 bytes), not counted:
-    docs/sweeps.md says what it would change."""
-    step = MIXED_PRECISION_STEP_BYTES + (TORCH_DDP_BYTES if torch_ddp else LOCAL_DDP_BYTES)
+    ``MIXED_PRECISION_STEP_BYTES`` a parameter (``FP16_UNSCALE_BYTES`` more with ``fp16``)
+    and its DDP ``TORCH_DDP_BYTES`` (PyTorch's, ``torch_ddp``: reducing during the backward,
+    in buckets) or ``LOCAL_DDP_BYTES`` (its own ``local`` DDP: one all-reduce of its
+    contiguous buffer after the last backward), at the memory bandwidth."""
+    step = (MIXED_PRECISION_STEP_BYTES + (FP16_UNSCALE_BYTES if fp16 else 0)
+            + (TORCH_DDP_BYTES if torch_ddp else LOCAL_DDP_BYTES))
     return replace(device, unfused_attention=True, blocking_p2p=True, p2p_scatter_gather=True,
-                   optimizer_s_per_param=step / device.memory_bandwidth)
+                   optimizer_s_per_param=step / device.memory_bandwidth,
+                   dp_after_backward=not torch_ddp, dp_one_collective=not torch_ddp)
 
 
 KORTHIKANTI_2022 = (

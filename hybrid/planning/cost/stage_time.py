@@ -58,6 +58,9 @@ class StageTimes:
     cp_ring: float = 0.0
     """Context parallelism's ring in both passes (its exposed part is in forward/backward)."""
     cp_exposed: float = 0.0
+    backward_matmul: float = 0.0
+    """Of ``backward``, the multiplies (a recomputed forward's too): what runs slower beside
+    a collective that holds some of the SMs (``Device.collective_sm_share``)."""
 
 
 def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = False
@@ -86,18 +89,21 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
     extra = 0.0
     bound = stage_memory_bound(cfg, tp, cp, device, blocks, layers,
                                attention_core_flops(m, b) / tp / cp / rate)
+    matmul, recomputed = compute, 0.0
     compute += bound.forward
     if m.recompute == "full":
-        extra = layers * layer + bound.forward
+        recomputed = layers * layer
+        extra = recomputed + bound.forward
         recompute_wire, recompute_calls = traffic.layers
     elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
-        extra = layers * attention_core_flops(m, b) / tp / rate + bound.scores
+        recomputed = layers * attention_core_flops(m, b) / tp / rate
+        extra = recomputed + bound.scores
     tp_fwd, tp_bwd = fwd_wire + fwd_calls * call, bwd_wire + bwd_calls * call
     a2a_fwd, a2a_bwd = _a2a_times(plan, device, blocks)  # the experts' all-to-all (ep > 1)
     recompute_comm = recompute_wire + recompute_calls * call
     all_calls = fwd_calls + bwd_calls + recompute_calls
-    backward_compute = ((2 * (compute - bound.forward) + bound.backward)
-                        * (device.split_backward_factor if split else 1.0))
+    factor = device.split_backward_factor if split else 1.0
+    backward_compute = (2 * matmul + bound.backward) * factor
     return StageTimes(forward=compute + tp_fwd + layers * ring.forward_exposed_s + a2a_fwd,
                        backward=(backward_compute + tp_bwd + extra + recompute_comm
                                  + layers * ring.backward_exposed_s + a2a_bwd),
@@ -105,7 +111,8 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
                        tp_wire=(fwd_wire + bwd_wire + recompute_wire
                                 + all_calls * (call - call_cpu)),
                        cp_ring=layers * (ring.forward_s + ring.backward_s),
-                       cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s))
+                       cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s),
+                       backward_matmul=2 * matmul * factor + recomputed)
 
 
 def _a2a_times(plan: JobPlan, device: Device, blocks: range) -> tuple[float, float]:

@@ -61,6 +61,9 @@ class StepPrediction:
     """Context parallelism's ring time per step on the busiest rank, and below what of it
     is not hidden behind attention (inside ``compute_s``)."""
     cp_exposed_s: float = 0.0
+    dp_contention_s: float = 0.0
+    """What the multiplies beside the hidden part of the DP reduction lose to the SMs it
+    holds (``Device.collective_sm_share``)."""
     schedule_simulated: bool = True
     """The makespan comes from simulating the schedule (else from its closed form)."""
 
@@ -83,6 +86,8 @@ class _RankSums:
     wire: float
     last_backward: float
     """One micro-batch's backward over its chunks."""
+    last_backward_matmul: float
+    """Of which multiplies."""
     tp: float
     cp_ring: float
     cp_exposed: float
@@ -93,6 +98,7 @@ def _rank_sums(times: list[StageTimes], m: int) -> _RankSums:
                      cpu_busy=m * sum(t.forward + t.backward - t.tp_wire for t in times),
                      wire=m * sum(t.tp_wire for t in times),
                      last_backward=sum(t.backward for t in times),
+                     last_backward_matmul=sum(t.backward_matmul for t in times),
                      tp=m * sum(t.tp_comm for t in times),
                      cp_ring=m * sum(t.cp_ring for t in times),
                      cp_exposed=m * sum(t.cp_exposed for t in times))
@@ -201,8 +207,9 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
         # the node reducing at once), and some software reduces only after the last
         # backward: nothing of it hides behind the backward.
         dp_exposed = dp_s
+    contention = _contention(parts.ranks[busiest], dp_s - dp_exposed, device)
     optimizer = parts.optimizer
-    step = max(makespan + dp_exposed + max(optimizer),
+    step = max(makespan + dp_exposed + contention + max(optimizer),
                _shared_cores_time(plan, device,
                                   [b + o for b, o in zip(parts.cpu_busy, optimizer)],
                                   max(parts.wire)) + dp_exposed)
@@ -210,12 +217,21 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
         step_time_s=step, compute_s=parts.busy[busiest],
         bubble_s=makespan - parts.busy[busiest],
         tp_s=parts.ranks[busiest].tp, pp_s=parts.message, dp_s=dp_s,
-        dp_exposed_s=dp_exposed, optimizer_s=max(optimizer),
+        dp_exposed_s=dp_exposed, optimizer_s=max(optimizer), dp_contention_s=contention,
         tflops_per_device=(paper_flops_per_step(cfg) / step / layout.world_size / 1e12
                            if step else 0.0),
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory),
         cp_s=parts.ranks[busiest].cp_ring, cp_exposed_s=parts.ranks[busiest].cp_exposed,
         schedule_simulated=simulated)
+
+
+def _contention(rank: _RankSums, hidden: float, device: Device) -> float:
+    """The multiplies' time lost beside ``hidden`` seconds of reduction: the SMs the collective
+    holds, over the share of the backward that multiplies (element-wise kernels are bound by
+    memory, which the remaining SMs still saturate)."""
+    if not hidden or not device.collective_sm_share or not rank.last_backward:
+        return 0.0
+    return hidden * device.collective_sm_share * rank.last_backward_matmul / rank.last_backward
 
 
 def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: float

@@ -120,6 +120,8 @@ class DpTime:
     the backward's very last step; a tensor larger than a bucket is a bucket of its own."""
 
     def buckets(self, grad_bytes: float) -> int:
+        if self.device.dp_one_collective:
+            return 1
         return max(1, math.ceil(grad_bytes / BUCKET_BYTES))
 
     def last_bucket_bytes(self, width: int) -> float:
