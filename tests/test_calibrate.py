@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.planning.cost.devices import PRESETS, load_device
+from hybrid.planning.cost.devices import (
+    _FROM_JSON, PRESETS, Device, DeviceError, device_from_dict, load_device,
+)
 from launch.calibration.calibrate import LARGE_BYTES, SHAPES, fit_rate, ring_link
 
 PLAN = str(Path(sys.executable).parent / "hybrid-plan")
@@ -55,6 +57,21 @@ def test_calibrate_writes_a_device_that_plans_use(tmp_path):
                              capture_output=True, text=True, timeout=60)
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "predicted on calibrated:" in planned.stdout
+
+
+def test_a_device_file_round_trips_and_refuses_a_field_it_does_not_know(tmp_path):
+    from dataclasses import fields
+
+    assert all(f.type in _FROM_JSON for f in fields(Device))  # every field can be read back
+    for device in PRESETS.values():
+        assert device_from_dict(json.loads(json.dumps(device.to_dict()))) == device
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps(PRESETS["cpu"].to_dict() | {"memory_bandwith": 1e12}))
+    with pytest.raises(DeviceError, match=r"unknown fields \['memory_bandwith'\] and lacks \[\]"):
+        load_device(str(typo))
+    bare = {k: v for k, v in PRESETS["cpu"].to_dict().items() if k != "flops"}
+    with pytest.raises(DeviceError, match=r"lacks \['flops'\]"):
+        device_from_dict(bare)
 
 
 def test_a_tp_call_is_its_measured_mean_less_its_ring_time():

@@ -89,3 +89,13 @@ def test_the_2021_scripts_fp16_step_unscales_the_gradients():
         (MIXED_PRECISION_STEP_BYTES + LOCAL_DDP_BYTES) * per_byte)
     assert megatron_lm(A100, torch_ddp=True, fp16=True).optimizer_s_per_param == pytest.approx(
         (MIXED_PRECISION_STEP_BYTES + FP16_UNSCALE_BYTES + TORCH_DDP_BYTES) * per_byte)
+
+
+def test_hybrid_plan_says_what_the_hidden_reduction_costs_the_compute():
+    from launch.commands.plan import prediction_line
+
+    said = {"device": "a100-80gb", "assumes": "predictions assume ..."}
+    hidden = prediction_line(predict_step(plan(), A100).to_dict() | said)
+    assert "compute lost beside it" in hidden
+    after = predict_step(plan(), replace(A100, dp_after_backward=True)).to_dict() | said
+    assert "compute lost beside it" not in prediction_line(after)

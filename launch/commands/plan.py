@@ -119,9 +119,11 @@ def format_dp_options(rows: list[dict]) -> str:
 
 
 def prediction_line(p: dict) -> str:
+    beside = p.get("dp_contention_s", 0.0)  # compute slowed by the SMs a hidden reduction holds
+    lost = f", compute lost beside it {beside:.3g} s" if beside else ""
     return (f"predicted on {p['device']} (cost.device): step {p['step_time_s']:.4g} s "
             f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
-            f"{p['dp_exposed_s']:.3g} s), {p['tflops_per_device']:.4g} TFLOP/s per device\n"
+            f"{p['dp_exposed_s']:.3g} s{lost}), {p['tflops_per_device']:.4g} TFLOP/s per device\n"
             f"{p['assumes']}")
 
 

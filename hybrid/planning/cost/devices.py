@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import socket
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from hybrid.errors import UserError
@@ -280,18 +280,27 @@ def load_device(name: str) -> Device:
         raise DeviceError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
                           f"calibrated) nor a JSON file of a device's fields "
                           f"(hybrid/planning/cost/devices.py)")
-    return device_from_dict(json.loads(path.read_text()))
+    return device_from_dict(json.loads(path.read_text()), f"cost.device={name}")
 
 
 _FROM_JSON = {"float": float, "int": int, "bool": bool, "str": str, "dict": dict,
               "Link": lambda link: Link(**link)}
+"""How a device file's value becomes a field's, by the field's annotation (a string: the
+module's annotations are postponed); ``tests/test_calibrate.py`` checks every field has one."""
 
 
-def device_from_dict(data: dict) -> Device:
+def device_from_dict(data: dict, source: str = "the device file") -> Device:
     """A ``Device`` from ``Device.to_dict``'s fields (one absent: its default; ``host``:
-    whether the file gives cores)."""
-    values = {f.name: _FROM_JSON[f.type](data[f.name]) for f in fields(Device)
-              if f.name in data}
+    whether the file gives cores); a field it does not know, or a required one missing, is
+    refused with the fix."""
+    known = {f.name: f for f in fields(Device)}
+    unknown = sorted(set(data) - set(known))
+    missing = [name for name, f in known.items()
+               if f.default is f.default_factory is MISSING and name not in data]
+    if unknown or missing:
+        raise DeviceError(f"{source} has unknown fields {unknown} and lacks {missing}; write "
+                          f"it as Device.to_dict does, or run hybrid-plan calibrate again")
+    values = {name: _FROM_JSON[known[name].type](value) for name, value in data.items()}
     values["group_links"] = {n: Link(**link) for n, link in data.get("group_links", {}).items()}
     values.setdefault("host", int(data.get("cores", 0)) > 0)
     return Device(**values)

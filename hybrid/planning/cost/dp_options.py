@@ -39,6 +39,7 @@ def compare_dp_options(cfg, device: Device) -> list[dict]:
         rows.append({"option": name, "exact": reduction_of(options).exact,
                      "step_time_s": predicted.step_time_s,
                      "dp_exposed_s": predicted.dp_exposed_s,
+                     "dp_contention_s": predicted.dp_contention_s,
                      "dp_bytes_per_step": rank_dp_bytes(option_cfg, plan, 0, step) / max(1, step),
                      "mem_bytes_per_rank": predicted.mem_bytes_per_rank})
     return rows

@@ -14,17 +14,18 @@ from hybrid.planning.strategies import DpOptions, DpTime, RankTraffic, reduction
 
 
 def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[float],
-             makespan: float) -> tuple[float, float]:
-    """(time of the DP communication per step, the part of it not hidden) for the pipeline
-    rank where the hidden part is largest. ``last_backward``: one micro-batch's backward per
-    pipeline rank; ``makespan``: the pipeline's time (what a delayed reduction can hide in)."""
+             makespan: float) -> tuple[float, float, int]:
+    """(time of the DP communication per step, the part of it not hidden, the pipeline rank)
+    for the pipeline rank where the part not hidden is largest. ``last_backward``: one
+    micro-batch's backward per pipeline rank; ``makespan``: the pipeline's time (what a
+    delayed reduction can hide in)."""
     width = plan.layout.role_size("gradient")  # dp x cp
     if width == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0
     cfg = plan.cfg
     options = DpOptions.of(cfg.parallel)
     sharding, reduction = sharding_of(options), reduction_of(options)
-    worst = (0.0, 0.0)
+    worst, worst_rank = (0.0, 0.0), 0
     seen = set()  # ranks alike in their weights, blocks and backward time (searches)
     head = cfg.model.layers + 1
     for r, est in enumerate(plan.memory):
@@ -45,8 +46,9 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
                         last_params=(cfg.model.padded_vocab * cfg.model.hidden / plan.layout.tp
                                      if any(0 in b for b in stages) else 0.0))
         pair = reduction.time(traffic, timing, options, sharding)
-        worst = max(worst, pair, key=lambda p: (p[1], p[0]))  # ties: the longer
-    return worst
+        if (pair[1], pair[0]) > (worst[1], worst[0]):  # ties: the longer
+            worst, worst_rank = pair, r
+    return (*worst, worst_rank)
 
 
 def _shapes(plan: JobPlan, pp_rank: int):

@@ -152,8 +152,10 @@ scatter/gather of pipeline messages, gradients reduced after the last backward).
 
 def other_rows() -> list[dict]:
     """Each of ``MT_NLG_2022`` priced as it ran: predicted against published seconds."""
+    # DeepSpeed reduces after the last backward too, but in buckets of 5e8 elements, not one
+    # buffer (its passes over the gradients are priced as Megatron-LM's local DDP's)
     device = replace(megatron_lm(load_device("a100-80gb")), p2p_scatter_gather=False,
-                     dp_after_backward=True)
+                     dp_one_collective=False)
     rows = []
     for other in MT_NLG_2022:
         cfg = a100_gpt(other.run, "full", other.run.tp, other.run.pp)

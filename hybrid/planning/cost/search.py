@@ -57,7 +57,8 @@ class Candidate:
                 "predicted": {"step_time_s": p.step_time_s,
                               "tflops_per_device": p.tflops_per_device,
                               "mem_bytes_per_rank": p.mem_bytes_per_rank,
-                              "bubble_s": p.bubble_s, "dp_exposed_s": p.dp_exposed_s}}
+                              "bubble_s": p.bubble_s, "dp_exposed_s": p.dp_exposed_s,
+                              "dp_contention_s": p.dp_contention_s}}
 
 
 def settings_of(cfg: Config) -> dict:

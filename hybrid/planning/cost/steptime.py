@@ -201,13 +201,13 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
     busiest = max(range(layout.pp), key=parts.busy.__getitem__)
     dp_link = link_for(plan, device, "dp")
     last_backward = [r.last_backward for r in parts.ranks]
-    dp_s, dp_exposed = dp_times(plan, device, dp_link, last_backward, makespan)
+    dp_s, dp_exposed, dp_rank = dp_times(plan, device, dp_link, last_backward, makespan)
     if device.cores or device.dp_after_backward:
         # gloo reduces on the cores that compute (the link was measured with every rank of
         # the node reducing at once), and some software reduces only after the last
         # backward: nothing of it hides behind the backward.
         dp_exposed = dp_s
-    contention = _contention(parts.ranks[busiest], dp_s - dp_exposed, device)
+    contention = _contention(parts.ranks[dp_rank], dp_s - dp_exposed, device)
     optimizer = parts.optimizer
     step = max(makespan + dp_exposed + contention + max(optimizer),
                _shared_cores_time(plan, device,
@@ -228,7 +228,8 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
 def _contention(rank: _RankSums, hidden: float, device: Device) -> float:
     """The multiplies' time lost beside ``hidden`` seconds of reduction: the SMs the collective
     holds, over the share of the backward that multiplies (element-wise kernels are bound by
-    memory, which the remaining SMs still saturate)."""
+    memory, which the remaining SMs still saturate). A reduction delayed a step hides behind
+    the next step's forward too; the backward's share stands for both."""
     if not hidden or not device.collective_sm_share or not rank.last_backward:
         return 0.0
     return hidden * device.collective_sm_share * rank.last_backward_matmul / rank.last_backward
