@@ -99,3 +99,12 @@ def test_hybrid_plan_says_what_the_hidden_reduction_costs_the_compute():
     assert "compute lost beside it" in hidden
     after = predict_step(plan(), replace(A100, dp_after_backward=True)).to_dict() | said
     assert "compute lost beside it" not in prediction_line(after)
+
+
+def test_the_reductions_latency_is_paid_once_a_bucket_of_the_configured_size():
+    default, halved = plan(dp=32), plan(dp=32, bucket_mb=12.5)
+    link = link_for(default, A100, "dp")
+    grads = 4 * max(est.params for est in default.memory)  # fp32, hybrid's exact reduction
+    buckets = [-(-grads // (mb * 2**20)) for mb in (25, 12.5)]
+    extra = predict_step(halved, A100).dp_s - predict_step(default, A100).dp_s
+    assert extra == pytest.approx(2 * 31 * link.latency * (buckets[1] - buckets[0]))

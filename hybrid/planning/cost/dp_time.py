@@ -7,7 +7,7 @@ counter checks, per-call latency is paid once per bucket and collective.
 from __future__ import annotations
 
 from hybrid.planning.cost.devices import Device, Link
-from hybrid.planning.cost.state_bytes import rank_shapes
+from hybrid.planning.cost.state_bytes import MIB, rank_shapes
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.gathers import AFTER_STEP
 from hybrid.planning.strategies import DpOptions, DpTime, RankTraffic, reduction_of, sharding_of
@@ -44,7 +44,8 @@ def dp_times(plan: JobPlan, device: Device, link: Link, last_backward: list[floa
         timing = DpTime(device=device, link=link, params=est.params, backward=last_backward[r],
                         makespan=makespan, matmul_width=cfg.model.hidden / plan.layout.tp,
                         last_params=(cfg.model.padded_vocab * cfg.model.hidden / plan.layout.tp
-                                     if any(0 in b for b in stages) else 0.0))
+                                     if any(0 in b for b in stages) else 0.0),
+                        bucket_bytes=cfg.parallel.bucket_mb * MIB)
         pair = reduction.time(traffic, timing, options, sharding)
         if (pair[1], pair[0]) > (worst[1], worst[0]):  # ties: the longer
             worst, worst_rank = pair, r

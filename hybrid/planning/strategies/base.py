@@ -118,17 +118,19 @@ class DpTime:
     """Weights whose gradient the backward makes last: on the first stage the word
     embedding, whose gradient is complete only after the input's lookup is differentiated,
     the backward's very last step; a tensor larger than a bucket is a bucket of its own."""
+    bucket_bytes: float = BUCKET_BYTES
+    """A bucket's size (``parallel.bucket_mb``): one collective, one ring latency, each."""
 
     def buckets(self, grad_bytes: float) -> int:
         if self.device.dp_one_collective:
             return 1
-        return max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+        return max(1, math.ceil(grad_bytes / self.bucket_bytes))
 
     def last_bucket_bytes(self, width: int) -> float:
         """The bucket that is ready only when the backward ends, so that no compute is left
         to hide its reduction behind: the last weights' gradients, or a bucket's worth of
         the first layer's, at most all of them."""
-        return min(width * self.params, max(width * self.last_params, BUCKET_BYTES))
+        return min(width * self.params, max(width * self.last_params, self.bucket_bytes))
 
 
 class ShardingSpec:
