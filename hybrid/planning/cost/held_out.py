@@ -19,7 +19,7 @@ from dataclasses import replace
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from hybrid.planning.config import Config
+from hybrid.planning.config import Config, ModelConfig, TrainConfig
 from hybrid.planning.cost.devices import Device, load_device
 from hybrid.planning.cost.published import (
     KORTHIKANTI_2022, NARAYANAN_2021, GptRun, ThroughputRun, a100_gpt, megatron_lm,
@@ -206,3 +206,26 @@ def format_held_out(rows: list[dict]) -> str:
                  f"the model's error of its best in "
                  f"{sum(1 for r in rows if r['within_error'])}.")
     return "\n".join(lines)
+
+
+LLAMA3_405B = ModelConfig(name="llama3-405b", family="llama", layers=126, hidden=16384,
+                          heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256,
+                          vocab_pad_multiple=128, seq_len=8192, rope_base=500000.0)
+"""Llama 3 405B as Dubey et al. 2024 ("The Llama 3 Herd of Models", Table 4) trained it at
+8K tokens: 8,192 H100s at TP 8 x CP 1 x PP 16 x DP 64, 16M tokens a step (2,048 sequences),
+an interleaved 1F1B schedule; in no fit, on the ``h100-80gb`` preset, which nothing checks."""
+SCHEDULES_LLAMA3 = ("1f1b", "interleaved-1f1b")
+"""The pipeline schedules Meta's stack ran (its own variant of the interleaved one); the
+zero-bubble schedules hybrid also searches came after."""
+
+
+def llama3_405b_choice(top: int = 40) -> tuple[dict, dict]:
+    """(the search's best layout, its best among ``SCHEDULES_LLAMA3``) for Llama 3 405B on
+    8,192 H100s, each a candidate of ``search.search`` (settings and predicted)."""
+    from hybrid.planning.cost.search import search
+
+    cfg = Config(model=LLAMA3_405B, train=TrainConfig(global_batch=2048, micro_batch=1,
+                                                      precision="bf16"))
+    cfg.cost = replace(cfg.cost, device="h100-80gb")
+    found = search(cfg, 8192, load_device("h100-80gb"), top=top)["candidates"]
+    return found[0], next(c for c in found if c["settings"]["schedule"] in SCHEDULES_LLAMA3)
