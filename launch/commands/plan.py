@@ -119,7 +119,7 @@ def format_dp_options(rows: list[dict]) -> str:
 
 
 def prediction_line(p: dict) -> str:
-    beside = p.get("dp_contention_s", 0.0)  # compute slowed by the SMs a hidden reduction holds
+    beside = p["dp_contention_s"]  # compute slowed by the SMs a hidden reduction holds
     lost = f", compute lost beside it {beside:.3g} s" if beside else ""
     return (f"predicted on {p['device']} (cost.device): step {p['step_time_s']:.4g} s "
             f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
