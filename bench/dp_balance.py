@@ -5,7 +5,7 @@ For each layout (dp2; dp2 x pp2 under 1F1B; dp4 under ZeRO-2) trains the same jo
 pairs: the machine's load drifts, and alternating shares it out between the two), each run
 with global rank 1's worker (DP replica 1; pipeline stage 0 under pp2) stopped and continued
 from outside again and again (SIGSTOP ``--stop-ms``, SIGCONT ``--run-ms``, by default the
-layout's, ``LAYOUTS``; ``hybrid.testing_throttle.Throttle``): the same throttling for both. Prints
+layout's, ``LAYOUTS``; ``hybrid.testing.throttle.Throttle``): the same throttling for both. Prints
 each run's median step time over the steps after the first two decision windows, its last
 shares, last loss and the load; then per layout the median over each mode's runs, the cost model's prediction
 (``hybrid.planning.cost.replicas``) for replicas at the speeds the even runs measured (each
@@ -33,7 +33,7 @@ from hybrid.planning.cost.devices import device_for
 from hybrid.planning.cost.replicas import measured_speeds as cost_speeds
 from hybrid.planning.cost.replicas import replica_prediction
 from hybrid.planning.job import plan_job
-from hybrid.testing_throttle import run_throttled
+from hybrid.testing.throttle import run_throttled
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 JOB = ["parallel=single", "data=synthetic", "train.micro_batch=2", "train.timeline_step=0",

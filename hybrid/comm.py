@@ -10,7 +10,7 @@ global ranks, its backend (and through it its ``transport`` profile) and the ``l
 While an observer is attached and active (``CommCounter``, during each training step), every
 operation is counted and handed to the observer's ``RankWatch``, which times this rank's waits
 and can say which operation a failed wait was, and which stops a rank on purpose for the tests
-of the hang diagnosis (``hybrid.faults``). Nothing in torch is replaced or patched: a test
+of the hang diagnosis (``hybrid.diagnosis.faults``). Nothing in torch is replaced or patched: a test
 (``tests/test_comm.py``) runs training steps under a torch dispatch mode that sees every c10d
 operation and checks that each one was counted here.
 
@@ -218,7 +218,7 @@ class CommCounter:
     ``snapshot()`` -> ``{"dp": {"calls": int, "bytes": float, "payload": int}, "tp": ...,
     "pp": ..., "other": ...}``; ``reset()`` zeroes it (call both once per step for per-step
     figures). Process-local: each rank counts what it issues. ``watch``
-    (``hybrid.watch.RankWatch``) is handed every operation too, to time the waits.
+    (``hybrid.diagnosis.watch.RankWatch``) is handed every operation too, to time the waits.
     """
 
     def __init__(self, groups: Optional[Any] = None, watch: Optional[Any] = None):

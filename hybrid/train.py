@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid import faults
+from hybrid.diagnosis import faults
 from hybrid.checkpoint.checkpointer import Checkpointer
 from hybrid.comm import CommCounter
 from hybrid.data import TokenDataset, open_dataset, rank_microbatches
@@ -35,14 +35,14 @@ from hybrid.optim import lr_at
 from hybrid.pipeline.recorder import ActionRecorder, write_step_timeline
 from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
-from hybrid.relayout import relayout_asked
-from hybrid.replica_balance import ReplicaShares
+from hybrid.balance.relayout import relayout_asked
+from hybrid.balance.replicas import ReplicaShares
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.rank_check import RankPlan
-from hybrid.stall import who
+from hybrid.diagnosis.stall import who
 from hybrid.step_record import StepReport, metrics_record, stop_if_not_finite
-from hybrid.stragglers import WAIT_AXES, RankTimesLog, warning_line
-from hybrid.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
+from hybrid.diagnosis.stragglers import WAIT_AXES, RankTimesLog, warning_line
+from hybrid.diagnosis.watch import REPORT_GRACE_S, RankWatch, publish_pid, stall_error
 
 
 class Trainer:
@@ -166,7 +166,7 @@ class Trainer:
 
     def _forward_backward(self, step: int, data, recorder) -> Optional[float]:
         if self.slow is not None and step >= self.slow[0]:
-            time.sleep(self.slow[1])  # a test's straggler (hybrid.faults): slow compute
+            time.sleep(self.slow[1])  # a test's straggler (hybrid.diagnosis.faults): slow compute
         with self._autocast():
             return run_pipeline_step(
                 self._rank_plan(), self.chunks, data, groups=self.groups,

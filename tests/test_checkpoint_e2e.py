@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.metrics import read_metrics
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 CKPT = str(Path(sys.executable).parent / "hybrid-ckpt")
@@ -56,7 +56,7 @@ def run_train(run_dir: Path, *overrides: str, env=None, timeout: float = 240):
 def last_loss_per_step(run_dir: Path) -> dict[int, float]:
     """The last record of each step (after an elastic restart a step may appear twice); and
     every rank held exactly the state bytes and sent exactly the DP bytes the plan predicts,
-    resumed or not (``hybrid.testing_accounting.checked_records``)."""
+    resumed or not (``hybrid.testing.accounting.checked_records``)."""
     return {r["step"]: r["loss"] for r in checked_records(run_dir)}
 
 

@@ -85,7 +85,7 @@ def test_point_to_point_counts_sends_on_the_wire_and_is_attributed_to_pp():
 def _watched(rank, world):
     from datetime import timedelta
 
-    from hybrid.watch import RankWatch
+    from hybrid.diagnosis.watch import RankWatch
 
     groups = ParallelGroups.create(Layout(dp=2), timeout=timedelta(seconds=2))
     watch = RankWatch(rank)

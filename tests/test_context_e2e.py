@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.testing_accounting import train_checked
+from hybrid.testing.accounting import train_checked
 
 STEPS = 6
 COMMON = ["model=tiny", "data=synthetic", f"train.steps={STEPS}", "train.global_batch=8",

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from hybrid.planning.layout import Layout
-from hybrid.stall import describe_wait, failure_document, never_arrived, stall_line
-from hybrid.stragglers import RankTimesLog, StragglerWatch, peer_sets, ratios, step_summary
+from hybrid.diagnosis.stall import describe_wait, failure_document, never_arrived, stall_line
+from hybrid.diagnosis.stragglers import RankTimesLog, StragglerWatch, peer_sets, ratios, step_summary
 
 LAYOUT = Layout(dp=2, tp=2, pp=2)
 
@@ -165,7 +165,7 @@ def test_threshold_zero_turns_the_warning_off(tmp_path):
 
 
 def test_a_rank_of_a_context_parallel_layout_is_named_with_its_cp_coordinate():
-    from hybrid.stall import who
+    from hybrid.diagnosis.stall import who
 
     layout = Layout(cp=2, tp=2)
     assert who(3, layout.coords, lambda rank: 0) == "rank 3 (dp 0, cp 1, tp 1, pp 0, node 0)"

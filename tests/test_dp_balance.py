@@ -287,7 +287,7 @@ def _dp2_plan(**parallel):
 
 
 def test_the_straggler_warning_says_what_balancing_would_save():
-    from hybrid.replica_balance import ReplicaShares
+    from hybrid.balance.replicas import ReplicaShares
 
     shares = ReplicaShares(_dp2_plan(), dp_rank=0, dp_of_rank=[0, 1])
     clause = shares.straggler_clause(rank=1, ratio=2.0)

@@ -4,7 +4,7 @@ layout, each checking several things:
 
 - an undisturbed run under dynamic keeps even shares all run; so it computes what even shares
   do (bitwise: same shares, same order) and is the layout's even reference;
-- a run whose DP replica 1 is slowed (``hybrid.faults``' slow: it sleeps in every step's
+- a run whose DP replica 1 is slowed (``hybrid.diagnosis.faults``' slow: it sleeps in every step's
   compute, so its shares move within the first decisions, whatever the machine's load) gives
   that replica fewer micro-batches, and its losses equal the reference's (rtol 1e-5);
 - on dp2 that run checkpoints at step 6, and a resume from it continues its shares and losses.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 COMMON = ["model=tiny", "data=synthetic", "parallel=single", "train.micro_batch=2",

@@ -21,7 +21,7 @@ STEPS = 8
 BASE = ("model=tiny", "data=synthetic", "train.timeline_step=0", "train.log_every=1000",
         "seed=3", f"train.steps={STEPS}")
 SLOW_AFTER_5 = "slow:5:4:3"
-"""Node 1's rank 4 takes 3 s more per step from step 5 on (``hybrid.faults``): step 6 is still
+"""Node 1's rank 4 takes 3 s more per step from step 5 on (``hybrid.diagnosis.faults``): step 6 is still
 running when the test sees step 5 in the metrics and kills node 1."""
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a loaded machine: generous

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.testing_accounting import train_checked
+from hybrid.testing.accounting import train_checked
 
 STEPS = 5
 COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS}",

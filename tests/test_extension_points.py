@@ -23,7 +23,7 @@ from hybrid.planning.plan_file import plan_from_dict, plan_to_dict, save_plan
 from hybrid.planning.schedules import SCHEDULES, ScheduleSpec, register_schedule
 from hybrid.planning.schedules.actions import BACKWARD, FORWARD, Action
 from hybrid.planning.strategies import REDUCTIONS, ReductionSpec, register_reduction
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 from hybrid.testing import spawn
 
 pytestmark = pytest.mark.timeout(300)

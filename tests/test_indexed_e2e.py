@@ -17,7 +17,7 @@ import pydoc_data.topics
 import pytest
 
 from hybrid.metrics import read_metrics
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 BIN = Path(sys.executable).parent
 TRAIN, DATA = str(BIN / "hybrid-train"), str(BIN / "hybrid-data")

@@ -14,7 +14,7 @@ from hybrid.planning.config import ModelConfig
 from hybrid.planning.cost.flops import layer_forward_flops
 from hybrid.planning.cost.sizes import param_count
 from hybrid.planning.params import model_param_specs
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")

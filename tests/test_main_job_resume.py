@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 CKPT = str(Path(sys.executable).parent / "hybrid-ckpt")

@@ -28,7 +28,7 @@ from hybrid.planning.models import MODELS, model_spec, register_model
 from hybrid.planning.models.gpt2 import Gpt2
 from hybrid.planning.param_spec import column_specs, named, norm_specs, row_specs, vocab_matrix
 from hybrid.planning.params import model_param_specs
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 from test_llama import assert_same_losses, preset, run_train
 
 MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01"]

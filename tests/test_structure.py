@@ -132,8 +132,8 @@ def test_importing_all_of_planning_loads_no_torch():
     assert done.stdout.strip() == "[]"
 
 
-PURE_OUTSIDE_PLANNING = ("hybrid.pipeline.timeline", "hybrid.checkpoint.store", "hybrid.stall",
-                         "hybrid.stragglers", "hybrid.files", "hybrid.data", "hybrid.data.prepare",
+PURE_OUTSIDE_PLANNING = ("hybrid.pipeline.timeline", "hybrid.checkpoint.store", "hybrid.diagnosis.stall",
+                         "hybrid.diagnosis.stragglers", "hybrid.files", "hybrid.data", "hybrid.data.prepare",
                          "hybrid.data.megatron", "launch.commands.data", "launch.commands.run_data")
 """Runtime-side modules the launcher uses before any worker starts: no torch either."""
 
@@ -222,7 +222,7 @@ def test_nothing_patches_torch_classes_or_modules():
 
 
 NOT_USER_ERRORS = {
-    "StallError": "a diagnosis: its line names the ranks that waited (hybrid.watch)",
+    "StallError": "a diagnosis: its line names the ranks that waited (hybrid.diagnosis.watch)",
     "PipelineTimeout": "a failed wait, turned into a StallError",
     "SpawnError": "a test helper's failure",
     "WorkerFailure": "a worker that raised or died; its line is the worker's",

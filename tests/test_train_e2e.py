@@ -16,7 +16,7 @@ import pytest
 
 from hybrid.planning.config import Config, from_dict, to_dict
 from hybrid.metrics import REQUIRED_KEYS, read_metrics
-from hybrid.testing_accounting import checked_records
+from hybrid.testing.accounting import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 STEPS = 14
@@ -70,7 +70,7 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 240,
 def losses_of(run_dir: Path) -> list[float]:
     """The run's losses, after checking that every rank held exactly the state bytes and
     sent exactly the DP bytes the plan predicts (every test that reads a run's losses checks
-    its layout's accounting this way: ``hybrid.testing_accounting.checked_records``)."""
+    its layout's accounting this way: ``hybrid.testing.accounting.checked_records``)."""
     return [r["loss"] for r in checked_records(run_dir)]
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from hybrid import faults
+from hybrid.diagnosis import faults
 from hybrid.checkpoint.dcp_io import HostCopyStager, as_global, file_checksums, tp_mesh, \
     verify_files
 from hybrid.checkpoint.publish import build_manifest, replace_dir, write_errors_named
@@ -53,7 +53,7 @@ class Checkpointer:
     def __init__(self, plan, groups, chunks: dict, sync, run_dir: Path, shares=None):
         """``plan``: the job's ``JobPlan``; for a run made by ``hybrid-train`` it names the
         checkpoint directory and the checkpoint to resume from, checked before launch.
-        ``shares``: the DP replicas' shares of the step (``hybrid.replica_balance``), saved
+        ``shares``: the DP replicas' shares of the step (``hybrid.balance.replicas``), saved
         and restored with the rest."""
         cfg = plan.cfg
         self.plan, self.cfg, self.groups, self.sync = plan, cfg, groups, sync

@@ -44,7 +44,7 @@ def check_every_key_loaded(path: Path, targets: dict, world) -> None:
     asked = world.all_gather_objects(sorted(targets))
     saved = set(read_metadata(path).state_dict_metadata)
     # DP option state is left out on purpose where the layout changed (dp.option_state)
-    # ... and so are the DP shares of a dynamic run (hybrid.replica_balance)
+    # ... and so are the DP shares of a dynamic run (hybrid.balance.replicas)
     unused = sorted(key for key in saved - set().union(*map(set, asked))
                     if not key.startswith(OPTION_PREFIX) and key != SHARES_KEY)
     if unused:

@@ -104,10 +104,10 @@ def job_channel(cfg, meeting: Rendezvous) -> Iterator[Coordinator | Member]:
 
 def _ask_relayout(cfg, endpoint: str, coordinator: Coordinator, node: int) -> None:
     """A node came (back) while the job runs on fewer: ask the running workers to stop at
-    their next checkpoint (``hybrid.relayout.RELAYOUT_KEY``), when there is room for it."""
+    their next checkpoint (``hybrid.balance.relayout.RELAYOUT_KEY``), when there is room for it."""
     from torch.distributed import TCPStore
 
-    from hybrid.relayout import RELAYOUT_KEY
+    from hybrid.balance.relayout import RELAYOUT_KEY
     from hybrid.worker import store_prefix
 
     launcher = cfg.launcher

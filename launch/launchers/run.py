@@ -16,7 +16,7 @@ from hybrid.planning.job import JobPlan
 from hybrid.files import write_text
 from hybrid.planning.config import to_dict
 from hybrid.planning.plan_file import plan_to_dict, save_plan
-from hybrid.stall import FAILURE_FILE
+from hybrid.diagnosis.stall import FAILURE_FILE
 from launch.launchers.agent import AGENT_LOG, default_omp_threads
 from launch.launchers.fork_server import MEGATRON_IMPORT_WARNING, WORKER_PRELOAD, start_fork_server
 from launch.launchers.failures import count_restarts
@@ -25,14 +25,14 @@ WORKER_FAILED_EXIT = 1
 WORKER_USER_ERROR = UserError.__name__
 """What a worker's bad input is raised as (``hybrid.worker``): reported as its one line."""
 WORKER_DIAGNOSES = ("StallError",)
-"""Failures whose one line already names the ranks involved (``hybrid.watch``)."""
+"""Failures whose one line already names the ranks involved (``hybrid.diagnosis.watch``)."""
 
 
 def stall_diagnosis(run_dir: Path, since: float) -> Optional[str]:
     """The diagnosis line of a stall in this launch (``failure.json`` newer than ``since``).
 
     It wins over the agent's first failure: the rank that wrote it may have stopped a silent
-    rank (``hybrid.watch.stop_silent_ranks``), whose death the agent can see first.
+    rank (``hybrid.diagnosis.watch.stop_silent_ranks``), whose death the agent can see first.
     """
     path = run_dir / FAILURE_FILE
     try:

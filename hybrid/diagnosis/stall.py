@@ -2,7 +2,7 @@
 
 Pure (no torch). When a rank's wait fails (a collective or pipeline receive past
 ``train.collective_timeout_s``), it publishes a *report* and reads the others' for a few
-seconds (``hybrid.watch``). A report is a JSON-able dict::
+seconds (``hybrid.diagnosis.watch``). A report is a JSON-able dict::
 
     {"rank": 2, "coords": {"dp": 0, "tp": 0, "pp": 1}, "node": 0, "host": "n1", "step": 4,
      "last_started": "1B3", "last_finished": "1F3",

@@ -9,7 +9,7 @@ Per step that gives the seconds blocked per axis (the straggler figures; on CPU/
 wait blocks the process) and, when a wait fails past ``train.collective_timeout_s``, exactly
 which operation it was:
 ``stall_error`` then publishes this rank's report on the job's store, reads the others' for a
-few seconds and words the line of ``hybrid.stall`` (the stalled rank is the one that never
+few seconds and words the line of ``hybrid.diagnosis.stall`` (the stalled rank is the one that never
 reports). torch's flight recorder was the first choice; on gloo it records collectives but
 neither point-to-point operations nor group members, and its entries never leave
 "scheduled", so it cannot say who never arrived. ``Work.wait`` itself is not wrapped: a
@@ -31,12 +31,12 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from hybrid import faults
+from hybrid.diagnosis import faults
 from hybrid.comm import RECV, SEND
 from hybrid.files import write_text
 from hybrid.planning.schedules.actions import Action
-from hybrid.stall import FAILURE_FILE, CoordsOf, failure_document, stall_line
-from hybrid.stragglers import WAIT_AXES
+from hybrid.diagnosis.stall import FAILURE_FILE, CoordsOf, failure_document, stall_line
+from hybrid.diagnosis.stragglers import WAIT_AXES
 
 REPORT_GRACE_S = 5.0
 """How long a failed rank waits for the others' reports before it stops: every rank blocked
@@ -44,7 +44,7 @@ on the same stalled one times out within about one step of the first."""
 
 
 class StallError(RuntimeError):
-    """A wait of this rank failed; the message says who waited on whom (``hybrid.stall``)."""
+    """A wait of this rank failed; the message says who waited on whom (``hybrid.diagnosis.stall``)."""
 
 
 class RankWatch:

@@ -9,7 +9,7 @@ failing rank's traceback, so a hang fails the test instead of blocking the suite
 Processes come from a fork server that imports torch and megatron-core once per test session,
 so each job pays fork cost, not import cost, and no process forks after running torch compute.
 
-``hybrid.testing_accounting`` checks a finished run against its plan; ``hybrid.testing_throttle``
+``hybrid.testing.accounting`` checks a finished run against its plan; ``hybrid.testing.throttle``
 slows one worker of a live run.
 """
 
