@@ -170,6 +170,22 @@ def test_export_refuses_a_damaged_checkpoint_and_writes_a_plain_file(trained, ex
 
 
 @pytest.mark.slow
+def test_show_into_a_closed_pipe_ends_quietly(trained):
+    """``hybrid-ckpt show RUN | head -1``: the reader goes away before the listing is written.
+    Here it is gone before the first byte (the pipe's read end closed at once), so the write
+    fails every time, whatever the listing's length: no "Broken pipe", no traceback, and the
+    status of a tool killed by SIGPIPE (141), as ``cat`` would end."""
+    proc = subprocess.Popen([CKPT, "show", str(trained.parents[1])], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+    shown = subprocess.run(f"'{CKPT}' show '{trained.parents[1]}' | head -1", shell=True,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.stderr == "" and len(shown.stdout.splitlines()) == 1, shown
+
+
+@pytest.mark.slow
 def test_a_damaged_metadata_file_is_refused_in_one_line(trained, tmp_path):
     flipped = _copy(trained, tmp_path / "flipped" / "step_00000004")
     _flip_byte(flipped / ".metadata", 50)

@@ -161,6 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             _export(args)
         else:
             _import(args)
+    except BrokenPipeError:
+        raise  # the reader went away (``| head``): the console script ends quietly
     except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)

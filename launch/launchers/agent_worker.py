@@ -29,7 +29,8 @@ def worker_environ(omp_threads: Optional[int]) -> dict[str, str]:
 
 def call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
     """Worker side: run ``entrypoint``; a SIGINT aimed at this worker alone is a failure; a
-    SIGHUP ends it (as SIGTERM does).
+    SIGHUP ends it (as SIGTERM does). Both are taken back from the fork server, which ignores
+    them (``fork_server.hangup_ignored``).
 
     torch.multiprocessing treats KeyboardInterrupt in a worker as a clean exit (code 0, no
     return value), after which the agent would wait forever for that worker's result.
@@ -38,8 +39,11 @@ def call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
     # Forked by a fork server deaf to SIGHUP (``hangup_ignored``), a worker inherits that;
     # but the agent stops the workers with the signal it got itself, and a worker that
     # ignored SIGHUP lived until the SIGKILL after ``shutdown_timeout_s`` (10-12 s late).
+    # The same for Ctrl-C: the fork server starts deaf to it and with it blocked.
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGINT})
         return entrypoint(*args)
     except KeyboardInterrupt as err:
         raise WorkerInterrupted("got SIGINT and stopped") from err

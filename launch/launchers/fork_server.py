@@ -45,25 +45,39 @@ def start_fork_server(preload: Sequence[str], omp_threads: Optional[int] = None)
         forkserver.ensure_running()
 
 
+DEAF_TO = ("SIGHUP", "SIGINT")
+"""What multiprocessing's helpers (the fork server, its resource tracker) start deaf to."""
+
+
 @contextlib.contextmanager
 def hangup_ignored() -> Iterator[None]:
-    """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP:
-    a closed terminal sends it to the whole process group, and a tracker that dies of it while
-    workers still unregister their shared memory prints a traceback per segment. The launcher
-    keeps its own handler (it stops the workers and says so in one line); an ignored signal
-    stays ignored in the helpers and the workers they fork, so each worker takes SIGHUP's
-    default back (``call_entrypoint``)."""
+    """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP
+    and SIGINT. A closed terminal sends SIGHUP, and Ctrl-C SIGINT, to the whole process group:
+    a tracker that dies of it while workers still unregister their shared memory prints a
+    traceback per segment, and a fork server that gets Ctrl-C while it imports torch prints
+    one of the import machinery. Only the launcher decides what a signal means (it stops
+    the workers and says so in one line). An ignored signal stays ignored in the helpers and
+    the workers they fork, so each worker takes both back (``call_entrypoint``).
+
+    While a helper starts, the signals are blocked here as well as ignored: on Linux a
+    blocked signal stays pending even when ignored, and reaches the launcher's own handler
+    once it is back; the helpers inherit the block (the resource tracker lifts it itself,
+    a worker in ``call_entrypoint``)."""
     from multiprocessing import resource_tracker
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signals = {getattr(signal, name) for name in DEAF_TO}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
         resource_tracker.ensure_running()
         yield
     finally:
-        signal.signal(signal.SIGHUP, saved)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def stop_fork_server() -> None:
