@@ -24,6 +24,30 @@ from hybrid.planning.model_config import ModelConfig
 from hybrid.planning.run_config import CheckpointConfig, LauncherConfig
 
 
+# Upper bounds on the values the planner and the data builder grow with, checked before
+# anything is built from them (``hybrid.planning.validate``): a typo (train.global_batch=1e12)
+# is refused in one line instead of filling the launcher's memory with schedule actions or
+# sample indices. Each is far beyond a real run, so no real setting meets one:
+MAX_MICROBATCHES = 2**16
+"""Micro-batches per optimizer step on one replica. Llama 3 405B ran 16 per replica (TP 8 x
+PP 16 x DP 64); accumulating GPT-3's 1536-sequence batch on one device is 1536. A schedule
+holds a few actions per micro-batch and stage, so this is the one that grows fastest."""
+MAX_GLOBAL_BATCH = 2**24
+"""Sequences per step: GPT-3 used 1536, Llama 3 405B 2048 (16M tokens at 8192 positions);
+16,777,216 sequences is 8,000 times that."""
+MAX_MICRO_BATCH = 2**16
+"""Sequences per micro-batch on one replica (real runs: 1 to 32)."""
+MAX_SEQ_LEN = 2**24
+"""Positions per sequence: 16,777,216, beyond the longest published context (10M)."""
+MAX_VOCAB = 2**24
+"""Vocabulary entries: the largest published vocabularies hold about 256k, this 64 times it."""
+MAX_STEPS = 10**8
+"""Optimizer steps: at one step a second, three years."""
+MAX_TRAIN_SAMPLES = 2**32
+"""train.steps x train.global_batch: data=indexed builds a sample index this long (megatron's,
+about 16 bytes a sample). Llama 3 405B's whole training is about 1.9e9 sequences; 2**32
+(4.3e9) is twice that."""
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     dp: int = 1

@@ -150,9 +150,13 @@ def eval_size_problem(eval_cfg: Any, data: Any, global_batch: Any) -> Optional[s
                 f"{data.samples:,} walks (as many as it trains on); choose eval.batches <= "
                 f"{data.samples // global_batch}")
     if samples > EVAL_SAMPLES_LIMIT:
-        return (f"eval.batches={batches} x train.global_batch={global_batch} = {samples:,} "
-                f"samples per evaluation is beyond the limit of {EVAL_SAMPLES_LIMIT:,}; choose "
-                f"eval.batches <= {EVAL_SAMPLES_LIMIT // global_batch}")
+        fix = f"choose eval.batches <= {EVAL_SAMPLES_LIMIT // global_batch}" \
+            if global_batch <= EVAL_SAMPLES_LIMIT else \
+            f"one batch is beyond it: turn evaluation off with eval.every=0 " \
+            f"eval.at_end=false, or lower train.global_batch to <= {EVAL_SAMPLES_LIMIT:,} " \
+            f"with eval.batches=1"
+        return (f"eval.batches={batches} x train.global_batch={global_batch:,} = {samples:,} "
+                f"samples per evaluation is beyond the limit of {EVAL_SAMPLES_LIMIT:,}; {fix}")
     return None
 
 

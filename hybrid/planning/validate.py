@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
+from hybrid.planning.bounds import bound_problem
 from hybrid.planning.balance import balance_warnings, check_balance, replica_speed_problem
 from hybrid.planning.context import context_problem
 from hybrid.planning.expert_grid import expert_problem
@@ -64,7 +65,11 @@ def layout_of(cfg: Config) -> Layout:
 
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of ``cfg``, one line each (each check reports its first); the checks of
-    the layout's consequences run only once the sizes make a layout."""
+    the layout's consequences run only once the sizes make a layout. A value beyond its bound
+    is the only problem reported: the other checks may build what grows with it."""
+    beyond = bound_problem(cfg)
+    if beyond:
+        return [beyond]
     problems = [p for p in (_problem(check, cfg) for check in (
         _check_names, check_numbers, _check_dp_options, _check_data)) if p]
     try:
