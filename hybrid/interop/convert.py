@@ -92,8 +92,9 @@ def import_hf(hf_dir: str, out: str) -> Path:
 
 SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                    "seq_len", "tie_embeddings", "norm_eps", "rope_base")
-MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every")
-"""Added for a model with experts (an imported Mixtral)."""
+MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every", "moe_aux_loss")
+"""Added for a model with experts (an imported Mixtral); its aux-loss coefficient too, so a
+run started from the printed line trains with the coefficient the model came with."""
 
 
 def shape_overrides(model: ModelConfig) -> list[str]:
