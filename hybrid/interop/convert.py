@@ -17,7 +17,7 @@ import importlib
 
 from hybrid.checkpoint.store import model_shape
 from hybrid.interop.hf_dir import (ConversionError, hf_config as read_config, hf_tokenizer,
-                                   read_hf_weights, write_hf_dir)
+                                   read_hf_weights, require_safetensors, write_hf_dir)
 from hybrid.planning.config import ModelConfig
 from hybrid.planning.models import MODELS, family_for_hf, model_spec
 
@@ -39,6 +39,7 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
     """Write checkpoint ``path`` as an HF GPT-2 directory ``out``; what was written."""
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
 
+    require_safetensors()  # before the weights are read: a base install is told at once
     model = model_config_of(manifest)
     interop = name_map(model_spec(model))
     tensors = interop.to_hf(read_model_weights(path), model)

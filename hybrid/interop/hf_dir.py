@@ -58,7 +58,7 @@ def read_hf_weights(path: str) -> dict:
 
     folder = Path(path).expanduser()
     if (folder / WEIGHTS[0]).is_file():
-        load_file = _safetensors().load_file
+        load_file = require_safetensors().load_file
         from safetensors import SafetensorError
 
         try:
@@ -80,7 +80,7 @@ def write_hf_dir(out: str, tensors: dict, config: dict,
     """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end.
     The folder and its files get the modes ``mkdir`` and ``open`` give (0777 and 0666 less
     the umask)."""
-    save_file = _safetensors().save_file
+    save_file = require_safetensors().save_file
     target = Path(out)
     if target.exists() and not target.is_dir():
         raise ConversionError(f"{out} exists and is not a folder; choose another folder")
@@ -153,9 +153,17 @@ def _eos_token(config: Path) -> Optional[str]:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def _safetensors():
+HF_EXTRA_MISSING = ("HF conversion needs the hf extra, and safetensors is not installed: "
+                    "pip install -e '.[hf]' in a checkout of hybrid (or pip install 'hybrid[hf]')")
+"""The one line of every HF path (import, export --format hf, generate from an HF directory)
+on a base install; transformers is not needed by any of them (tokenizers is a base
+dependency), only by the tests that load the result."""
+
+
+def require_safetensors():
+    """``safetensors.torch``, or ``ConversionError`` naming the ``[hf]`` extra."""
     try:
         import safetensors.torch
     except ImportError:
-        raise ConversionError("HF conversion needs safetensors: pip install -e '.[hf]'") from None
+        raise ConversionError(HF_EXTRA_MISSING) from None
     return safetensors.torch
