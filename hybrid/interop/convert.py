@@ -66,8 +66,13 @@ def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[s
     # An unknown model_type goes to GPT-2's map, whose refusal names it.
     spec = family_for_hf(config.get("model_type")) or MODELS["gpt2"]
     interop = name_map(spec)
-    model = ModelConfig(**interop.model_fields(config, hf_dir), family=spec.name,
-                        vocab_pad_multiple=1)
+    try:
+        fields = interop.model_fields(config, hf_dir)
+    except KeyError as err:  # model_fields reads config.json alone: a setting it lacks
+        raise ConversionError(f"{hf_dir}: config.json has no {err.args[0]!r}, which a "
+                              f"{config.get('model_type')} config needs; use the config.json "
+                              f"saved with the model") from None
+    model = ModelConfig(**fields, family=spec.name, vocab_pad_multiple=1)
     weights = interop.from_hf(read_hf_weights(hf_dir), model)
     found = hf_tokenizer(hf_dir, model.vocab)
     if found is None:

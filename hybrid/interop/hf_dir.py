@@ -41,15 +41,36 @@ def hf_config(path: str) -> dict:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as err:
         raise ConversionError(f"{folder / 'config.json'} is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{folder / 'config.json'} holds a {type(config).__name__}, not "
+                              f"an object of settings; use the config.json saved with the model")
     if family_for_hf(config.get("model_type")) is None:
         raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2, "
                               f"Llama and Mixtral (model_type gpt2, llama, mixtral) convert")
+    _check_sizes(config, folder / "config.json")
     if any(folder.glob("*.index.json")):
         raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
                               f"model.safetensors (save_pretrained(max_shard_size='100GB'))")
     if not any((folder / name).is_file() for name in WEIGHTS):
         raise ConversionError(f"{path} has neither {' nor '.join(WEIGHTS)}")
     return config
+
+
+SIZE_KEYS = ("n_embd", "n_head", "n_layer", "n_positions", "n_inner", "vocab_size",
+             "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings", "head_dim", "num_local_experts",
+             "num_experts_per_tok")
+"""The sizes of the registered families' configs (GPT-2's, Llama's, Mixtral's): whole
+numbers >= 1 where present (null: the family's default, as ``n_inner`` and ``head_dim``)."""
+
+
+def _check_sizes(config: dict, file: Path) -> None:
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ConversionError(f"{file}: {key}={value!r} must be a whole number >= 1; use "
+                                  f"the config.json saved with the model")
 
 
 def read_hf_weights(path: str) -> dict:
