@@ -1,4 +1,5 @@
-"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2 or Llama directory.
+"""Text generation from a hybrid checkpoint (any layout's) or an HF GPT-2, Llama or Mixtral
+directory.
 
 The model runs in this process (one rank: a 1-process gloo group on an in-memory store, no
 socket), in fp32. Each new token is chosen from the logits of the real vocabulary at the last
@@ -10,9 +11,11 @@ tends to greedy, a huge one to uniform). Each layer keeps the keys and values of
 so far (``hybrid.model.kv_cache``), so a new token's forward computes only that token, while
 the ids fit ``model.seq_len``; beyond it the context slides, keeping the last ``seq_len``
 tokens, and each token recomputes that window (as does a family whose blocks take no cache).
-Generation stops after ``max_new_tokens`` or at the end-of-document token (``stop_at_eod``); ``new_tokens`` yields each id as it is chosen, and ``TextPieces``
-turns them into text as it becomes final. The prompt is encoded and the output decoded with
-the tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's. A
+Generation stops after ``max_new_tokens`` or at the end-of-document token (``stop_at_eod``);
+``new_tokens`` yields each id as it is chosen, and ``TextPieces`` turns them into text as it
+becomes final. The prompt is encoded and the output decoded with
+the tokenizer the checkpoint carries (the run's data recorded it) or the HF directory's; a
+model without one takes the prompt as ids and gives ids (``hybrid-generate prompt_ids=``). A
 checkpoint is checked as a resume checks it (every file's size and CRC-32) before it is read.
 
 torch is imported where the model runs, so ``hybrid-generate`` starts (and answers a bad
@@ -41,13 +44,15 @@ class GenerateError(UserError):
 @dataclass
 class Source:
     """A model to generate from: its config, global weights (real vocabulary or padded), and
-    its tokenizer (record and JSON; both None when the data recorded none)."""
+    its tokenizer (record and JSON; both None when the data recorded none). ``eod``: the
+    end-of-document id without a tokenizer (an HF config.json's ``eos_token_id``), if any."""
 
     model: ModelConfig
     weights: dict
     tokenizer: Optional[dict]
     tokenizer_json: Optional[str]
     where: str
+    eod: Optional[int] = None
 
 
 def load_source(source: str) -> Source:
@@ -57,7 +62,7 @@ def load_source(source: str) -> Source:
         from hybrid.interop.convert import hf_model
 
         model, weights, record, tokenizer_json = hf_model(str(path))
-        return Source(model, weights, record, tokenizer_json, str(path))
+        return Source(model, weights, record, tokenizer_json, str(path), _hf_eos(path))
     from hybrid.checkpoint.dcp_io import verify_files_here
     from hybrid.checkpoint.store import check_files, read_manifest, resolve_resume
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
@@ -70,6 +75,14 @@ def load_source(source: str) -> Source:
     record, tokenizer_json = checkpoint_tokenizer(checkpoint, manifest)
     return Source(model_config_of(manifest), read_model_weights(checkpoint), record,
                   tokenizer_json, str(checkpoint))
+
+
+def _hf_eos(path: Path) -> Optional[int]:
+    """config.json's ``eos_token_id`` when it is one id (a list of several is not used)."""
+    from hybrid.interop.hf_dir import hf_config
+
+    eos = hf_config(str(path)).get("eos_token_id")
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
 
 
 def _is_hf_dir(path: Path) -> bool:
@@ -85,9 +98,10 @@ def _is_hf_dir(path: Path) -> bool:
 def text_tokenizer(source: Source):
     """The tokenizer that encodes prompts and decodes outputs of ``source``."""
     if source.tokenizer is None:
-        raise GenerateError(f"{source.where} carries no tokenizer (its run trained on data with "
-                            f"none recorded, e.g. data=synthetic), so a text prompt cannot be "
-                            f"encoded; train on data made by hybrid-data")
+        raise GenerateError(f"{source.where} carries no tokenizer (an HF directory without "
+                            f"tokenizer.json, or a run on data with none recorded, e.g. "
+                            f"data=synthetic), so a text prompt cannot be encoded; give token "
+                            f"ids instead (prompt_ids=1,2,3)")
     info = TokenizerInfo.from_dict(source.tokenizer)
     if info.kind == "bytes":
         return ByteTokenizer()

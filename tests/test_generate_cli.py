@@ -47,6 +47,28 @@ def test_a_setting_out_of_range_is_one_line_before_the_model_loads(setting, need
     assert_one_line(done, needle)
 
 
+def test_the_max_new_tokens_refusal_says_what_a_token_costs(tmp_path):
+    """Each new token computes only itself with the key/value cache; only past seq_len does
+    it recompute a window, so the line says that (it said each recomputes the whole context)."""
+    done = generate(tmp_path / "no-model-here", f"prompt={PROMPT}", "max_new_tokens=20000")
+    assert_one_line(done, "(past the model's seq_len each new token recomputes a seq_len window)")
+    assert "whole context" not in done.stderr
+
+
+@pytest.mark.parametrize("settings, needle", [
+    ((f"prompt={PROMPT}", "prompt_ids=1,2"), "both prompt and prompt_ids are given; pass one"),
+    (("prompt_ids=",), "prompt_ids is empty; give the token ids to continue"),
+    (("prompt_ids=1,x,3",), "prompt_ids='1,x,3': 'x' is not a token id (an integer >= 0)"),
+    (("prompt_ids=1,-2",), "prompt_ids='1,-2': '-2' is not a token id"),
+    (("prompt_ids=1,,2",), "prompt_ids='1,,2': '' is not a token id"),
+    (("max_new_tokens=4",), 'the prompt is empty; pass prompt="some text" to continue, or '
+                            'prompt_ids=1,2,3'),
+])
+def test_a_bad_prompt_ids_is_one_line_before_the_model_loads(settings, needle, tmp_path):
+    done = generate(tmp_path / "no-model-here", *settings)
+    assert_one_line(done, needle)
+
+
 def test_help_names_every_setting_with_its_default():
     import dataclasses
 
@@ -184,3 +206,79 @@ def test_text_streams_as_it_comes_and_ctrl_c_stops_it_in_one_line(hf_imported):
         re.fullmatch(r"interrupted: generation stopped after \d+ new tokens \(Ctrl-C\)",
                      err.strip()), err
     assert out.startswith(PROMPT) and out.endswith("\n") and out.count("\n") == 1
+
+
+def _ids(done: subprocess.CompletedProcess, which: str = "new") -> list[int]:
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return json.loads(re.search(rf"^{which} ids: (\[.*\])$", done.stdout, re.M)[1])
+
+
+@pytest.mark.slow
+def test_prompt_ids_generate_from_a_model_without_a_tokenizer(hf_gpt2, tmp_path):
+    """An HF directory without tokenizer.json: a text prompt is refused, pointing to
+    prompt_ids; the ids of the same prompt give the same greedy ids as the text prompt on the
+    directory with its tokenizer, and as HF's greedy generate (both stop at config.json's
+    eos_token_id); only ids are printed. With the tokenizer, ids in give the text too."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GPT2LMHeadModel
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(hf_gpt2 / name, bare / name)
+    assert_one_line(generate(bare, f"prompt={PROMPT}"),
+                    "give token ids instead (prompt_ids=1,2,3)")
+    prompt = Tokenizer.from_file(str(hf_gpt2 / "tokenizer.json")).encode(PROMPT).ids
+    settings = ("max_new_tokens=12", "temperature=0")
+    by_text = _ids(generate(hf_gpt2, f"prompt={PROMPT}", *settings, "show_ids=true"))
+    by_ids = generate(bare, f"prompt_ids={','.join(map(str, prompt))}", *settings)
+    assert _ids(by_ids) == by_text and _ids(by_ids, "prompt") == prompt
+    assert by_ids.stdout == f"prompt ids: {prompt}\nnew ids: {by_text}\n"  # no text to show
+    model = GPT2LMHeadModel.from_pretrained(bare).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False, pad_token_id=model.config.eos_token_id)
+    assert by_text == out[0, len(prompt):].tolist() and len(by_text) > 1
+    with_text = generate(hf_gpt2, f"prompt_ids={prompt}".replace(" ", ""), *settings)
+    assert _ids(with_text) == by_text and with_text.stdout.startswith(PROMPT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ids, needle", [
+    ("5,300,7,999", "prompt_ids has 300 (position 1, 2 outside in all), past the vocabulary of "),
+    (",".join(["1"] * 33), "prompt_ids has 33 ids, more than the model's seq_len=32"),
+])
+def test_prompt_ids_outside_the_model_are_one_line(hf_gpt2, ids, needle):
+    assert_one_line(generate(hf_gpt2, f"prompt_ids={ids}"), needle)
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_prompt_ids_and_no_tokenizer_keeps_the_ids_so_far(hf_gpt2, tmp_path):
+    """Without a tokenizer the prompt's ids come once the model is ready; Ctrl-C then prints
+    the new ids so far and one line."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(hf_gpt2 / name, bare / name)
+    process = subprocess.Popen([GENERATE, str(bare), "prompt_ids=5,6,7", "max_new_tokens=10000",
+                                "temperature=1e300", "stop_at_eod=false"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = _read_until(process.stdout, lambda data: data.endswith(b"\n"),
+                            time.monotonic() + 120)
+        process.send_signal(signal.SIGINT)
+        rest, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    out, err = (first + rest).decode(), err.decode()
+    assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
+    found = re.fullmatch(r"interrupted: generation stopped after (\d+) new tokens \(Ctrl-C\)",
+                         err.strip())
+    assert found, err
+    lines = out.splitlines()
+    assert lines[0] == "prompt ids: [5, 6, 7]" and len(lines) == 2, out
+    new = json.loads(lines[1].removeprefix("new ids: "))
+    assert len(new) == int(found[1]) and all(0 <= i < 300 for i in new)

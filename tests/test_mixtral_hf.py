@@ -26,6 +26,9 @@ SHAPE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atte
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
              rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2)
 
+AUX_LOSS = 0.02
+"""Not transformers' default (0.001): a coefficient dropped on import would show."""
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real commands, HF models
 
 
@@ -37,7 +40,8 @@ def make_mixtral(seed: int):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
-    config = MixtralConfig(**SHAPE, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    config = MixtralConfig(**SHAPE, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                           router_aux_loss_coef=AUX_LOSS)
     model = MixtralForCausalLM(config)
     with torch.no_grad():  # every parameter drawn: no unit norm hides a misplaced tensor
         for param in model.parameters():
@@ -81,8 +85,12 @@ def test_import_then_export_gives_every_tensor_back(layout, hf_dirs, tmp_path):
     manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
     assert manifest["config"]["model"]["experts"] == 4
     assert "model.experts=4" in done.stdout and "model.experts_topk=2" in done.stdout
+    assert manifest["config"]["model"]["moe_aux_loss"] == AUX_LOSS
+    assert f"model.moe_aux_loss={AUX_LOSS}" in done.stdout  # the use: line trains with it
     done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
     assert done.returncode == 0, done.stderr
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["router_aux_loss_coef"] == AUX_LOSS
     from transformers import MixtralForCausalLM
 
     # either layout holds the same weights; export writes the per-expert one
@@ -126,6 +134,8 @@ def test_greedy_generation_equals_hfs(hf_dirs):
      "router_jitter_noise=0.1 cannot be converted: hybrid's router adds no noise"),
     ({"model_type": "mixtral", "sliding_window": 16},
      "sliding_window=16 cannot be converted"),
+    ({"model_type": "mixtral", "router_aux_loss_coef": -0.5},
+     "router_aux_loss_coef=-0.5 must be a finite number >= 0"),
 ])
 def test_an_moe_hybrid_cannot_convert_is_one_line(changes, needle, tmp_path):
     folder = tmp_path / "src"

@@ -30,7 +30,7 @@ def test_chrome_trace_loads_back_with_one_event_per_action(tmp_path):
     assert event["dur"] == pytest.approx((end - start) * 1e6)
     assert event["args"] == {"kind": action.kind, "stage": action.stage, "mb": action.mb}
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert names == {f"rank {r}" for r in range(4)}
+    assert names == {f"pp rank {r}" for r in range(4)}  # pipeline ranks, not global ones
 
 
 def test_chrome_trace_accepts_action_texts(tmp_path):
@@ -49,6 +49,18 @@ def test_draw_timeline_writes_a_real_png(tmp_path, name, v, lowered):
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(data) > 10_000
+
+
+def test_the_pictures_rows_are_named_as_pipeline_ranks():
+    """Each row is a rank of the pipeline group, which a global rank number would misname
+    once tp, cp or dp > 1."""
+    from hybrid.pipeline.timeline import timeline_figure
+
+    costs = Costs(F=Fr(1), B=Fr(2), I=Fr(1), W=Fr(1), p2p=Fr(1, 10))
+    result = _simulated("1f1b", 2, 4, 1, True, costs.per_chunk(1))
+    labels = [tick.get_text() for tick in timeline_figure(result.events).axes[0].get_yticklabels()]
+    assert [label.split(" (")[0] for label in labels] == ["pp rank 0", "pp rank 1"]
+    assert all(label.endswith("% idle)") for label in labels)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (8, 32)])

@@ -17,7 +17,7 @@ import importlib
 
 from hybrid.checkpoint.store import model_shape
 from hybrid.interop.hf_dir import (ConversionError, hf_config as read_config, hf_tokenizer,
-                                   read_hf_weights, write_hf_dir)
+                                   read_hf_weights, require_safetensors, write_hf_dir)
 from hybrid.planning.config import ModelConfig
 from hybrid.planning.models import MODELS, family_for_hf, model_spec
 
@@ -39,6 +39,7 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
     """Write checkpoint ``path`` as an HF GPT-2 directory ``out``; what was written."""
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
 
+    require_safetensors()  # before the weights are read: a base install is told at once
     model = model_config_of(manifest)
     interop = name_map(model_spec(model))
     tensors = interop.to_hf(read_model_weights(path), model)
@@ -65,8 +66,13 @@ def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[s
     # An unknown model_type goes to GPT-2's map, whose refusal names it.
     spec = family_for_hf(config.get("model_type")) or MODELS["gpt2"]
     interop = name_map(spec)
-    model = ModelConfig(**interop.model_fields(config, hf_dir), family=spec.name,
-                        vocab_pad_multiple=1)
+    try:
+        fields = interop.model_fields(config, hf_dir)
+    except KeyError as err:  # model_fields reads config.json alone: a setting it lacks
+        raise ConversionError(f"{hf_dir}: config.json has no {err.args[0]!r}, which a "
+                              f"{config.get('model_type')} config needs; use the config.json "
+                              f"saved with the model") from None
+    model = ModelConfig(**fields, family=spec.name, vocab_pad_multiple=1)
     weights = interop.from_hf(read_hf_weights(hf_dir), model)
     found = hf_tokenizer(hf_dir, model.vocab)
     if found is None:
@@ -92,8 +98,9 @@ def import_hf(hf_dir: str, out: str) -> Path:
 
 SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                    "seq_len", "tie_embeddings", "norm_eps", "rope_base")
-MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every")
-"""Added for a model with experts (an imported Mixtral)."""
+MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every", "moe_aux_loss")
+"""Added for a model with experts (an imported Mixtral); its aux-loss coefficient too, so a
+run started from the printed line trains with the coefficient the model came with."""
 
 
 def shape_overrides(model: ModelConfig) -> list[str]:

@@ -41,9 +41,13 @@ def hf_config(path: str) -> dict:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as err:
         raise ConversionError(f"{folder / 'config.json'} is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{folder / 'config.json'} holds a {type(config).__name__}, not "
+                              f"an object of settings; use the config.json saved with the model")
     if family_for_hf(config.get("model_type")) is None:
         raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2, "
                               f"Llama and Mixtral (model_type gpt2, llama, mixtral) convert")
+    _check_sizes(config, folder / "config.json")
     if any(folder.glob("*.index.json")):
         raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
                               f"model.safetensors (save_pretrained(max_shard_size='100GB'))")
@@ -52,13 +56,30 @@ def hf_config(path: str) -> dict:
     return config
 
 
+SIZE_KEYS = ("n_embd", "n_head", "n_layer", "n_positions", "n_inner", "vocab_size",
+             "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings", "head_dim", "num_local_experts",
+             "num_experts_per_tok")
+"""The sizes of the registered families' configs (GPT-2's, Llama's, Mixtral's): whole
+numbers >= 1 where present (null: the family's default, as ``n_inner`` and ``head_dim``)."""
+
+
+def _check_sizes(config: dict, file: Path) -> None:
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ConversionError(f"{file}: {key}={value!r} must be a whole number >= 1; use "
+                                  f"the config.json saved with the model")
+
+
 def read_hf_weights(path: str) -> dict:
     """The tensors (by HF name) of the checked HF directory ``path``."""
     import torch
 
     folder = Path(path).expanduser()
     if (folder / WEIGHTS[0]).is_file():
-        load_file = _safetensors().load_file
+        load_file = require_safetensors().load_file
         from safetensors import SafetensorError
 
         try:
@@ -80,7 +101,7 @@ def write_hf_dir(out: str, tensors: dict, config: dict,
     """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end.
     The folder and its files get the modes ``mkdir`` and ``open`` give (0777 and 0666 less
     the umask)."""
-    save_file = _safetensors().save_file
+    save_file = require_safetensors().save_file
     target = Path(out)
     if target.exists() and not target.is_dir():
         raise ConversionError(f"{out} exists and is not a folder; choose another folder")
@@ -153,9 +174,17 @@ def _eos_token(config: Path) -> Optional[str]:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def _safetensors():
+HF_EXTRA_MISSING = ("HF conversion needs the hf extra, and safetensors is not installed: "
+                    "pip install -e '.[hf]' in a checkout of hybrid (or pip install 'hybrid[hf]')")
+"""The one line of every HF path (import, export --format hf, generate from an HF directory)
+on a base install; transformers is not needed by any of them (tokenizers is a base
+dependency), only by the tests that load the result."""
+
+
+def require_safetensors():
+    """``safetensors.torch``, or ``ConversionError`` naming the ``[hf]`` extra."""
     try:
         import safetensors.torch
     except ImportError:
-        raise ConversionError("HF conversion needs safetensors: pip install -e '.[hf]'") from None
+        raise ConversionError(HF_EXTRA_MISSING) from None
     return safetensors.torch

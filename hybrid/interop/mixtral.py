@@ -19,6 +19,7 @@ Export writes the per-expert layout. The attention, norms, embedding and head ar
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from hybrid.interop import llama
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 ATTENTION = llama.BLOCK[:3]
 """The (hybrid, HF) names of a layer's norms and attention output, as Llama's."""
 PER_EXPERT = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+MIXTRAL_DEFAULT_AUX_LOSS = 0.001
+"""transformers' ``MixtralConfig`` default for ``router_aux_loss_coef``: what a config.json
+without the key means."""
 
 
 def _pairs(model: Any) -> list[tuple[str, str]]:
@@ -181,4 +185,15 @@ def model_fields(config: dict, source: str) -> dict:
     return {**fields, "name": "hf-mixtral", "experts": config["num_local_experts"],
             "experts_topk": config["num_experts_per_tok"],
             "moe_ffn_hidden": config["intermediate_size"], "moe_every": 1,
-            "moe_router": "softmax_topk"}
+            "moe_router": "softmax_topk", "moe_aux_loss": _aux_loss_coefficient(config, source)}
+
+
+def _aux_loss_coefficient(config: dict, source: str) -> float:
+    """``router_aux_loss_coef`` as ``model.moe_aux_loss`` (HF's default, 0.001, when absent),
+    so that an import then an export writes the coefficient it read."""
+    value = config.get("router_aux_loss_coef", MIXTRAL_DEFAULT_AUX_LOSS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ConversionError(f"{source}: router_aux_loss_coef={value!r} must be a finite "
+                              f"number >= 0 (0: no load-balancing loss); fix config.json")
+    return float(value)

@@ -36,6 +36,13 @@ WAIT_COLOUR = "#999999"
 MICROSECONDS_PER_SECOND = 1e6
 
 
+def rank_label(rank: int) -> str:
+    """A row's name: the rank within the pipeline group ("pp rank 1"), which is not the
+    global rank once tp, cp or dp > 1 (a trace from rank 0 of pp=2, tp=2 shows global ranks
+    0 and 2 as pp ranks 0 and 1)."""
+    return f"pp rank {rank}"
+
+
 def normalise_events(events: Iterable[EventLike]) -> list[Event]:
     """Parse action texts, so that the rest of this module sees ``Action`` values only."""
     return [(int(rank), action if isinstance(action, Action) else Action.parse(action),
@@ -65,7 +72,7 @@ def write_chrome_trace(events: Iterable[EventLike], path: str | Path) -> None:
     ranks = sorted({rank for rank, _, _, _ in parsed})
     trace = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pipeline"}}]
     trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
-               "args": {"name": f"rank {rank}"}} for rank in ranks]
+               "args": {"name": rank_label(rank)}} for rank in ranks]
     trace += [{
         "name": str(action), "cat": action.kind, "ph": "X", "pid": 0, "tid": rank,
         "ts": start * MICROSECONDS_PER_SECOND,
@@ -83,7 +90,7 @@ RIGHT_MARGIN = 0.01
 
 def draw_timeline(events: Iterable[EventLike], path: str | Path, title: str = "pipeline",
                   pp: int | None = None, unit: str = "") -> None:
-    """A PNG with one row per rank (rank 0 on top), bars coloured by kind, gaps = idle.
+    """A PNG with one row per pipeline rank (pp rank 0 on top), bars coloured by kind, gaps = idle.
 
     Micro-batch numbers are written on the bars wide enough to hold them; RECV waits are thin
     grey bars; the mean bubble is in the title and each rank's bubble in its row label. Given
@@ -111,7 +118,8 @@ def timeline_figure(events: Iterable[EventLike], title: str = "pipeline",
     axes = figure.add_subplot()
     kinds_drawn = _draw_bars(axes, parsed, begin, makespan or 1, pp)
     axes.set_yticks(range(n_ranks),
-                    [f"rank {rank} ({bubble:.0%} idle)" for rank, bubble in enumerate(bubbles)])
+                    [f"{rank_label(rank)} ({bubble:.0%} idle)"
+                     for rank, bubble in enumerate(bubbles)])
     axes.set_ylim(max(n_ranks, 1) - 0.5, -0.5)  # rank 0 on top
     # A little room right of the makespan: the last bar's edge is not cut by the frame.
     axes.set_xlim(0, (makespan or 1) * (1 + RIGHT_MARGIN))
