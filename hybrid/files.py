@@ -42,6 +42,14 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
             tmp.unlink()
 
 
+def user_cache_dir() -> Path:
+    """Where hybrid keeps what it builds or measures once per machine (the built-in corpora,
+    ``hybrid-plan calibrate``'s device file): ``$XDG_CACHE_HOME/hybrid``, else
+    ``~/.cache/hybrid``, as HF's caches resolve it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hybrid"
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """``path.write_text(text)``, whole or not at all."""
     with atomic_write(path) as tmp:

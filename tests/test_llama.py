@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hybrid.planning.config import ModelConfig
 from hybrid.planning.cost.flops import layer_forward_flops
@@ -25,7 +24,9 @@ TIED = ["model.tie_embeddings=true"]
 
 
 def preset(name: str) -> ModelConfig:
-    return ModelConfig(**yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text()))
+    from tests.test_param_count import load_preset
+
+    return load_preset(name)
 
 
 @pytest.mark.parametrize("name, published", [

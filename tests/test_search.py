@@ -168,7 +168,7 @@ def test_a_search_where_nothing_fits_says_so_in_one_line():
     from hybrid.planning.cost.search import no_layout_line
     cfg = config(replace(GPT_1B, layers=128, hidden=25600, heads=160), 64)
     line = no_layout_line(search(cfg, 8, A100, top=3))
-    assert "\n" not in line and "have does not fit in device memory, e.g. parallel.dp=" in line
+    assert "\n" not in line and "too large for device memory; e.g. parallel.dp=" in line
     assert "or more of 80.0 GiB (a100-80gb)" in line
 
 

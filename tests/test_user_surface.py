@@ -45,7 +45,7 @@ def test_a_refused_run_leaves_no_run_directory(tmp_path):
 def test_a_search_that_finds_no_layout_says_why():
     done = subprocess.run([PLAN, "search.world=7"], capture_output=True, text=True, timeout=60)
     one_line_error(done, "no layout of 7 devices runs this config: ")
-    assert "invalid train.global_batch, e.g. train.global_batch=16 is not divisible by " \
+    assert "48 invalid train.global_batch; e.g. train.global_batch=16 is not divisible by " \
            "parallel.dp=7" in done.stderr
 
 

@@ -18,23 +18,17 @@ whole files under names of its own and renames them into place, the record last
 from __future__ import annotations
 
 import hashlib
-import os
 import tempfile
 from pathlib import Path
 
 from hybrid.data.documents import ReadOptions
 from hybrid.data.metadata import read_meta
 from hybrid.data.prepare import Request, prepare_data
+from hybrid.files import user_cache_dir  # noqa: F401 (shared with the device file: run_data)
 
 EXAMPLES_FOLDER = "examples"
 BUILD_VERSION = "1"
 """Bump when the tokenization of the built-in corpora changes: older builds are not reused."""
-
-
-def user_cache_dir() -> Path:
-    """Where hybrid keeps what it builds once per machine."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hybrid"
 
 
 def python_docs_text() -> str:

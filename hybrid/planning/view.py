@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hybrid.planning.config import Config
 from hybrid.planning.cost.moe_traffic import a2a_step_bytes
-from hybrid.planning.cost.sizes import human_bytes, param_count
+from hybrid.planning.cost.sizes import human_bytes, param_count, published_param_count
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import AXIS_TRAFFIC
 from hybrid.planning.models.moe import expert_bias_payload
@@ -63,7 +63,8 @@ def plan_dict(plan: JobPlan) -> dict:
         "model": {"name": cfg.model.name, "layers": cfg.model.layers,
                   "hidden": cfg.model.hidden, "heads": cfg.model.heads,
                   "vocab": cfg.model.vocab, "padded_vocab": cfg.model.padded_vocab,
-                  "seq_len": cfg.model.seq_len, "params": param_count(cfg.model)},
+                  "seq_len": cfg.model.seq_len, "params": published_param_count(cfg.model),
+                  "params_padded": param_count(cfg.model)},
         "batch": {"global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
                   "microbatches": sched.microbatches},
         "ranks": ranks,
@@ -135,7 +136,9 @@ def format_plan(plan: dict, full: bool = False) -> str:
     lines = [
         f"model {model['name']}: {model['layers']} layers, hidden {model['hidden']}, "
         f"{model['heads']} heads, vocab {model['vocab']} (padded {model['padded_vocab']}), "
-        f"seq {model['seq_len']}: {model['params']:,} parameters",
+        f"seq {model['seq_len']}: {model['params']:,} parameters" + (
+            f" ({model['params_padded']:,} with the padded vocabulary)"
+            if model["params_padded"] != model["params"] else ""),
         f"layout dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} "
         f"order={lay['order']}: world size {plan['world_size']} on {lay['nodes']} node(s) x "
         f"{lay['ranks_per_node']}",

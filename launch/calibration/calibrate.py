@@ -34,20 +34,22 @@ threads ``hybrid-train`` gives it):
 Between nodes nothing can be measured from one machine: the ``cpu`` preset's link is kept.
 The ranks' timing code is ``launch.calibration.ranks`` and ``launch.calibration.node``; this
 module runs it and fits the device.
-Later calls use the file with ``cost.device=calibrated`` (this host's default path) or
-``cost.device=PATH``.
+Later calls use the file with ``cost.device=calibrated`` (this host's default path,
+``$XDG_CACHE_HOME/hybrid/device-<host>.json``, else under ``~/.cache/hybrid``) or
+``cost.device=PATH``; the file records the host, the hybrid version and the time it was
+measured, and another host or hybrid refuses it (``hybrid.planning.cost.device_files``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from hybrid.planning.cost.device_files import write_device_file
 from hybrid.planning.cost.devices import PRESETS, Device, Link, calibrated_path
 from hybrid.planning.cost.collectives import ring_gather
 from launch.launchers.fork_server import MEGATRON_IMPORT_WARNING
@@ -223,7 +225,7 @@ def main(argv: list[str]) -> None:
     device, raw = calibrate(args.max_ranks, args.seconds, args.repeats)
     out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(device.to_dict(), indent=1) + "\n")
+    write_device_file(device.to_dict(), out)  # with this host's record: another refuses it
     print(_summary(device, raw))
     default = str(out) == str(calibrated_path())
     print(f"wrote {out}; use it with cost.device={'calibrated' if default else out}")

@@ -26,6 +26,7 @@ from hybrid.planning.config import PlanConfig
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import memory_verdict
 from hybrid.planning.cost.sizes import human_bytes
+from hybrid.planning.cost.device_files import source_dict
 from hybrid.planning.cost.devices import device_for
 from hybrid.planning.cost.dp_options import compare_dp_options
 from hybrid.planning.job import plan_job
@@ -66,7 +67,8 @@ def _plan(dict_cfg: DictConfig) -> None:
         exit_user_error(err)
     plan = plan_dict(job)  # one plan, printed and priced
     plan["predicted"] = predict_step(job, device).to_dict() | {
-        "device": device.name, "assumes": assumption_line(device, cfg)}
+        "device": device.name, "device_file": source_dict(device.file, device.file_time),
+        "assumes": assumption_line(device, cfg)}
     if job.layout.dp > 1:
         plan["dp_options"] = compare_dp_options(cfg, device)
     if cfg.cost.replica_speed is not None:
@@ -144,6 +146,7 @@ def _search(cfg: PlanConfig, device) -> None:
     if not result["candidates"]:
         raise LayoutError(no_layout_line(result))
     result["assumes"] = assumption_line(device, cfg)
+    result["device_file"] = source_dict(device.file, device.file_time)
     result["run_best"] = "hybrid-train " + " ".join(
         shlex.quote(o) for o in cell_overrides(result["candidates"][0]["settings"]))
     print(json.dumps(result, indent=1) if cfg.format == "json" else format_search(result),

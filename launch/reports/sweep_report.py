@@ -109,6 +109,7 @@ def _measured(cell: Path) -> dict:
 def _predicted(cell: Path) -> dict:
     from hybrid.planning.config import from_dict
     from hybrid.errors import UserError
+    from hybrid.planning.cost.devices import DeviceError
     from hybrid.planning.cost.steptime import predict_step
     from hybrid.planning.cost.trust import assumption_line
     from hybrid.planning.job import plan_job
@@ -120,6 +121,8 @@ def _predicted(cell: Path) -> dict:
     try:
         device = prediction_device(cfg.cost.device)
         p = predict_step(plan_job(cfg), device)
+    except DeviceError as err:  # a stale device file: said in the report, never used
+        return {"assumes": f"no prediction: {err}"}
     except UserError:
         return {}
     return {"predicted_step_time_s": p.step_time_s,
@@ -169,11 +172,19 @@ def _balance_note(rows: list[dict]) -> str:
 def prediction_device(name: str):
     """``cost.device``, except that the default uncalibrated ``cpu`` preset gives way to this
     host's calibration when ``hybrid-plan calibrate`` has written one: a sweep measures this
-    machine, and its predictions should be for it."""
-    from hybrid.planning.cost.devices import calibrated_path, load_device
+    machine, and its predictions should be for it. The file's path and age go into every
+    prediction's ``assumes``; a file from another host or hybrid is not used, and the ``cpu``
+    preset's ``assumes`` says why."""
+    from dataclasses import replace
+
+    from hybrid.planning.cost.devices import DeviceError, calibrated_path, load_device
 
     if name == "cpu" and calibrated_path().is_file():
-        return load_device("calibrated")
+        try:
+            return load_device("calibrated")
+        except DeviceError as err:
+            cpu = load_device("cpu")
+            return replace(cpu, error=f"{cpu.error}; the calibration was not used: {err}")
     return load_device(name)
 
 

@@ -17,12 +17,12 @@ same fractions. ``hybrid-plan calibrate`` measures a machine instead.
 
 from __future__ import annotations
 
-import json
-import socket
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from hybrid.errors import UserError
+from hybrid.planning.cost.device_files import (  # noqa: F401 (calibrated_path: callers)
+    DeviceError, calibrated_path, read_device_file,
+)
 
 GIB = 2**30
 ACHIEVED_COMPUTE = 0.8
@@ -46,11 +46,6 @@ channel, each on an SM it shares with no other kernel, 16 on a DGX A100 (NCCL's 
 NVIDIA/nccl#689). Lee et al. 2025 ("Characterizing Compute-Communication Overlap in
 GPU-Accelerated Distributed Deep Learning") measure compute overlapped with communication
 18.9% slower on average on A100 and H100; 16 of an A100's 108 SMs is 14.8%."""
-
-
-class DeviceError(UserError):
-    """``cost.device`` names no preset and no readable device file, or a link setting is
-    out of range: one line with the fix."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +155,10 @@ class Device:
     error_fraction: float = 0.0
     """The model's mean |error| of step time measured on this device (0: not measured):
     layouts predicted closer than this to the best cannot be told apart."""
+    file: str = ""
+    """The device file it was read from, named beside every prediction (empty: a preset)."""
+    file_time: float = 0.0
+    """When that file's figures were measured (epoch seconds), for its age."""
 
     def peak_flops(self, precision: str) -> float:
         return self.peak.get(precision) or self.flops[precision]
@@ -259,11 +258,6 @@ PRESETS = {
 }
 
 
-def calibrated_path() -> Path:
-    """Where ``hybrid-plan calibrate`` writes this host's device file by default."""
-    return Path("~/.cache/hybrid").expanduser() / f"device-{socket.gethostname()}.json"
-
-
 def load_device(name: str) -> Device:
     """A preset by name, ``calibrated`` (this host's ``hybrid-plan calibrate`` file), or a JSON
     file of a ``Device``'s fields."""
@@ -280,7 +274,9 @@ def load_device(name: str) -> Device:
         raise DeviceError(f"cost.device={name} is neither a preset ({', '.join(PRESETS)}, "
                           f"calibrated) nor a JSON file of a device's fields "
                           f"(hybrid/planning/cost/devices.py)")
-    return device_from_dict(json.loads(path.read_text()), f"cost.device={name}")
+    data, source = read_device_file(path, f"cost.device={name}")
+    device = device_from_dict(data, f"cost.device={name}")
+    return replace(device, file=source.path, file_time=source.measured_at)
 
 
 _FROM_JSON = {"float": float, "int": int, "bool": bool, "str": str, "dict": dict,

@@ -184,6 +184,7 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     best = _finish(priced, device, max(1, top))
     considered = len(priced) + sum(rejected.values())
     return {"world": world, "device": device.name, "considered": considered,
+            "device_memory": device.memory_bytes, "global_batch": cfg.train.global_batch,
             "simulated": sum(1 for c in best if c.simulated),
             "within_error_of_best": _within_error(best[:top], device.error_fraction),
             "error_fraction": device.error_fraction,

@@ -8,7 +8,7 @@ block L+1 = head (final norm + output layer); what each holds and keeps is its f
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from hybrid.planning.config import ModelConfig
@@ -70,6 +70,13 @@ def param_count(m: ModelConfig) -> int:
     matrix and no final norm: formula + 2h when tied, + V·h more when untied.
     """
     return sum(b.total for b in block_params(m))
+
+
+def published_param_count(m: ModelConfig) -> int:
+    """The model's own parameters, as a checkpoint of it counts them: the rows that pad the
+    vocabulary for tensor parallelism (``model.vocab_pad_multiple``) are hybrid's, not the
+    model's (smollm-360m's 640 adds 128 rows to SmolLM-360M's 49152)."""
+    return param_count(replace(m, vocab_pad_multiple=1))
 
 
 def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool,
