@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 
 from hybrid.planning.schedules import add_communication, batch_problem, build_schedule
-from hybrid.planning.schedules.actions import V_SHAPE, Action, ScheduleError
+from hybrid.planning.schedules.actions import (
+    V_SHAPE, Action, Composite, ScheduleError, from_text, to_text,
+)
+from hybrid.planning.schedules.dualpipev import dualpipev_steps
+from hybrid.planning.schedules.simulate import simulate
 from hybrid.planning.schedules.check import check_schedule
 from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 
 
-def _torch_pipeline_order(pp: int, m: int) -> list[list[Action]]:
+def _torch_pipeline_order(pp: int, m: int, composite: bool = False) -> list[list]:
     """torch 2.13's ``ScheduleDualPipeV`` per-rank compute order, each overlapped pair
     (``OVERLAP_F_B``) written as its sub-actions in order. Its constructor needs live stages
     and a process group only to learn ``pp`` and ``m``; the order itself is computed by
@@ -26,10 +30,12 @@ def _torch_pipeline_order(pp: int, m: int) -> list[list[Action]]:
         actions = []
         for action in schedule._calculate_single_rank_operations(rank):
             parts = action.sub_actions if action.computation_type == OVERLAP_F_B else (action,)
-            for part in parts:
-                assert isinstance(part.computation_type, _ComputationType)
-                actions.append(Action(part.stage_index, part.computation_type.value,
-                                      part.microbatch_index))
+            ours = [Action(part.stage_index, _ComputationType(part.computation_type).value,
+                           part.microbatch_index) for part in parts]
+            if composite and len(ours) > 1:
+                actions.append(Composite(tuple(ours)))
+            else:
+                actions += ours
         lists.append(actions)
     return lists
 
@@ -43,6 +49,23 @@ def test_dualpipev_lists_equal_torch_schedule_dualpipev_rank_by_rank(pp, per_pp)
     for rank in range(pp):
         assert ours[rank] == theirs[rank], rank
     assert any(a.kind == "B" for a in ours[0]) and any(a.kind == "I" for a in ours[0])
+    steps, composites = dualpipev_steps(pp, m), _torch_pipeline_order(pp, m, composite=True)
+    assert steps == composites
+    assert sum(isinstance(step, Composite) for step in steps[0]) > 0
+
+
+def test_composite_actions_round_trip_as_text_and_check_and_time_as_their_parts():
+    steps = dualpipev_steps(2, 4)
+    assert "0F3+3B1" in to_text(steps) and from_text(to_text(steps)) == steps
+    check_schedule(steps, 2, 4, 2, V_SHAPE)
+    flat = build_schedule("dualpipev", 2, 4, vpp=2)
+    assert simulate(steps, 2, 4, 2, placement=V_SHAPE).events == simulate(
+        flat, 2, 4, 2, placement=V_SHAPE).events
+    with pytest.raises(ScheduleError, match="two or more compute"):
+        Composite((Action(0, "F", 0), Action(0, "SEND_F", 0)))
+    check_schedule([[Composite((Action(0, "F", 0), Action(0, "B", 0)))]], 1, 1)
+    with pytest.raises(ScheduleError, match="0B0 runs before 0F0"):  # parts run in order
+        check_schedule([[Composite((Action(0, "B", 0), Action(0, "F", 0)))]], 1, 1)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])

@@ -2,18 +2,20 @@
 DualPipe, as torch.distributed.pipelining's ``ScheduleDualPipeV``): two chunks per rank on
 ZB-V's V (rank ``r`` holds stages ``r`` and ``2*pp - 1 - r``), and in the steady state each
 step is one micro-batch's forward of one chunk overlapped with another micro-batch's full
-backward of the other chunk. On a GPU the pair's two parts run on two streams, so that one's
-communication (MoE's all-to-all, the p2p) hides under the other's compute; here a pair is its
-two parts in order, forward first (torch's ``OVERLAP_F_B`` sub-actions, in the same order).
+backward of the other chunk: one ``Composite`` action (``dualpipev_steps``). On a GPU the
+pair's two parts would run on two streams, so that one's communication (MoE's all-to-all, the
+p2p) hides under the other's compute; ``build_schedule`` gives the pair as its two parts in
+order, forward first (torch's ``OVERLAP_F_B`` sub-actions, in the same order), which is what
+the CPU runtime runs.
 
-The lists equal torch 2.13's ``ScheduleDualPipeV.pipeline_order`` rank by rank with each
-overlapped pair written as its two parts (``tests/test_dualpipev.py``).
+Both forms equal torch 2.13's ``ScheduleDualPipeV.pipeline_order`` rank by rank, the pair as
+one composite or as its two parts (``tests/test_dualpipev.py``).
 """
 
 from __future__ import annotations
 
 from hybrid.planning.schedules.actions import (
-    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_SHAPE, Action,
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_SHAPE, Action, Composite, flatten,
 )
 from hybrid.planning.schedules.registry import TWO, ScheduleSpec, register_schedule
 
@@ -26,7 +28,7 @@ class _RankBuilder:
         self.stages = (rank, 2 * pp - 1 - rank)
         self.next_mb: dict[tuple[int, str], int] = {}
         self.weights_pending: list[tuple[int, int]] = []
-        self.actions: list[Action] = []
+        self.actions: list[Action | Composite] = []
 
     def add(self, chunk: int, kind: str) -> None:
         """The chunk's next ``kind`` (F, B or I: B and I share the backward count)."""
@@ -43,6 +45,8 @@ class _RankBuilder:
         other chunk."""
         self.add(forward_chunk, FORWARD)
         self.add(1 - forward_chunk, BACKWARD)
+        backward = self.actions.pop()
+        self.actions.append(Composite((self.actions.pop(), backward)))
 
     def oldest_weight(self) -> None:
         """The oldest pending weight gradient, if any."""
@@ -51,7 +55,7 @@ class _RankBuilder:
             self.actions.append(Action(stage, BACKWARD_WEIGHT, mb))
 
 
-def _dualpipev_rank(rank: int, pp: int, m: int) -> list[Action]:
+def _dualpipev_rank(rank: int, pp: int, m: int) -> list[Action | Composite]:
     """Eight phases, as DeepSeek's reference: warm up chunk 0, then pairs of chunk 0 and 1
     forwards, the up leg's first backwards split (I now, W later) to fill the bubble, the
     overlapped steady state, and a cool-down whose second half splits again (rank parity
@@ -90,8 +94,14 @@ def _dualpipev_rank(rank: int, pp: int, m: int) -> list[Action]:
     return b.actions
 
 
-def _dualpipev_lists(pp: int, m: int, vpp: int) -> list[list[Action]]:
+def dualpipev_steps(pp: int, m: int) -> list[list[Action | Composite]]:
+    """The lists with each overlapped pair one ``Composite`` (torch's ``OVERLAP_F_B``): the
+    form a two-stream GPU runtime would run (docs/pipeline.md, "Composite actions")."""
     return [_dualpipev_rank(rank, pp, m) for rank in range(pp)]
+
+
+def _dualpipev_lists(pp: int, m: int, vpp: int) -> list[list[Action]]:
+    return flatten(dualpipev_steps(pp, m))
 
 
 def _dualpipev_closed_form(pp: int, m: int, vpp: int) -> tuple[float, tuple[int, ...]]:
