@@ -55,6 +55,15 @@ LAYOUTS = {
     # embedding's weight there and the loss is computed on rank 0.
     "pp2-zb-v-tied": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
                       "parallel.schedule=zb-v", *TIED],
+    # DualPipeV (issue 54) on the same V; it needs >= 2*pp micro-batches, so dp2 and pp4 run
+    # micro-batches of 1 (the same global batch, so the same losses)
+    "pp2-dualpipev": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
+                      "parallel.schedule=dualpipev"],
+    "dp2-pp2-dualpipev-zero1": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
+                                "parallel.vpp=2", "parallel.schedule=dualpipev",
+                                "parallel.zero=1", "train.micro_batch=1"],
+    "pp4-dualpipev": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
+                      "parallel.schedule=dualpipev", "train.micro_batch=1"],
 }
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

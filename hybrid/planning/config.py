@@ -58,7 +58,7 @@ class ParallelConfig:
     """Pipeline-parallel size: the layers are split into this many stages."""
     vpp: int = 1
     """Virtual stages (model chunks) per pipeline rank; > 1 needs schedule=interleaved-1f1b
-    (any vpp >= 2) or zb-v (exactly 2)."""
+    (any vpp >= 2), zb-v or dualpipev (exactly 2)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over this many ranks (two of 2*cp chunks
     each, zigzag), attention passes keys and values around them; for long sequences."""
@@ -74,8 +74,9 @@ class ParallelConfig:
     """Rank order, fastest-varying axis first (Megatron's default: TP fastest, inside a node);
     cp may be left out while parallel.cp=1."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v (V placement: rank r
-    holds stages r and 2*pp-1-r, so rank 0 computes the loss; gloo only)."""
+    """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v | dualpipev (the last
+    two: V placement, rank r holds stages r and 2*pp-1-r, so rank 0 computes the loss; gloo
+    only; dualpipev needs >= 2*pp micro-batches)."""
     zero: int = 0
     """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP,
     2 = gradients sharded too (reduce-scattered every micro-batch, only the shard kept),

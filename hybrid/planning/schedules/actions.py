@@ -10,7 +10,8 @@ stages ``r`` and ``2*pp - 1 - r``, and the first and last stage share rank 0). W
 Text form, as in torch.distributed.pipelining: ``<stage><KIND><micro-batch>``, e.g. ``2F0``,
 ``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``, and under ZeRO-3 ``0UNSHARD3`` /
 ``0RESHARD3`` (open / close stage 0's span of gathered weights, for and after micro-batch 3's
-compute; see ``gathers``). ``Action.parse`` and ``str`` round-trip,
+compute; see ``gathers``). A ``Composite`` (``0F3+3B1``) is an ordered group of compute
+actions run as one (DualPipeV's overlapped F and B). ``parse_step`` and ``str`` round-trip,
 and so do ``to_text``/``from_text`` and ``dump_csv``/``load_csv`` for whole schedules.
 """
 
@@ -92,6 +93,48 @@ class Action:
         return self.kind in (BACKWARD, BACKWARD_INPUT)
 
 
+@dataclass(frozen=True)
+class Composite:
+    """An ordered group of compute actions run as one step of a rank: DualPipeV's overlapped
+    pair, one micro-batch's forward of one chunk and another's backward of the other chunk.
+
+    Text form: the parts joined by ``+``, e.g. ``0F3+3B1``. On CPU (and in the checker and
+    the simulator, which see ``flatten``'s lists) a composite is its parts in order. On a GPU
+    the parts would run on two streams, each part's communication under the other's compute,
+    the composite ending when both have: its RECVs all posted before it, its SENDs after
+    (docs/pipeline.md, "Composite actions": designed, not built).
+    """
+
+    parts: tuple[Action, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or not all(isinstance(p, Action) and p.is_compute
+                                          for p in self.parts):
+            raise ScheduleError(f"composite {'+'.join(map(str, self.parts))} needs two or more "
+                                f"compute actions (F, B, I, W)")
+
+    def __str__(self) -> str:
+        return "+".join(map(str, self.parts))
+
+    is_compute, is_comm, is_shard = True, False, False
+
+
+def parse_step(text: str) -> Action | Composite:
+    """``"2F0"`` -> an ``Action``; ``"0F3+3B1"`` -> a ``Composite`` of its parts."""
+    words = text.strip().split("+")
+    if len(words) == 1:
+        return Action.parse(words[0])
+    return Composite(tuple(Action.parse(word) for word in words))
+
+
+def flatten(lists: list[list]) -> list[list[Action]]:
+    """Each composite replaced by its parts in order: what the checker, the simulator, the
+    lowering and the CPU runtime run."""
+    return [[part for step in steps
+             for part in (step.parts if isinstance(step, Composite) else (step,))]
+            for steps in lists]
+
+
 LOOP, V_SHAPE = "loop", "v"
 PLACEMENTS = (LOOP, V_SHAPE)
 
@@ -135,7 +178,7 @@ def from_text(text: str) -> list[list[Action]]:
             raise ScheduleError(
                 f"schedule text line {line!r} should start with 'rank {len(lists)}:'"
             )
-        lists.append([Action.parse(word) for word in body.split()])
+        lists.append([parse_step(word) for word in body.split()])
     return lists
 
 
@@ -150,5 +193,5 @@ def dump_csv(lists: list[list[Action]], path: str | Path) -> None:
 def load_csv(path: str | Path) -> list[list[Action]]:
     """The inverse of ``dump_csv``; an empty row is a rank with no actions."""
     with open(path, newline="") as handle:
-        return [[Action.parse(cell) for cell in row if cell.strip()]
+        return [[parse_step(cell) for cell in row if cell.strip()]
                 for row in csv.reader(handle)]

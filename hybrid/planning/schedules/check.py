@@ -12,7 +12,7 @@ from collections import Counter
 
 from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
-    LOOP, ScheduleError, stage_rank,
+    LOOP, ScheduleError, flatten, stage_rank,
 )
 from hybrid.planning.schedules.gathers import check_gathers, strip_gathers
 from hybrid.planning.schedules.replay import Deadlock, OrderViolation, describe_key, replay
@@ -42,7 +42,8 @@ def format_table(lists: list[list[Action]], marks: set[Cell] | None = None) -> s
 
 def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
                    placement: str = LOOP, forward_only: bool = False) -> None:
-    """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule.
+    """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule
+    (composite actions count as their parts in order).
 
     ZeRO-3's gathers and releases, where present, must bracket every compute that needs the
     weights (``gathers.check_gathers``). Complete: every (stage, mb) has one F and (unless
@@ -54,6 +55,7 @@ def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
     if len(lists) != pp:
         raise ScheduleError(f"schedule has {len(lists)} rank lists but pp={pp}; "
                             f"give one list per pipeline rank")
+    lists = flatten(lists)  # a composite runs its parts in order (``actions.Composite``)
     _check_placement(lists, pp, m, vpp, placement)
     if any(action.is_shard for actions in lists for action in actions):
         for rank, actions in enumerate(lists):

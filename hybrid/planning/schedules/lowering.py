@@ -5,7 +5,7 @@ form complete and deadlock-free."""
 from __future__ import annotations
 
 from hybrid.planning.schedules.actions import (
-    FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, ScheduleError, stage_rank,
+    FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, ScheduleError, flatten, stage_rank,
 )
 
 
@@ -17,10 +17,12 @@ def add_communication(compute_lists: list[list[Action]], pp: int, vpp: int = 1,
     that produced it. Under the runtime's semantics (SEND is posted and completes on its own;
     RECV blocks until the peer has posted the matching SEND) this is deadlock-free exactly when
     the compute-only lists are, so no RECV needs to move earlier. With ``pp == 1`` every
-    neighbour is local and nothing is added.
+    neighbour is local and nothing is added. Composite actions are lowered as their parts in
+    order (what the CPU runtime runs).
     """
     if len(compute_lists) != pp:
         raise ScheduleError(f"got {len(compute_lists)} rank lists for pp={pp}; pass one per rank")
+    compute_lists = flatten(compute_lists)
     n_stages = pp * vpp
     lowered: list[list[Action]] = []
     for actions in compute_lists:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hybrid.planning.schedules.actions import (
+    flatten,
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, Action,
     ScheduleError, rank_stages,
 )
@@ -68,8 +69,9 @@ def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp
               forward_only: bool = False) -> RankPlan:
     """Lower ``actions`` (when compute-only), check them for this rank and plan the posting of
     their messages; raises ``ScheduleError`` with the first problem. ``forward_only``: an
-    evaluation's list (forwards and their messages only)."""
-    actions = list(actions)
+    evaluation's list (forwards and their messages only). A composite action runs as its
+    parts in order (the CPU path; ``actions.Composite``)."""
+    actions = flatten([list(actions)])[0]
     if pp > 1 and not any(action.is_comm for action in actions):
         actions = lower_rank_actions(actions, rank, pp, vpp, placement)
     check_rank_actions(actions, stages, rank=rank, pp=pp, vpp=vpp, m=m, placement=placement,

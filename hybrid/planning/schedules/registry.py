@@ -53,6 +53,9 @@ class ScheduleSpec:
     """Where stages live (``actions.stage_rank``): ``loop``, or ``v`` (ZB-V)."""
     min_pp: int = 1
     microbatches_multiple_of_pp: bool = False
+    min_microbatches_per_pp: int = 0
+    """Micro-batches per step must be at least this many times ``pp`` (DualPipeV: 2, one
+    per stage, as torch's ``ScheduleDualPipeV`` requires)."""
     tag_matched: bool = False
     """Its lists post a pair's messages out of order, so they must be matched by tag: gloo
     does, NCCL does not (``p2p.fifo_mismatches``)."""
@@ -123,6 +126,10 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action
     if problem is None and spec.microbatches_multiple_of_pp and m % pp:
         problem = (f"{name} needs micro-batches ({m}) to be a multiple of pp ({pp}); use "
                    f"{m + (-m) % pp} micro-batches or another schedule")
+    if problem is None and m < spec.min_microbatches_per_pp * pp:
+        problem = (f"{name} needs at least {spec.min_microbatches_per_pp * pp} micro-batches "
+                   f"({spec.min_microbatches_per_pp} x pp={pp}), got {m}; use more "
+                   f"micro-batches or another schedule")
     if problem is not None:
         raise ScheduleError(problem)
     return spec.build(pp, m, vpp)
@@ -169,7 +176,12 @@ def layout_problem(name: str, *, pp: int, vpp: int, device: str) -> Optional[str
 def batch_problem(name: str, *, pp: int, m: int, how: str) -> Optional[str]:
     """Why ``m`` micro-batches per step (``how``: the arithmetic that gives them) cannot run
     schedule ``name`` on ``pp`` ranks; None when they can."""
-    if schedule_spec(name).microbatches_multiple_of_pp and m % pp:
+    spec = schedule_spec(name)
+    if spec.microbatches_multiple_of_pp and m % pp:
         return (f"parallel.schedule={name} needs micro-batches per step ({m} = {how}) to be a "
                 f"multiple of parallel.pp={pp}; change global_batch or micro_batch")
+    if m < spec.min_microbatches_per_pp * pp:
+        return (f"parallel.schedule={name} needs at least {spec.min_microbatches_per_pp * pp} "
+                f"micro-batches per step ({spec.min_microbatches_per_pp} x parallel.pp={pp}), "
+                f"got {m} = {how}; raise global_batch or lower micro_batch")
     return None

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybrid.planning.schedules.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, LOOP, Action
+from hybrid.planning.schedules.actions import (
+    BACKWARD, BACKWARD_WEIGHT, FORWARD, LOOP, Action, flatten,
+)
 from hybrid.planning.schedules.check import check_schedule
 from hybrid.planning.schedules.replay import replay
 
@@ -80,7 +82,9 @@ def simulate(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
              costs: Costs | StageCosts = Costs(F=1, B=2, I=1, W=1, p2p=0),
              placement: str = LOOP, checked: bool = False) -> SimResult:
     """Check ``lists`` (compute-only or lowered; ``checked``: already), then time it with
-    ``costs``."""
+    ``costs``. A composite action runs its parts in order, as the CPU runtime does (its
+    events are its parts')."""
+    lists = flatten(lists)
     if not checked:
         check_schedule(lists, pp, m, vpp, placement)
     timed = sorted(replay(lists, pp, vpp, costs.of, costs.p2p, placement),

@@ -1,0 +1,100 @@
+"""DualPipeV (issue 54): hybrid's lists against torch's own ``ScheduleDualPipeV``, and the
+schedule through the checker, the simulator and the validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid.planning.schedules import add_communication, batch_problem, build_schedule
+from hybrid.planning.schedules.actions import (
+    V_SHAPE, Action, Composite, ScheduleError, from_text, to_text,
+)
+from hybrid.planning.schedules.dualpipev import dualpipev_steps
+from hybrid.planning.schedules.simulate import simulate
+from hybrid.planning.schedules.check import check_schedule
+from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
+
+
+def _torch_pipeline_order(pp: int, m: int, composite: bool = False) -> list[list]:
+    """torch 2.13's ``ScheduleDualPipeV`` per-rank compute order, each overlapped pair
+    (``OVERLAP_F_B``) written as its sub-actions in order. Its constructor needs live stages
+    and a process group only to learn ``pp`` and ``m``; the order itself is computed by
+    ``_calculate_single_rank_operations`` from those two numbers, which is what we call."""
+    from torch.distributed.pipelining.schedules import (
+        OVERLAP_F_B, ScheduleDualPipeV, _ComputationType,
+    )
+    schedule = object.__new__(ScheduleDualPipeV)
+    schedule.pp_group_size, schedule._n_microbatches = pp, m
+    lists = []
+    for rank in range(pp):
+        actions = []
+        for action in schedule._calculate_single_rank_operations(rank):
+            parts = action.sub_actions if action.computation_type == OVERLAP_F_B else (action,)
+            ours = [Action(part.stage_index, _ComputationType(part.computation_type).value,
+                           part.microbatch_index) for part in parts]
+            if composite and len(ours) > 1:
+                actions.append(Composite(tuple(ours)))
+            else:
+                actions += ours
+        lists.append(actions)
+    return lists
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("per_pp", [2, 4])
+def test_dualpipev_lists_equal_torch_schedule_dualpipev_rank_by_rank(pp, per_pp):
+    m = per_pp * pp
+    ours = build_schedule("dualpipev", pp, m, vpp=2)
+    theirs = _torch_pipeline_order(pp, m)
+    for rank in range(pp):
+        assert ours[rank] == theirs[rank], rank
+    assert any(a.kind == "B" for a in ours[0]) and any(a.kind == "I" for a in ours[0])
+    steps, composites = dualpipev_steps(pp, m), _torch_pipeline_order(pp, m, composite=True)
+    assert steps == composites
+    assert sum(isinstance(step, Composite) for step in steps[0]) > 0
+
+
+def test_composite_actions_round_trip_as_text_and_check_and_time_as_their_parts():
+    steps = dualpipev_steps(2, 4)
+    assert "0F3+3B1" in to_text(steps) and from_text(to_text(steps)) == steps
+    check_schedule(steps, 2, 4, 2, V_SHAPE)
+    flat = build_schedule("dualpipev", 2, 4, vpp=2)
+    assert simulate(steps, 2, 4, 2, placement=V_SHAPE).events == simulate(
+        flat, 2, 4, 2, placement=V_SHAPE).events
+    with pytest.raises(ScheduleError, match="two or more compute"):
+        Composite((Action(0, "F", 0), Action(0, "SEND_F", 0)))
+    check_schedule([[Composite((Action(0, "F", 0), Action(0, "B", 0)))]], 1, 1)
+    with pytest.raises(ScheduleError, match="0B0 runs before 0F0"):  # parts run in order
+        check_schedule([[Composite((Action(0, "B", 0), Action(0, "F", 0)))]], 1, 1)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("per_pp", [2, 3, 4])
+def test_dualpipev_is_complete_and_deadlock_free_compute_only_and_lowered(pp, per_pp):
+    m = per_pp * pp
+    lists = build_schedule("dualpipev", pp, m, vpp=2)
+    check_schedule(lists, pp, m, 2, V_SHAPE)
+    check_schedule(add_communication(lists, pp, 2, V_SHAPE), pp, m, 2, V_SHAPE)
+
+
+def test_dualpipev_refuses_fewer_than_two_microbatches_per_rank_in_one_line():
+    with pytest.raises(ScheduleError, match=r"at least 8 micro-batches"):
+        build_schedule("dualpipev", 4, 6, vpp=2)
+    with pytest.raises(ScheduleError, match="exactly 2 chunks"):
+        build_schedule("dualpipev", 2, 4, vpp=1)
+    problem = batch_problem("dualpipev", pp=4, m=6, how="global_batch 12 / micro_batch 2")
+    assert problem is not None and "\n" not in problem and "at least 8" in problem
+    assert batch_problem("dualpipev", pp=4, m=8, how="") is None
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("per_pp", [2, 3, 4])
+def test_dualpipev_bubble_and_peak_inflight_equal_their_closed_forms(pp, per_pp):
+    """Unit costs F=1, B=2, I=W=1, a pair's parts serialised (the CPU runtime): the makespan
+    is ZB-V's 6m + pp - 1, and every rank holds 2pp + 1 chunk activations at its peak."""
+    m = per_pp * pp
+    sim = simulate_unit_costs("dualpipev", pp, m, 2)
+    assert sim.makespan == 6 * m + pp - 1
+    assert sim.peak_inflight == (2 * pp + 1,) * pp
+    bubble, peak = closed_form_schedule("dualpipev", pp, m, 2)
+    assert bubble == pytest.approx(sim.bubble_fraction) and peak == sim.peak_inflight
