@@ -94,7 +94,7 @@ def test_the_2021_scripts_fp16_step_unscales_the_gradients():
 def test_hybrid_plan_says_what_the_hidden_reduction_costs_the_compute():
     from launch.commands.plan import prediction_line
 
-    said = {"device": "a100-80gb", "assumes": "predictions assume ..."}
+    said = {"device": "a100-80gb", "software": "hybrid", "assumes": "predictions assume ..."}
     hidden = prediction_line(predict_step(plan(), A100).to_dict() | said)
     assert "compute lost beside it" in hidden
     after = predict_step(plan(), replace(A100, dp_after_backward=True)).to_dict() | said

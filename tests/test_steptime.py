@@ -178,7 +178,8 @@ def test_hybrid_plan_search_json_ranks_and_its_best_overrides_plan():
                               "cost.device=h100-80gb", *best],
                              capture_output=True, text=True, timeout=120)
     assert planned.returncode == 0, planned.stderr
-    assert "predicted on h100-80gb (cost.device): step " in planned.stdout
+    assert ("predicted on h100-80gb (cost.device) running hybrid (cost.software): step "
+            in planned.stdout)
 
 
 def test_the_a100_preset_reproduces_korthikanti_2022_table_5():

@@ -249,6 +249,9 @@ class CostConfig:
     inter_node_gbit: Optional[float] = None
     """The link between nodes in Gb/s instead of the device's (e.g. 10 for plain Ethernet):
     what-if pricing, e.g. of the DP options hybrid-plan compares."""
+    software: str = "hybrid"
+    """The training stack the prediction is for (hybrid/planning/cost/software.py): hybrid or
+    megatron-lm-2021; it sets what the step costs and what the search offers."""
     replica_speed: Optional[List[float]] = None
     """Each DP replica's compute speed relative to the device (e.g. [1, 0.5]: the second at
     half speed): hybrid-plan then predicts the step under even shares and under
@@ -283,6 +286,12 @@ class SearchConfig:
     report (sweep.csv, sweep.md, sweep.png) of measured beside predicted."""
     dir: Optional[str] = None
     """Where search.run puts its runs and report; None means multirun/search-<time>."""
+    keep: List[str] = field(default_factory=list)
+    """Settings the search holds at the config's values, e.g. [model.recompute,parallel.zero]
+    (any of parallel.dp, cp, tp, pp, vpp, ep, schedule, zero, sequence_parallel,
+    train.micro_batch, model.recompute)."""
+    schedules: Optional[List[str]] = None
+    """The pipeline schedules the search may choose (None: every one the software runs)."""
 
 
 @dataclass(kw_only=True)

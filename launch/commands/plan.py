@@ -33,6 +33,8 @@ from hybrid.planning.job import plan_job
 from hybrid.planning.cost.block_costs import known_block_costs
 from hybrid.planning.view import format_plan, plan_dict
 from hybrid.planning.cost.search import format_search, no_layout_line, overrides_of, search
+from hybrid.planning.cost.search_limits import search_limits
+from hybrid.planning.cost.software import software_named
 from hybrid.planning.cost.replicas import replica_line, replica_prediction
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.cost.trust import assumption_line
@@ -55,12 +57,13 @@ def _plan(dict_cfg: DictConfig) -> None:
             print(f"error: {problem}", file=sys.stderr)
         exit_user_error(problems[-1])
     try:
-        device = device_for(cfg.cost)
+        device, software = device_for(cfg.cost), software_named(cfg.cost.software)
         if cfg.search.world:
-            _search(cfg, device)
+            _search(cfg, device, software)
             return
         # partition=measured: plan with an existing calibration file's costs
         job = plan_job(cfg.job(), block_costs=known_block_costs(cfg))
+        device = software.device(device, job.layout.pp)
         if cfg.out is not None:
             write_run_files(job, Path(cfg.out))
     except UserError as err:
@@ -68,6 +71,7 @@ def _plan(dict_cfg: DictConfig) -> None:
     plan = plan_dict(job)  # one plan, printed and priced
     plan["predicted"] = predict_step(job, device).to_dict() | {
         "device": device.name, "device_file": source_dict(device.file, device.file_time),
+        "software": software.name, "software_does": software.summary,
         "assumes": assumption_line(device, cfg)}
     if job.layout.dp > 1:
         plan["dp_options"] = compare_dp_options(cfg, device)
@@ -123,7 +127,8 @@ def format_dp_options(rows: list[dict]) -> str:
 def prediction_line(p: dict) -> str:
     beside = p["dp_contention_s"]  # compute slowed by the SMs a hidden reduction holds
     lost = f", compute lost beside it {beside:.3g} s" if beside else ""
-    return (f"predicted on {p['device']} (cost.device): step {p['step_time_s']:.4g} s "
+    return (f"predicted on {p['device']} (cost.device) running {p['software']} "
+            f"(cost.software): step {p['step_time_s']:.4g} s "
             f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
             f"{p['dp_exposed_s']:.3g} s{lost}), {p['tflops_per_device']:.4g} TFLOP/s per device\n"
             f"{p['assumes']}")
@@ -138,11 +143,12 @@ def memory_limit(cfg: PlanConfig, device) -> tuple:
     return available_memory(cfg)
 
 
-def _search(cfg: PlanConfig, device) -> None:
+def _search(cfg: PlanConfig, device, software) -> None:
     if cfg.search.world < 1 or cfg.search.top < 1:
         raise LayoutError(f"search.world={cfg.search.world} and search.top={cfg.search.top} "
                           f"must be integers >= 1")
-    result = search(cfg, cfg.search.world, device, top=cfg.search.top)
+    limits = search_limits(cfg, software, cfg.search.keep, cfg.search.schedules)
+    result = search(cfg, cfg.search.world, device, top=cfg.search.top, limits=limits)
     if not result["candidates"]:
         raise LayoutError(no_layout_line(result))
     result["assumes"] = assumption_line(device, cfg)

@@ -24,6 +24,7 @@ from hybrid.planning.cost.devices import Device, load_device
 from hybrid.planning.cost.published import (
     KORTHIKANTI_2022, NARAYANAN_2021, GptRun, ThroughputRun, a100_gpt, megatron_lm,
 )
+from hybrid.planning.cost.software import MEGATRON_LM_2021
 from hybrid.planning.cost.steptime import StepPrediction, predict_step
 from hybrid.planning.job import plan_job
 from hybrid.planning.layout import LayoutError, valid_sizes
@@ -91,11 +92,9 @@ def splits(run: ThroughputRun, gpus_per_node: int = 8) -> list[tuple[int, int]]:
 
 
 def software_2021(device: Device, pp: int) -> Device:
-    """``device`` running Megatron-LM as ``run_table_1.sh`` ran it: PyTorch's DDP
-    (reducing during the last backward) for a run without a pipeline, else Megatron-LM's
-    ``local`` DDP (after the last backward): every row of the script pairs them so, as
-    Megatron-LM's pipeline schedules then had no ``no_sync`` for PyTorch's DDP."""
-    return megatron_lm(device, torch_ddp=pp == 1, fp16=True)
+    """``device`` running Megatron-LM as ``run_table_1.sh`` ran it: the
+    ``megatron-lm-2021`` profile (``software.MEGATRON_LM_2021``)."""
+    return MEGATRON_LM_2021.device(device, pp)
 
 
 def held_out_row(run: ThroughputRun, device: Device, error: float) -> dict:

@@ -23,6 +23,7 @@ from typing import Iterator
 from hybrid.planning.config import Config
 from hybrid.planning.cost import search_prune
 from hybrid.planning.cost.devices import Device
+from hybrid.planning.cost.search_limits import NONE, SearchLimits, describe
 from hybrid.planning.cost.search_prune import (  # noqa: F401 (LOWER_STAGE_FITS: tests)
     LOWER_STAGE_FITS, OUT_OF_MEMORY, zero_stage_skip,
 )
@@ -70,19 +71,24 @@ def settings_of(cfg: Config) -> dict:
             "sequence_parallel": par.sequence_parallel, "recompute": cfg.model.recompute}
 
 
-def candidates(cfg: Config, world: int) -> Iterator[Config]:
-    """Every combination of the searched settings for ``world`` devices."""
+def candidates(cfg: Config, world: int, limits: SearchLimits = NONE) -> Iterator[Config]:
+    """Every combination of the searched settings for ``world`` devices that ``limits``
+    allows (what ``search.keep`` holds, ``search.schedules`` and the software run)."""
     m, launcher = cfg.model, replace(cfg.launcher, nnodes=1, nproc_per_node=None, node_rank=0)
-    tps = [tp for tp in valid_tp_sizes(m) if world % tp == 0 and tp <= cfg.cost.gpus_per_node]
+    tps = limits.only("tp", [tp for tp in valid_tp_sizes(m)
+                             if world % tp == 0 and tp <= cfg.cost.gpus_per_node])
     # one model and train section per setting, shared by candidates (none mutates its config)
     models = {mode: replace(m, recompute=mode) for mode in RECOMPUTE}
     trains = {mb: replace(cfg.train, micro_batch=mb) for mb in MICRO_BATCHES}
     for tp in tps:
-        for cp in searched_cps(m.seq_len, world // tp):
-            for pp in [p for p in valid_sizes(world // (tp * cp)) if p <= m.layers]:
+        for cp in limits.only("cp", searched_cps(m.seq_len, world // tp)):
+            for pp in limits.only("pp", [p for p in valid_sizes(world // (tp * cp))
+                                         if p <= m.layers]):
                 dp = world // (tp * cp * pp)
-                for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp * cp, tp):
-                    for ep in searched_eps(m.experts, dp * cp, zero):
+                if not limits.allows("dp", dp):
+                    continue
+                for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp * cp, tp, limits):
+                    for ep in limits.only("ep", searched_eps(m.experts, dp * cp, zero)):
                         yield _copied(
                             cfg, launcher=launcher,
                             parallel=_copied(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp,
@@ -117,10 +123,11 @@ def searched_cps(seq_len: int, ranks: int) -> list[int]:
     return cps
 
 
-def searched_schedules(pp: int) -> list[tuple[str, int]]:
-    """(schedule, vpp) pairs the search tries: every registered schedule's ``search_vpps``;
-    with one stage every schedule runs alike, so only the first."""
-    found = [(name, vpp) for name, spec in SCHEDULES.items() for vpp in spec.search_vpps]
+def searched_schedules(pp: int, limits: SearchLimits = NONE) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs the search tries: every registered schedule's ``search_vpps``
+    that ``limits`` allows; with one stage every schedule runs alike, so only the first."""
+    found = [(name, vpp) for name, spec in SCHEDULES.items() for vpp in spec.search_vpps
+             if limits.allows("schedule", name)]
     return found if pp > 1 else found[:1]
 
 
@@ -129,17 +136,25 @@ def searched_shardings() -> list[int]:
     return [stage for stage, spec in SHARDINGS.items() if spec.searched]
 
 
-def _knobs(pp: int, dp: int, tp: int) -> Iterator[tuple]:
-    for schedule in searched_schedules(pp):
-        for mb in MICRO_BATCHES:
-            for zero in (searched_shardings() if dp > 1 else (0,)):
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    for recompute in RECOMPUTE:
+def _knobs(pp: int, dp: int, tp: int, limits: SearchLimits) -> Iterator[tuple]:
+    schedules = [(name, vpp) for name, vpp in searched_schedules(pp, limits)
+                 if limits.allows("vpp", vpp)]
+    zeros = limits.only("zero", searched_shardings() if dp > 1 else (0,))
+    sps = limits.only("sequence_parallel", (False, True) if tp > 1 else (False,))
+    recomputes = limits.only("recompute", RECOMPUTE)
+    for schedule in schedules:
+        for mb in limits.only("micro_batch", MICRO_BATCHES):
+            for zero in zeros:
+                for sp in sps:
+                    for recompute in recomputes:
                         yield schedule, mb, zero, sp, recompute
 
 
-def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
-    """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first.
+def search(cfg: Config, world: int, device: Device, top: int = 10,
+           limits: SearchLimits = NONE) -> dict:
+    """``{"candidates": [...], "rejected": {reason: count}, "considered": n}``, best first,
+    of the layouts ``limits`` allows, each priced on ``device`` as ``limits.software``
+    drives it.
 
     Exact whatever ``top`` is: every layout that fits is priced in closed form and, where
     ``predict_step`` would simulate its schedule, bounded from below (``step_lower_bound``;
@@ -152,10 +167,13 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
     lower: dict = {}  # layout (ZeRO stage aside) -> the plan of its last stage tried
     verdicts: dict = {}  # settings but recompute -> validate_config's error, or None
     floors: dict = {}  # what memory floors share
-    for order, candidate in enumerate(candidates(cfg, world)):
+    device_of = _software_devices(device, limits)
+    for order, candidate in enumerate(candidates(cfg, world, limits)):
         layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
-        skip = (spec.searched_if_less_fails
-                and zero_stage_skip(spec, lower.get(layout_key), device))
+        below = lower.get(layout_key)
+        if not limits.allows("zero", candidate.parallel.zero - 1):
+            below = None  # the stage below is not tried (search.keep, the software): no skip
+        skip = spec.searched_if_less_fails and zero_stage_skip(spec, below, device)
         if skip:
             _reject(rejected, examples, skip, candidate, device)
             continue
@@ -176,21 +194,34 @@ def search(cfg: Config, world: int, device: Device, top: int = 10) -> dict:
             _reject(rejected, examples, OUT_OF_MEMORY, candidate, device, need)
             continue
         if simulates(plan):  # finished in the order of its bound, if it can enter the list
-            closed, bound = closed_form_and_bound(plan, device)
+            closed, bound = closed_form_and_bound(plan, device_of(candidate))
             priced.append((bound, order, closed, candidate, None))
         else:  # the closed form is final: no bound needed
-            closed = predict_step(plan, device, simulated=False)
+            closed = predict_step(plan, device_of(candidate), simulated=False)
             priced.append((closed.step_time_s, order, closed, candidate, closed))
-    best = _finish(priced, device, max(1, top))
+    best = _finish(priced, device_of, max(1, top))
     considered = len(priced) + sum(rejected.values())
-    return {"world": world, "device": device.name, "considered": considered,
+    return {"world": world, "device": device.name, "software": limits.software.name,
+            "limits": describe(limits), "considered": considered,
             "device_memory": device.memory_bytes, "global_batch": cfg.train.global_batch,
             "simulated": sum(1 for c in best if c.simulated),
             "within_error_of_best": _within_error(best[:top], device.error_fraction),
             "error_fraction": device.error_fraction,
             "candidates": [c.to_dict() for c in best[:top]], "rejected": dict(rejected),
             "examples": examples,
-            "why_cp": _why_cp(best, priced, device)}
+            "why_cp": _why_cp(best, priced, device_of)}
+
+
+def _software_devices(device: Device, limits: SearchLimits):
+    """``candidate -> device`` as the software drives it (it may depend on the stages)."""
+    by_pp: dict = {}
+
+    def device_of(candidate: Config) -> Device:
+        pp = candidate.parallel.pp
+        if pp not in by_pp:
+            by_pp[pp] = limits.software.device(device, pp)
+        return by_pp[pp]
+    return device_of
 
 
 def _reject(rejected: Counter, examples: dict, why: str, candidate: Config, device: Device,
@@ -233,7 +264,7 @@ def _within_error(best: list[Candidate], error: float) -> int | None:
     return sum(1 for c in best if c.predicted.step_time_s <= first * (1 + error))
 
 
-def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
+def _finish(priced: list, device_of, top: int) -> list[Candidate]:
     """The ``top`` best of ``priced`` ((bound, order, closed form, config, final prediction
     or None when it is to be simulated) each) by their final prediction, simulating only
     those whose bound could still enter the list."""
@@ -244,19 +275,19 @@ def _finish(priced: list, device: Device, top: int) -> list[Candidate]:
             break
         simulated = final is None
         if simulated:  # what hybrid-plan predicts for it
-            final = predict_step(plan_job(candidate), device)
+            final = predict_step(plan_job(candidate), device_of(candidate))
         done = Candidate(settings_of(candidate), final, simulated=simulated)
         bisect.insort(finished, (final.step_time_s, order, done), key=lambda entry: entry[:2])
     return [final for _, _, final in finished[:top]]
 
 
-def _why_cp(best: list[Candidate], priced: list, device: Device) -> str | None:
+def _why_cp(best: list[Candidate], priced: list, device_of) -> str | None:
     """Why the best layout splits sequences (None when it does not): no layout without
     context parallelism fits, or the best one without it (found as exactly) is slower."""
     if not best or best[0].settings["cp"] == 1:
         return None
     cp = best[0].settings["cp"]
-    without = _finish([entry for entry in priced if entry[3].parallel.cp == 1], device, 1)
+    without = _finish([entry for entry in priced if entry[3].parallel.cp == 1], device_of, 1)
     if not without:
         return (f"cp={cp}: no layout with cp=1 fits in device memory; context parallelism "
                 f"keeps 1/cp of each sequence's activations per rank")

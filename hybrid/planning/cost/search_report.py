@@ -70,7 +70,9 @@ def format_search(result: dict) -> str:
     # an ep column for a mixture-of-experts model only (its candidates carry ep)
     experts = any("ep" in c["settings"] for c in result["candidates"])
     lines = [f"{len(result['candidates'])} best of {result['considered']} layouts for "
-             f"{result['world']} devices ({result['device']}), by predicted step time:",
+             f"{result['world']} devices ({result['device']}, cost.software="
+             f"{result.get('software', 'hybrid')}{result.get('limits', '')}), "
+             f"by predicted step time:",
              f" #   dp  cp  tp  pp{'  ep' * experts} vpp schedule          mb zero sp  "
              "recompute  step s   TFLOP/s   mem/rank"]
     for i, c in enumerate(result["candidates"], 1):
