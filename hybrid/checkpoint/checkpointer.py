@@ -34,7 +34,7 @@ from hybrid.checkpoint.publish import build_manifest, replace_dir, write_errors_
 from hybrid.checkpoint.restore import check_every_key_loaded, load_targets, read_checkpoint
 from hybrid.checkpoint.store import TOKENIZER_FILE, checkpoint_dir, checkpoint_name, \
     partial_name, prune, read_manifest, resolve_resume, write_manifest
-from hybrid.checkpoint.weights import read_model_weights
+from hybrid.checkpoint.weights import fit_positions, read_model_weights
 from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.expert_bias import expert_biases, load_expert_biases
@@ -214,7 +214,8 @@ class Checkpointer:
         """``checkpoint.init_from``: the model weights of checkpoint ``path`` (any layout, or
         an imported HF model) into this rank's parameters; the optimizer starts fresh. Every
         rank reads the whole model once and keeps its own shards."""
-        weights = pad_vocabulary(read_model_weights(path), self.cfg.model.padded_vocab)
+        weights = fit_positions(read_model_weights(path), self.cfg.model.seq_len)
+        weights = pad_vocabulary(weights, self.cfg.model.padded_vocab)
         weights = load_expert_biases(self.chunks.values(), weights)
         names = {spec.name for spec, _ in self.params}
         with self.sync.whole_weights(self.chunks, write_back=True):
