@@ -197,6 +197,8 @@ class Checkpointer:
         if path is None:
             if self.plan.init_from is not None:
                 self.load_weights(Path(self.plan.init_from))
+            elif self.cfg.model.from_hf is not None:
+                self.load_hf(self.cfg.model.from_hf)
             return 0
         self.resumed_from = str(path)
         return self.load(path)
@@ -223,6 +225,15 @@ class Checkpointer:
                                 {name: t for name, t in weights.items() if name in names},
                                 self.groups)
         self.initialised_from = str(path)
+
+    def load_hf(self, hf_dir: str) -> None:
+        """``model.from_hf``: an HF folder's weights into this rank's parameters."""
+        from hybrid.interop.hf_source import load_hf_weights
+
+        with self.sync.whole_weights(self.chunks, write_back=True):
+            load_hf_weights(hf_dir, self.cfg.model,
+                            {spec.name: param for spec, param in self.params}, self.groups)
+        self.initialised_from = hf_dir
 
     def _planned_resume(self) -> Optional[Path]:
         """What the plan resumes from (resolved before launch); a plan not made for a run (a
