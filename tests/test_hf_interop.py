@@ -128,9 +128,8 @@ def _hf_dir(folder: Path, **changes) -> Path:
     ("missing", lambda d: d / "nothing", "is not a folder; pass a local HF model directory"),
     ("no config", lambda d: (d / "empty").mkdir() or d / "empty",
      "has no config.json: it is not an HF model directory"),
-    ("mistral", lambda d: _hf_dir(d / "mistral", model_type="mistral"),
-     "holds a 'mistral' model; only GPT-2, Llama and Mixtral (model_type gpt2, llama, "
-     "mixtral) convert"),
+    ("bloom", lambda d: _hf_dir(d / "bloom", model_type="bloom"),
+     "holds a 'bloom' model; the registered model_types are "),
     ("erf gelu", lambda d: _hf_dir(d / "gelu", activation_function="gelu"),
      "activation_function='gelu' cannot be converted: hybrid's GELU is the tanh one"),
     ("cross attention", lambda d: _hf_dir(d / "cross", add_cross_attention=True),

@@ -34,7 +34,7 @@ from hybrid.checkpoint.publish import build_manifest, replace_dir, write_errors_
 from hybrid.checkpoint.restore import check_every_key_loaded, load_targets, read_checkpoint
 from hybrid.checkpoint.store import TOKENIZER_FILE, checkpoint_dir, checkpoint_name, \
     partial_name, prune, read_manifest, resolve_resume, write_manifest
-from hybrid.checkpoint.weights import read_model_weights
+from hybrid.checkpoint.weights import fit_positions, read_model_weights
 from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.expert_bias import expert_biases, load_expert_biases
@@ -197,6 +197,8 @@ class Checkpointer:
         if path is None:
             if self.plan.init_from is not None:
                 self.load_weights(Path(self.plan.init_from))
+            elif self.cfg.model.from_hf is not None:
+                self.load_hf(self.cfg.model.from_hf)
             return 0
         self.resumed_from = str(path)
         return self.load(path)
@@ -214,7 +216,8 @@ class Checkpointer:
         """``checkpoint.init_from``: the model weights of checkpoint ``path`` (any layout, or
         an imported HF model) into this rank's parameters; the optimizer starts fresh. Every
         rank reads the whole model once and keeps its own shards."""
-        weights = pad_vocabulary(read_model_weights(path), self.cfg.model.padded_vocab)
+        weights = fit_positions(read_model_weights(path), self.cfg.model.seq_len)
+        weights = pad_vocabulary(weights, self.cfg.model.padded_vocab)
         weights = load_expert_biases(self.chunks.values(), weights)
         names = {spec.name for spec, _ in self.params}
         with self.sync.whole_weights(self.chunks, write_back=True):
@@ -222,6 +225,15 @@ class Checkpointer:
                                 {name: t for name, t in weights.items() if name in names},
                                 self.groups)
         self.initialised_from = str(path)
+
+    def load_hf(self, hf_dir: str) -> None:
+        """``model.from_hf``: an HF folder's weights into this rank's parameters."""
+        from hybrid.interop.hf_source import load_hf_weights
+
+        with self.sync.whole_weights(self.chunks, write_back=True):
+            load_hf_weights(hf_dir, self.cfg.model,
+                            {spec.name: param for spec, param in self.params}, self.groups)
+        self.initialised_from = hf_dir
 
     def _planned_resume(self) -> Optional[Path]:
         """What the plan resumes from (resolved before launch); a plan not made for a run (a

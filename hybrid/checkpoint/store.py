@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 from hybrid.errors import UserError
+from hybrid.planning.models import model_spec
 from hybrid.planning.models.moe import is_expert_bias
 
 MANIFEST = "hybrid.json"
@@ -194,6 +195,9 @@ def check_model_matches(manifest: dict, model_cfg, path: Path, padding: bool = T
     for name in MODEL_SHAPE_FIELDS:
         if name == "padded_vocab" and not padding:
             continue
+        if name == "seq_len":
+            _check_context(saved.get(name), model_cfg, path, sliced=not padding)
+            continue
         if saved.get(name) != wanted[name]:
             key = {"ffn": "ffn_hidden", "padded_vocab": "vocab_pad_multiple",
                    "kv": "kv_heads"}.get(name, name)
@@ -202,6 +206,23 @@ def check_model_matches(manifest: dict, model_cfg, path: Path, padding: bool = T
                 f"config {name}={wanted[name]}; set model.{key} to match the checkpoint "
                 f"(hybrid-ckpt show {path} prints its shape)")
     _check_expert_bias(manifest, model_cfg, path)
+
+
+def _check_context(saved: int, model_cfg, path: Path, sliced: bool) -> None:
+    """``model.seq_len`` against the checkpoint's: any for a family without learned positions;
+    for learned ones (GPT-2) equal, or fewer where the weights are sliced on load
+    (``checkpoint.init_from``, as HF slices ``wpe``)."""
+    wanted = model_cfg.seq_len
+    if saved == wanted or not model_spec(model_cfg).learned_positions:
+        return
+    if sliced and wanted < saved:
+        return
+    fix = (f"set model.seq_len <= {saved}" if sliced else
+           f"set model.seq_len={saved}, or start a new run from it with "
+           f"checkpoint.init_from={path} and model.seq_len <= {saved}")
+    raise CheckpointError(
+        f"model.seq_len={wanted}: the checkpoint {path.name} has learned positions for "
+        f"{saved} tokens ({model_cfg.family} has no weights past them); {fix}")
 
 
 def _check_expert_bias(manifest: dict, model_cfg, path: Path) -> None:

@@ -39,6 +39,19 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
+POSITIONS = "embedding.position_embeddings"
+"""A learned position table (GPT-2's): rows are positions."""
+
+
+def fit_positions(weights: dict[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tensor]:
+    """``weights`` for a model of ``seq_len`` positions: a learned table's first ``seq_len``
+    rows, as HF slices ``wpe`` for shorter inputs (more rows were refused before launch)."""
+    table = weights.get(POSITIONS)
+    if table is None or table.shape[0] <= seq_len:
+        return weights
+    return {**weights, POSITIONS: table[:seq_len]}
+
+
 def checkpoint_tokenizer(path: Path, manifest: dict) -> tuple[Optional[dict], Optional[str]]:
     """(the tokenizer record, its JSON) a checkpoint carries; (None, None) for none."""
     file = Path(path) / TOKENIZER_FILE

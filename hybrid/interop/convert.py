@@ -35,8 +35,10 @@ def model_config_of(manifest: dict) -> ModelConfig:
     return ModelConfig(**manifest["config"]["model"])
 
 
-def export_hf(path: Path, manifest: dict, out: str) -> dict:
-    """Write checkpoint ``path`` as an HF GPT-2 directory ``out``; what was written."""
+def export_hf(path: Path, manifest: dict, out: str, max_shard_bytes: Optional[int] = None
+              ) -> dict:
+    """Write checkpoint ``path`` as an HF directory ``out`` (shards of at most
+    ``max_shard_bytes``); what was written."""
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
 
     require_safetensors()  # before the weights are read: a base install is told at once
@@ -50,12 +52,33 @@ def export_hf(path: Path, manifest: dict, out: str) -> dict:
         from tokenizers import Tokenizer
 
         eod_token = Tokenizer.from_str(tokenizer_json).id_to_token(eod)
-    write_hf_dir(out, tensors, interop.hf_config(model, eod), tokenizer_json, eod_token,
-                 model.seq_len)
+    config = interop.hf_config(model, eod)
+    if not model_spec(model).learned_positions:  # the context the source was made for
+        config["max_position_embeddings"] = source_positions(manifest, model.seq_len)
+    write_hf_dir(out, tensors, config, tokenizer_json, eod_token, model.seq_len,
+                 max_shard_bytes)
     return {"parameters": sum(t.numel() for t in tensors.values()),
             "architecture": interop.hf_config(model)["architectures"][0],
             "tokenizer": None if tokenizer_json is None else record.get("source"),
             "bytes_tokenizer": record is not None and record.get("kind") == "bytes"}
+
+
+def source_positions(manifest: dict, seq_len: int) -> int:
+    """The positions a rotary model was made for: an imported model's, or those of the
+    checkpoint its run started from (``checkpoint.init_from``, when it is still there), at
+    least the run's own ``seq_len``."""
+    from hybrid.checkpoint.store import CheckpointError, read_manifest, resolve_resume
+
+    config = manifest.get("config") or {}
+    source = (config.get("checkpoint") or {}).get("init_from")
+    found = (config.get("model") or {}).get("seq_len", seq_len)
+    if source is not None:
+        try:
+            start = resolve_resume(source, Path(source), field="checkpoint.init_from")
+            found = max(found, source_positions(read_manifest(start), seq_len))
+        except CheckpointError:
+            pass  # moved or removed since: the run's own context is all that is known
+    return max(found, seq_len)
 
 
 def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[str]]:

@@ -2,8 +2,8 @@
 ``transformers.GPT2LMHeadModel.from_pretrained`` loads with no missing or unexpected key.
 
 Reading takes ``config.json`` and ``model.safetensors`` (or a ``pytorch_model.bin``, loaded
-with ``torch.load(weights_only=True)``, which refuses a pickle that carries code); sharded
-checkpoints are refused. A local directory never reaches the network. ``hf_config`` checks a
+with ``torch.load(weights_only=True)``, which refuses a pickle that carries code), or the shards
+of ``model.safetensors.index.json`` (``hybrid.interop.shards``), one tensor at a time. A local directory never reaches the network. ``hf_config`` checks a
 directory without importing torch, so a bad one is refused at once; a damaged weights file, a
 ``tokenizer.json`` that is not one or cannot encode text (an empty vocabulary, ids past the
 model's vocabulary) are refused in one line too.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.errors import UserError
-from hybrid.planning.models import family_for_hf
+from hybrid.planning.models import MODELS, family_for_hf
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILE = "tokenizer.json"
@@ -45,14 +45,15 @@ def hf_config(path: str) -> dict:
         raise ConversionError(f"{folder / 'config.json'} holds a {type(config).__name__}, not "
                               f"an object of settings; use the config.json saved with the model")
     if family_for_hf(config.get("model_type")) is None:
-        raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; only GPT-2, "
-                              f"Llama and Mixtral (model_type gpt2, llama, mixtral) convert")
+        known = sorted({t for spec in MODELS.values()
+                        for t in (spec.hf_model_type, *spec.hf_model_types_also) if t})
+        raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; the "
+                              f"registered model_types are {', '.join(known)}")
     _check_sizes(config, folder / "config.json")
-    if any(folder.glob("*.index.json")):
-        raise ConversionError(f"{path} holds a sharded checkpoint; merge it into one "
-                              f"model.safetensors (save_pretrained(max_shard_size='100GB'))")
-    if not any((folder / name).is_file() for name in WEIGHTS):
-        raise ConversionError(f"{path} has neither {' nor '.join(WEIGHTS)}")
+    from hybrid.interop.shards import INDEX, index_of
+
+    if index_of(folder) is None and not any((folder / name).is_file() for name in WEIGHTS):
+        raise ConversionError(f"{path} has neither {' nor '.join(WEIGHTS)} nor {INDEX}")
     return config
 
 
@@ -77,16 +78,12 @@ def read_hf_weights(path: str) -> dict:
     """The tensors (by HF name) of the checked HF directory ``path``."""
     import torch
 
-    folder = Path(path).expanduser()
-    if (folder / WEIGHTS[0]).is_file():
-        load_file = require_safetensors().load_file
-        from safetensors import SafetensorError
+    from hybrid.interop.shards import INDEX, iter_tensors
 
-        try:
-            return load_file(str(folder / WEIGHTS[0]))
-        except SafetensorError as err:
-            raise ConversionError(f"{folder / WEIGHTS[0]} cannot be read ({err}): it is "
-                                  f"damaged or not safetensors; copy the model again") from None
+    folder = Path(path).expanduser()
+    if (folder / WEIGHTS[0]).is_file() or (folder / INDEX).is_file():
+        require_safetensors()
+        return dict(iter_tensors(folder))  # one file, or shard after shard
     try:
         return torch.load(folder / WEIGHTS[1], map_location="cpu", weights_only=True)
     except Exception as err:  # an UnpicklingError names what it refused
@@ -97,11 +94,14 @@ def read_hf_weights(path: str) -> dict:
 
 def write_hf_dir(out: str, tensors: dict, config: dict,
                  tokenizer_json: Optional[str] = None, eod_token: Optional[str] = None,
-                 max_length: Optional[int] = None) -> None:
+                 max_length: Optional[int] = None, max_shard_bytes: Optional[int] = None
+                 ) -> None:
     """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end.
     The folder and its files get the modes ``mkdir`` and ``open`` give (0777 and 0666 less
-    the umask)."""
-    save_file = require_safetensors().save_file
+    the umask). ``max_shard_bytes``: HF's shards and index, each file at most that."""
+    from hybrid.interop.shards import save_sharded
+
+    require_safetensors()
     target = Path(out)
     if target.exists() and not target.is_dir():
         raise ConversionError(f"{out} exists and is not a folder; choose another folder")
@@ -112,9 +112,8 @@ def write_hf_dir(out: str, tensors: dict, config: dict,
     shutil.rmtree(staging, ignore_errors=True)  # a killed export of this pid's
     try:
         staging.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the renamed folder
-        save_file(tensors, str(staging / WEIGHTS[0]), metadata={"format": "pt"})
-        # safetensors creates its file 0600; give it a new file's mode, as the others get
-        os.chmod(staging / WEIGHTS[0], staging.stat().st_mode & 0o666)
+        save_sharded(tensors, staging, max_shard_bytes or sum(
+            t.numel() * t.element_size() for t in tensors.values()))
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / TOKENIZER_FILE).write_text(tokenizer_json)

@@ -11,6 +11,10 @@ from typing import Optional
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for display."""
+    from_hf: Optional[str] = None
+    """A local HF model folder (config.json and safetensors, sharded or not): its shape
+    replaces this config's (model.seq_len, vocab_pad_multiple and recompute stay yours) and
+    its weights start the run, each rank keeping its slices (docs/models.md)."""
     family: str = "gpt2"
     """The model family (hybrid.planning.models; docs/models.md): gpt2, or one registered by
     family_module."""

@@ -3,6 +3,7 @@
     hybrid-ckpt show PATH                  # step, the layout it was saved from, model, tensors
     hybrid-ckpt export PATH OUT            # the full model, global names, one torch.save file
     hybrid-ckpt export PATH OUT --format hf  # an HF directory (transformers loads it)
+    hybrid-ckpt export PATH OUT --format hf --max-shard-size 5GB  # as HF's shards + index
     hybrid-ckpt import HF_DIR OUT          # an HF GPT-2 or Llama as OUT/step_00000000, for
                                            # checkpoint.init_from=OUT (hybrid.interop)
 
@@ -41,9 +42,13 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     export.add_argument("--format", default="torch", choices=("torch", "hf"),
                         help="torch (default): hybrid's global names in one file; hf: "
                              "model.safetensors + config.json (+ the data's tokenizer)")
+    export.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="--format hf: shards of at most SIZE (5GB, 500MB, 2GiB) with "
+                             "HF's model.safetensors.index.json; default one file")
     imports = commands.add_parser("import", help="a local HF GPT-2 or Llama directory as a "
                                                  "checkpoint, for checkpoint.init_from")
-    imports.add_argument("path", help="HF model directory (config.json, model.safetensors)")
+    imports.add_argument("path", help="HF model directory (config.json, model.safetensors or "
+                                      "its shards and model.safetensors.index.json)")
     imports.add_argument("output", help="folder to write; it gets OUT/step_00000000")
     return parser.parse_args(argv)
 
@@ -110,6 +115,10 @@ def _checkpoint(path_arg: str) -> tuple[Path, dict]:
 def _export(args: argparse.Namespace) -> None:
     from hybrid.checkpoint.dcp_io import verify_files_here
 
+    if args.max_shard_size is not None and args.format != "hf":
+        raise CheckpointError(f"--max-shard-size={args.max_shard_size} shards an HF folder; "
+                              f"add --format hf, or drop it")
+
     path, manifest = _checkpoint(args.path)
     verify_files_here(path, manifest)  # what a resume checks: never export damaged weights
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
@@ -117,7 +126,8 @@ def _export(args: argparse.Namespace) -> None:
                               f"choose another output path")
     out = os.path.abspath(args.output)
     try:
-        written, tail, architecture = _write_export(path, manifest, args.output, args.format)
+        written, tail, architecture = _write_export(path, manifest, args.output, args.format,
+                                                    args.max_shard_size)
     except OSError as err:  # a read-only file system, no permission, a full disk
         raise CheckpointError(f"cannot write {out}: {err.strerror or err}; choose an output "
                               f"path on a writable file system") from None
@@ -127,14 +137,17 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _write_export(path: Path, manifest: dict, output: str,
-                  format: str) -> tuple[str, str, Optional[str]]:
+                  format: str, max_shard_size: Optional[str] = None
+                  ) -> tuple[str, str, Optional[str]]:
     """Write the export; (what was written, what goes with it), in words, and the HF
     architecture written (None: a torch file)."""
     if format == "torch":
         return f"{export_model(path, output):,} parameters", "", None
     from hybrid.interop.convert import export_hf
+    from hybrid.interop.shards import parse_size
 
-    done = export_hf(path, manifest, output)
+    done = export_hf(path, manifest, output,
+                     None if max_shard_size is None else parse_size(max_shard_size))
     tokenizer = f", with its tokenizer ({done['tokenizer']})" if done["tokenizer"] else (
         " (the byte-level tokenizer has no HF form: decode the ids as bytes)"
         if done["bytes_tokenizer"] else " (the run recorded no tokenizer)")

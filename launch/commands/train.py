@@ -161,6 +161,9 @@ def check_checkpoint_dir(directory: Path, named: bool = True) -> None:
 def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     """Every check that can be made before a worker starts, and the job's one plan; writes
     ``config.json`` and ``plan.json``."""
+    from hybrid.interop.hf_source import with_hf_shape
+
+    cfg = with_hf_shape(cfg)
     launcher = chosen_launcher(cfg)
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)

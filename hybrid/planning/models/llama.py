@@ -88,6 +88,7 @@ class Llama(ModelSpec):
     blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama_family", \
         "llama"
     hf_model_types_also = ("mixtral",)
+    learned_positions = False  # rotary: the context is no shape of any weight
 
     def block_params(self, m, block_id, sequence_parallel):
         return llama_block_params(m, block_id, sequence_parallel)

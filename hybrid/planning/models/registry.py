@@ -43,6 +43,9 @@ class ModelSpec(ABC):
     """HF's ``model_type`` this family imports."""
     hf_model_types_also: tuple[str, ...] = ()
     """Other HF ``model_type``s it imports (llama: ``mixtral``, its models with experts)."""
+    learned_positions: bool = True
+    """Whether ``model.seq_len`` is a weight's shape (GPT-2's position table). A family with
+    rotary positions sets False: its checkpoints load at any ``model.seq_len``."""
 
     @abstractmethod
     def block_params(self, m, block_id: int, sequence_parallel: bool) -> dict[str, ParamSpec]:

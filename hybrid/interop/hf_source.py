@@ -1,0 +1,68 @@
+"""``model.from_hf=HF_DIR``: train an HF model directory with no conversion step.
+
+Before launch (``with_hf_shape``, no torch) the model's shape comes from the folder's
+``config.json`` through its family's HF map (the one ``hybrid-ckpt import`` uses);
+``model.seq_len``, the vocabulary padding, recompute and the layout stay the user's. GPT-2's
+learned positions bound ``model.seq_len`` by ``n_positions`` (refused past it, in one line).
+On every rank (``load_hf_weights``) the folder's safetensors are read one tensor at a time,
+renamed and re-laid out by the same map, sliced to the run's context and vocabulary, and each
+parameter keeps its own TP/EP slice, as ``checkpoint.init_from`` does with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hybrid.interop.hf_dir import ConversionError, hf_config
+from hybrid.planning.models import MODELS, family_for_hf, model_spec
+
+KEPT = ("name", "seq_len", "vocab_pad_multiple", "recompute", "from_hf")
+"""``ModelConfig`` fields that stay the user's when the shape comes from an HF folder."""
+
+
+def source_model(hf_dir: str):
+    """The ``ModelConfig`` of HF folder ``hf_dir`` as it ships (its own context)."""
+    from hybrid.interop.convert import name_map
+    from hybrid.planning.config import ModelConfig
+
+    config = hf_config(hf_dir)
+    spec = family_for_hf(config.get("model_type")) or MODELS["gpt2"]
+    fields = name_map(spec).model_fields(config, hf_dir)
+    return ModelConfig(**fields, family=spec.name, vocab_pad_multiple=1)
+
+
+def with_hf_shape(cfg):
+    """``cfg`` (a ``Config``) with ``model.from_hf``'s shape; ``cfg`` itself without one."""
+    wanted = cfg.model
+    if wanted.from_hf is None:
+        return cfg
+    if cfg.checkpoint.init_from is not None:
+        raise ConversionError(f"model.from_hf={wanted.from_hf} and checkpoint.init_from="
+                              f"{cfg.checkpoint.init_from} both give the starting weights; "
+                              f"drop one")
+    source = source_model(wanted.from_hf)
+    if model_spec(source).learned_positions and wanted.seq_len > source.seq_len:
+        raise ConversionError(f"model.seq_len={wanted.seq_len}: {wanted.from_hf} has learned "
+                              f"positions for {source.seq_len} tokens; set model.seq_len <= "
+                              f"{source.seq_len}")
+    shape = {f.name: getattr(source, f.name) for f in dataclasses.fields(source)
+             if f.name not in KEPT}
+    model = dataclasses.replace(wanted, **shape, name=f"hf:{Path(wanted.from_hf).name}")
+    return dataclasses.replace(cfg, model=model)
+
+
+def load_hf_weights(hf_dir: str, model_cfg, params: dict, groups) -> None:
+    """The weights of HF folder ``hf_dir`` into this rank's ``params`` (global name ->
+    parameter: this pipeline stage's, each taking its TP/EP slice)."""
+    from hybrid.checkpoint.weights import fit_positions
+    from hybrid.interop.convert import name_map
+    from hybrid.interop.gpt2 import pad_vocabulary
+    from hybrid.interop.hf_dir import read_hf_weights
+    from hybrid.model.shards import load_global_weights
+
+    source = source_model(hf_dir)
+    weights = name_map(model_spec(source)).from_hf(read_hf_weights(hf_dir), source)
+    weights = pad_vocabulary(fit_positions(weights, model_cfg.seq_len), model_cfg.padded_vocab)
+    load_global_weights(list(params.values()),
+                        {name: t for name, t in weights.items() if name in params}, groups)
