@@ -87,12 +87,10 @@ def test_an_imported_llama_gives_hfs_logits(kind, hf_dirs):
 
 
 @pytest.mark.parametrize("changes, needle", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-     "rope type 'llama3' (rope_scaling) cannot be converted: hybrid's rotary positions are "
-     "unscaled"),
-    ({"sliding_window": 16}, "sliding_window=16 cannot be converted: hybrid's attention is "
-                             "full causal attention"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope type 'yarn' (rope_scaling) is not supported; hybrid builds default, llama3"),
+    ({"sliding_window": 16}, "sliding_window=16 cannot be converted: a sliding window is "
+                             "Mistral's (model_type mistral)"),
     ({"attention_bias": True}, "attention_bias=True cannot be converted"),
 ])
 def test_a_llama_hybrid_cannot_represent_is_one_line(changes, needle, tmp_path):

@@ -65,7 +65,7 @@ def test_gpt3_presets_have_their_nominal_size(name, nominal):
     assert param_count(cfg) == pytest.approx(nominal, rel=0.03)
 
 
-FEW_KV_HEADS = {"llama-tiny": [1, 2], "moe-tiny": [1, 2], "smollm-135m": [1, 3], "smollm-360m": [1, 5], "tinyllama-1.1b": [1, 2, 4]}
+FEW_KV_HEADS = {"llama-tiny": [1, 2], "moe-tiny": [1, 2], "smollm-135m": [1, 3], "smollm-360m": [1, 5], "tinyllama-1.1b": [1, 2, 4], "qwen2.5-0.5b": [1, 2]}
 """Presets TP cannot split 2, 4 or 8 ways: tp must divide kv_heads (2 in llama-tiny, to test
 grouped-query attention at tp=2; the published shapes of the others)."""
 

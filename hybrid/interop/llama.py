@@ -1,11 +1,13 @@
 """hybrid's llama <-> HF ``LlamaForCausalLM``: the names, the layouts and the config.
 
 hybrid's llama is HF Llama's architecture (pre-RMSNorm, SwiGLU, rotary positions in HF's
-``rotate_half`` convention, grouped-query attention, no biases), so the conversion is a
-renaming plus two re-layouts:
+``rotate_half`` convention, grouped-query attention, no biases), and Qwen2's q/k/v biases and
+Qwen3's q/k norms are its variants' (``hybrid.interop.llama_variants`` reads and writes their
+configs), so the conversion is a renaming plus two re-layouts:
 
 - the fused QKV: hybrid's rows are per key/value group ``(group, its query heads | key |
-  value, head_dim)`` (Megatron's), HF's are three matrices ``q_proj``, ``k_proj``, ``v_proj``;
+  value, head_dim)`` (Megatron's), HF's are three matrices ``q_proj``, ``k_proj``, ``v_proj``
+  (and Qwen2's three biases, laid out the same);
 - the vocabulary: hybrid pads it, HF has none (as for GPT-2: ``hybrid.interop.gpt2``);
 - a tied model has no ``lm_head.weight`` in the files.
 
@@ -34,30 +36,42 @@ IGNORED = ("rotary_emb.inv_freq",)
 """Buffers older transformers saved with Llama weights: not parameters."""
 
 
+HEAD_NORMS = (("attention.q_norm.weight", "self_attn.q_norm.weight"),
+              ("attention.k_norm.weight", "self_attn.k_norm.weight"))
+"""Qwen3's per-head query and key RMSNorms (``model.qk_norm``)."""
+
+
 def _pairs(model: Any) -> list[tuple[str, str]]:
+    block = BLOCK + (HEAD_NORMS if getattr(model, "qk_norm", False) else ())
     pairs = list(OUTSIDE)
     for b in range(1, model.layers + 1):
         pairs += [(f"blocks.{b}.{ours}", f"model.layers.{b - 1}.{theirs}")
-                  for ours, theirs in BLOCK]
+                  for ours, theirs in block]
     return pairs if model.tie_embeddings else pairs + [(HEAD, "lm_head.weight")]
 
 
+def _qkv_parts(model: Any) -> tuple[str, ...]:
+    """The fused QKV's parameters: its weight and, with ``model.qkv_bias`` (Qwen2), its bias."""
+    return ("weight", "bias") if getattr(model, "qkv_bias", False) else ("weight",)
+
+
 def _split_qkv(fused: torch.Tensor, model: Any) -> list[torch.Tensor]:
-    """hybrid's ``[(n + 2k) d, h]`` -> HF's ``q [n d, h]``, ``k [k d, h]``, ``v [k d, h]``."""
-    kv, d, h = model.kv, model.hidden // model.heads, fused.shape[1]
+    """hybrid's ``[(n + 2k) d, ...]`` -> HF's ``q [n d, ...]``, ``k [k d, ...]``, ``v [k d,
+    ...]`` (a weight ``...`` = ``h``, a bias none)."""
+    kv, d, rest = model.kv, model.head_size, tuple(fused.shape[1:])
     per = model.heads // kv
-    grouped = fused.reshape(kv, per + 2, d, h)
-    return [grouped[:, :per].reshape(kv * per * d, h), grouped[:, per].reshape(kv * d, h),
-            grouped[:, per + 1].reshape(kv * d, h)]
+    grouped = fused.reshape(kv, per + 2, d, *rest)
+    return [grouped[:, :per].reshape(kv * per * d, *rest),
+            grouped[:, per].reshape(kv * d, *rest), grouped[:, per + 1].reshape(kv * d, *rest)]
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: Any) -> torch.Tensor:
     import torch
 
-    kv, d, h = model.kv, model.hidden // model.heads, q.shape[1]
+    kv, d, rest = model.kv, model.head_size, tuple(q.shape[1:])
     per = model.heads // kv
-    return torch.cat([q.reshape(kv, per, d, h), k.reshape(kv, 1, d, h),
-                      v.reshape(kv, 1, d, h)], dim=1).reshape(-1, h)
+    return torch.cat([q.reshape(kv, per, d, *rest), k.reshape(kv, 1, d, *rest),
+                      v.reshape(kv, 1, d, *rest)], dim=1).reshape(-1, *rest)
 
 
 def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
@@ -66,11 +80,13 @@ def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tenso
     for ours, theirs in _pairs(model):
         tensor = _take(weights, ours, model)
         out[theirs] = tensor[:model.vocab] if ours in (EMBEDDING, HEAD) else tensor
+    kinds = _qkv_parts(model)
     for b in range(1, model.layers + 1):
-        fused = _take(weights, f"blocks.{b}.attention.qkv.weight", model)
-        for part, tensor in zip(QKV, _split_qkv(fused, model)):
-            out[f"model.layers.{b - 1}.self_attn.{part}.weight"] = tensor
-    _all_used(weights, len(out) - 2 * model.layers)
+        for kind in kinds:
+            fused = _take(weights, f"blocks.{b}.attention.qkv.{kind}", model)
+            for part, tensor in zip(QKV, _split_qkv(fused, model)):
+                out[f"model.layers.{b - 1}.self_attn.{part}.{kind}"] = tensor
+    _all_used(weights, len(out) - 2 * model.layers * len(kinds))
     return {name: t.detach().contiguous().clone() for name, t in out.items()}
 
 
@@ -85,10 +101,13 @@ def from_hf(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Ten
                                   "model.embed_tokens.weight; set tie_word_embeddings=false")
     _check_shapes(tensors, model)
     out = {ours: _take(tensors, theirs, model) for ours, theirs in _pairs(model)}
+    kinds = _qkv_parts(model)
     for b in range(1, model.layers + 1):
-        parts = [_take(tensors, f"model.layers.{b - 1}.self_attn.{p}.weight", model) for p in QKV]
-        out[f"blocks.{b}.attention.qkv.weight"] = _fuse_qkv(*parts, model)
-    _all_used(tensors, len(out) + 2 * model.layers)
+        for kind in kinds:
+            parts = [_take(tensors, f"model.layers.{b - 1}.self_attn.{p}.{kind}", model)
+                     for p in QKV]
+            out[f"blocks.{b}.attention.qkv.{kind}"] = _fuse_qkv(*parts, model)
+    _all_used(tensors, len(out) + 2 * model.layers * len(kinds))
     return {name: t.detach().contiguous().clone() for name, t in out.items()}
 
 
@@ -97,12 +116,13 @@ def _check_shapes(tensors: dict, model: Any) -> None:
     the fused matrix's parts), so a disagreeing config is named at import, not after launch."""
     from hybrid.planning.params import model_param_specs
 
-    specs, d = model_param_specs(model), model.hidden // model.heads
+    specs, d = model_param_specs(model), model.head_size
     expected = {theirs: (model.vocab, *specs[ours].shape[1:]) if ours in (EMBEDDING, HEAD)
                 else tuple(specs[ours].shape) for ours, theirs in _pairs(model)}
     for b in range(model.layers):
         for part, rows in zip(QKV, (model.heads * d, model.kv * d, model.kv * d)):
             expected[f"model.layers.{b}.self_attn.{part}.weight"] = (rows, model.hidden)
+            expected[f"model.layers.{b}.self_attn.{part}.bias"] = (rows,)
     for name, shape in expected.items():
         if name in tensors and tuple(tensors[name].shape) != shape:
             raise ConversionError(
@@ -126,20 +146,25 @@ def _all_used(source: dict, used: int) -> None:
 
 
 def hf_config(model: Any, eod: int | None = None) -> dict:
-    """``config.json`` of the HF Llama equal to ``model`` (a ``ModelConfig``)."""
-    return dense_hf_config(model, eod)
+    """``config.json`` of the HF model equal to ``model`` (a ``ModelConfig``): Llama, or the
+    variant its fields name (``hybrid.interop.llama_variants``)."""
+    from hybrid.interop.llama_variants import variant_hf_config
+
+    return variant_hf_config(model, eod)
 
 
 def dense_hf_config(model: Any, eod: int | None = None) -> dict:
-    """The Llama ``config.json`` fields (Mixtral's start from them)."""
+    """The Llama ``config.json`` fields (Mixtral's and the variants' start from them)."""
+    from hybrid.interop.llama_variants import rope_parameters
+
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
         "vocab_size": model.vocab, "hidden_size": model.hidden,
         "intermediate_size": model.ffn, "num_hidden_layers": model.layers,
         "num_attention_heads": model.heads, "num_key_value_heads": model.kv,
-        "head_dim": model.hidden // model.heads, "hidden_act": "silu",
+        "head_dim": model.head_size, "hidden_act": "silu",
         "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_base},
+        "rope_parameters": rope_parameters(model),
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "pretraining_tp": 1, "initializer_range": model.init_std,
         "tie_word_embeddings": model.tie_embeddings, "bos_token_id": eod, "eos_token_id": eod,
@@ -147,37 +172,9 @@ def dense_hf_config(model: Any, eod: int | None = None) -> dict:
     }
 
 
-def _rope(config: dict, source: str) -> float:
-    """The rotary base of an HF config (transformers 5's ``rope_parameters``, or 4's
-    ``rope_theta`` and ``rope_scaling``); a scaled rope is refused, named."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConversionError(f"{source}: rope type {kind!r} (rope_scaling) cannot be "
-                              f"converted: hybrid's rotary positions are unscaled")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-
-
 def model_fields(config: dict, source: str) -> dict:
-    """``ModelConfig`` fields of an HF Llama ``config.json``; ``ConversionError`` naming the
-    first setting hybrid cannot represent."""
-    refused = {"hidden_act": ("silu", "hybrid's SwiGLU uses SiLU"),
-               "attention_bias": (False, "hybrid's llama has no biases"),
-               "mlp_bias": (False, "hybrid's llama has no biases"),
-               "sliding_window": (None, "hybrid's attention is full causal attention")}
-    for key, (allowed, why) in refused.items():
-        value = config.get(key, allowed)
-        if value != allowed:
-            raise ConversionError(f"{source}: {key}={value!r} cannot be converted: {why}")
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim", hidden // heads) * heads != hidden:
-        raise ConversionError(f"{source}: head_dim={config['head_dim']} x num_attention_heads="
-                              f"{heads} is not hidden_size={hidden}; hybrid cannot convert it")
-    return {"name": "hf-llama", "layers": config["num_hidden_layers"],
-            "hidden": hidden, "heads": heads,
-            "kv_heads": config.get("num_key_value_heads", heads),
-            "ffn_hidden": config["intermediate_size"], "vocab": config["vocab_size"],
-            "seq_len": config["max_position_embeddings"],
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "norm_eps": config.get("rms_norm_eps", 1e-6), "rope_base": _rope(config, source),
-            "init_std": config.get("initializer_range", 0.02)}
+    """``ModelConfig`` fields of an HF Llama (or Qwen2, Qwen3, Mistral, Mixtral's dense part)
+    ``config.json``; ``ConversionError`` naming the first setting hybrid cannot represent."""
+    from hybrid.interop.llama_variants import variant_fields
+
+    return variant_fields(config, source)

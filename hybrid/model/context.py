@@ -43,20 +43,45 @@ def context_positions(local_seq: int, cp: int, rank: int, device: torch.device,
                       for c in chunk_ids(cp, rank, zigzag)])
 
 
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                window: Optional[int]) -> torch.Tensor:
+    """``[sq, sk]`` True where a query may see a key: causal, and with a sliding window (HF's
+    ``sliding_window_overlay``) only the ``window - 1`` keys before it and itself."""
+    behind = query_positions[:, None] - key_positions[None, :]
+    allowed = behind >= 0
+    return allowed if window is None else allowed & (behind < window)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                       context) -> torch.Tensor:
+    """Causal attention of ``[b, n, s, hd]`` heads within a sliding window -> ``[s, b, n *
+    hd]``; ``context`` a block's ``Context``: around its group's ring when it is on."""
+    if context.on:
+        return context_attention(q, k, v, context.group, comm=context.comm, window=window)
+    positions = torch.arange(q.shape[2], device=q.device)
+    mask = window_mask(positions, positions, window)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    batch, _, seq, _ = out.shape
+    return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *,
-                      comm: str = "p2p", zigzag: bool = True) -> torch.Tensor:
+                      comm: str = "p2p", zigzag: bool = True,
+                      window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of this rank's ``[b, n, s/cp, hd]`` queries over the whole sequence,
     whose keys and values are split over ``group`` as ``context_slice`` splits tokens;
     returns this rank's output as ``[s/cp, b, n * hd]`` (the layout the output projection
     takes; in the inputs' dtype, computed in fp32). Collective over ``group``: every rank
-    calls it for the same layer and micro-batch."""
-    return _ContextAttention.apply(q, k, v, group, comm, zigzag)
+    calls it for the same layer and micro-batch. ``window``: a sliding window (``window_mask``);
+    its blocks run in plain matmuls with the mask of their chunks' positions, and blocks wholly
+    outside it are skipped."""
+    return _ContextAttention.apply(q, k, v, group, comm, zigzag, window)
 
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, comm: str, zigzag: bool):
-        ring = _Ring(group, zigzag)
+    def forward(ctx, q, k, v, group: Group, comm: str, zigzag: bool, window: Optional[int]):
+        ring = _Ring(group, zigzag, window)
         out, lse = ring.forward(q.float(), k.float(), v.float(), comm)
         batch, heads, seq, head_dim = out.shape
         out = out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim).to(q.dtype)
@@ -75,30 +100,43 @@ class _ContextAttention(torch.autograd.Function):
 
         dq, dk, dv = ctx.ring.backward(q.float(), k.float(), v.float(), heads_first(out), lse,
                                        heads_first(grad_out), ctx.comm)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 class _Ring:
     """One context group's attention: who holds which chunks, the block math, the ring."""
 
-    def __init__(self, group: Group, zigzag: bool):
-        self.group, self.zigzag = group, zigzag
+    def __init__(self, group: Group, zigzag: bool, window: Optional[int] = None):
+        self.group, self.zigzag, self.window = group, zigzag, window
         self.cp, self.rank = group.size(), group.rank()
+        self.chunk_len = 0  # set by forward: the tokens of one chunk
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         return chunk_ids(self.cp, rank, self.zigzag)
 
     def pairs(self, source: int):
-        """``(query piece, key piece, causal)`` for every block of this rank's queries
-        against ``source``'s keys that is not all in the future."""
+        """``(query piece, key piece, mask)`` for every block of this rank's queries against
+        ``source``'s keys that is not all in the future (nor, with a window, all too far
+        behind); the mask is ``True`` (causal), ``False`` (full) or, with a window, the
+        block's boolean mask."""
         for i, a in enumerate(self.chunks(self.rank)):
             for j, c in enumerate(self.chunks(source)):
-                if c <= a:
+                if c > a:
+                    continue
+                if self.window is None:
                     yield i, j, c == a
+                    continue
+                size = self.chunk_len
+                nearest = (a - c - 1) * size + 1 if c < a else 0  # the closest pair's distance
+                if nearest < self.window:
+                    queries = torch.arange(a * size, (a + 1) * size)
+                    keys = torch.arange(c * size, (c + 1) * size)
+                    yield i, j, window_mask(queries, keys, self.window)
 
     # ----- forward ---------------------------------------------------------------------------
     def forward(self, q, k, v, comm: str):
         pieces = len(self.chunks(self.rank))
+        self.chunk_len = q.shape[2] // pieces
         outs: list[Optional[torch.Tensor]] = [None] * pieces
         lses: list[Optional[torch.Tensor]] = [None] * pieces
         qs = q.chunk(pieces, dim=2)
@@ -175,9 +213,16 @@ def _received(pending) -> torch.Tensor:
     return buffer
 
 
-def _block_forward(q, k, v, causal: bool, fused: Optional[bool] = None):
+def _block_forward(q, k, v, causal, fused: Optional[bool] = None):
     """One block's output and log-sum-exp: on CPU torch's fused flash kernel (the one
-    ``scaled_dot_product_attention`` runs there), elsewhere the same in plain matmuls."""
+    ``scaled_dot_product_attention`` runs there), elsewhere, or with a window's mask
+    (``causal`` a tensor), the same in plain matmuls (a query row the mask empties gives 0 and
+    a log-sum-exp of -inf, which ``_merge`` weighs as nothing)."""
+    if isinstance(causal, torch.Tensor):
+        scores = _scores(q, k, causal)
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        return torch.exp(scores - safe.unsqueeze(-1)) @ v, lse
     if q.device.type == "cpu" if fused is None else fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), is_causal=causal)
@@ -186,10 +231,11 @@ def _block_forward(q, k, v, causal: bool, fused: Optional[bool] = None):
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
-def _block_backward(q, k, v, grad_out, out, lse, causal: bool, fused: Optional[bool] = None):
+def _block_backward(q, k, v, grad_out, out, lse, causal, fused: Optional[bool] = None):
     """One block's gradients, given the merged output and log-sum-exp of the whole row (so
     each block's probabilities are its share of the full softmax, as ring attention does)."""
-    if q.device.type == "cpu" if fused is None else fused:
+    if not isinstance(causal, torch.Tensor) and (q.device.type == "cpu" if fused is None
+                                                 else fused):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
             out.contiguous(), lse.contiguous(), 0.0, causal)
@@ -201,8 +247,12 @@ def _block_backward(q, k, v, grad_out, out, lse, causal: bool, fused: Optional[b
     return (dscores @ k) * scale, (dscores.transpose(-1, -2) @ q) * scale, dv
 
 
-def _scores(q, k, causal: bool) -> torch.Tensor:
+def _scores(q, k, causal) -> torch.Tensor:
+    """Scaled scores; ``causal``: True (mask the future), False, or a boolean mask of the
+    pairs allowed."""
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if isinstance(causal, torch.Tensor):
+        return scores.masked_fill(~causal.to(q.device), float("-inf"))
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))

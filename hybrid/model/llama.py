@@ -13,6 +13,7 @@ its gradient is partial over TP there, as GPT-2's LayerNorm's).
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from hybrid.comm import Group
 from hybrid.model.blocks import (Context, HeadBlock, causal_attention, normal_init,
                                  output_init, word_embedding)
-from hybrid.model.context import context_positions
+from hybrid.model.context import context_positions, windowed_attention
 from hybrid.model.families import FamilyBlocks, register_blocks
 from hybrid.model.kv_cache import KVCache, LayerCache
 from hybrid.model.mappings import (gather_from_sequence_parallel_region,
@@ -39,16 +40,33 @@ def rms_norm(cfg: ModelConfig) -> nn.RMSNorm:
     return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, base: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float,
+                  cfg: Optional[ModelConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos`` and ``sin`` ``[s, head_dim]`` of the tokens at ``positions``: pair ``i``
-    of a head turns by ``position / base^(2i/head_dim)``, its two halves laid out as HF's
-    ``rotate_half`` expects (the first half of a head's dimensions paired with the second)."""
+    of a head turns by ``position / base^(2i/head_dim)`` (rescaled by ``cfg.rope_scaling``),
+    its two halves laid out as HF's ``rotate_half`` expects (the first half of a head's
+    dimensions paired with the second)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
     inv_freq = 1.0 / (base ** (exponents.float() / head_dim))
+    if cfg is not None and cfg.rope_scaling == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, cfg)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's rescaled frequencies, as HF's ``_compute_llama3_parameters``: wavelengths
+    longer than ``original / low_freq_factor`` slowed by ``factor``, shorter than ``original /
+    high_freq_factor`` kept, those between a blend by how far between they are."""
+    original, factor = cfg.rope_original_positions, cfg.rope_factor
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelength < original / high) & ~(wavelength > original / low)
+    return torch.where(between, blended, scaled)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,17 +104,21 @@ class GroupedQueryAttention(nn.Module):
                  sequence_parallel: bool, context: Context = Context()):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.context, self.rope_base = context, cfg.rope_base
+        self.context, self.rope_base, self.cfg = context, cfg.rope_base, cfg
         self.recompute_core = cfg.recompute == "selective" and not context.on
-        self.head_dim = cfg.hidden // cfg.heads
+        self.head_dim = cfg.head_size
         self.per_group = cfg.heads // cfg.kv
         self.local_groups = cfg.kv // tp_group.size()
+        self.window = cfg.sliding_window
         self.qkv = ColumnParallelLinear(cfg.hidden, qkv_rows(cfg), tp_group=tp_group,
                                         init_method=normal_init(cfg.init_std, generator),
-                                        bias=False, input_is_gathered=sequence_parallel)
-        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, tp_group=tp_group,
+                                        bias=cfg.qkv_bias, input_is_gathered=sequence_parallel)
+        self.proj = RowParallelLinear(cfg.heads * cfg.head_size, cfg.hidden, tp_group=tp_group,
                                       init_method=output_init(cfg, generator), bias=False,
                                       output_sequence_parallel=sequence_parallel)
+        if cfg.qk_norm:  # Qwen3: each head's query and key RMS-normed before the rotation
+            self.q_norm = nn.RMSNorm(cfg.head_size, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_size, eps=cfg.norm_eps)
 
     def forward(self, hidden: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.sequence_parallel:
@@ -107,14 +129,23 @@ class GroupedQueryAttention(nn.Module):
         # [s, b, heads, d] -> [b, heads, s, d], the layout scaled_dot_product_attention takes
         q = qkv[:, :, :, :per].reshape(seq, batch, g * per, d).permute(1, 2, 0, 3)
         k, v = (qkv[:, :, :, per + i].permute(1, 2, 0, 3) for i in (0, 1))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         positions = self._positions(seq, q.device, cache)
-        cos, sin = (t.to(q.dtype) for t in rotary_tables(positions, d, self.rope_base))
+        tables = rotary_tables(positions, d, self.rope_base, self.cfg)
+        cos, sin = (t.to(q.dtype) for t in tables)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if per > 1:  # each key/value head serves its group's query heads
             k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         if cache is not None:
-            return self.proj(cache.attend(q, k, v))
+            return self.proj(cache.attend(q, k, v, self.window))
+        if self.window is not None and self.window < self._sequence(seq):
+            return self.proj(windowed_attention(q, k, v, self.window, self.context))
         return self.proj(causal_attention(q, k, v, self.context, self.recompute_core))
+
+    def _sequence(self, local_seq: int) -> int:
+        """The whole sequence's length (a context rank holds ``1/cp`` of it)."""
+        return local_seq * (self.context.group.size() if self.context.on else 1)
 
     def _positions(self, seq: int, device: torch.device,
                    cache: Optional[LayerCache]) -> torch.Tensor:

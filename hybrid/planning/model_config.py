@@ -51,6 +51,31 @@ class ModelConfig:
     """The norms' epsilon (LayerNorm for gpt2, RMSNorm for llama)."""
     rope_base: float = 10000.0
     """Rotary position embeddings' base (family llama; HF's rope_theta)."""
+    rope_scaling: str = "none"
+    """none | llama3 (Llama 3.1-3.3's rope_scaling: each rotary frequency whose wavelength is
+    longer than rope_original_positions / rope_low_freq_factor is divided by rope_factor,
+    those shorter than rope_original_positions / rope_high_freq_factor kept, those between
+    blended, as HF's _compute_llama3_parameters). Other HF rope types are refused."""
+    rope_factor: float = 1.0
+    """rope_scaling=llama3: HF's factor (Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """rope_scaling=llama3: HF's low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """rope_scaling=llama3: HF's high_freq_factor."""
+    rope_original_positions: int = 8192
+    """rope_scaling=llama3: HF's original_max_position_embeddings."""
+    head_dim: Optional[int] = None
+    """Attention head size (family llama; HF's head_dim: Qwen3's differ from hidden/heads);
+    None means hidden / heads."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (family llama: Qwen2/2.5), split over
+    TP with their rows."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head (one scale of head_dim, shared by the heads)
+    before the rotary positions (family llama: Qwen3)."""
+    sliding_window: Optional[int] = None
+    """Each token attends to itself and the sliding_window - 1 tokens before it (family llama:
+    Mistral); None means full causal attention."""
     experts: int = 0
     """Mixture of experts (family llama; docs/moe.md): experts per MoE layer, whose sparse MLP
     replaces the SwiGLU MLP; 0 = a dense model."""
@@ -92,6 +117,11 @@ class ModelConfig:
         """Whether block ``block_id`` (1..layers) has a sparse MLP: the first layer, then
         every ``moe_every``-th."""
         return self.experts > 0 and (block_id - 1) % self.moe_every == 0
+
+    @property
+    def head_size(self) -> int:
+        """One attention head's size (``head_dim``, or ``hidden / heads``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
     @property
     def kv(self) -> int:

@@ -1,16 +1,16 @@
 """Llama, the second registered family: rotary positions, pre-RMSNorm, a SwiGLU MLP,
 grouped-query attention, no biases, tied or untied embeddings (pure side; the blocks are
-``hybrid.model.llama``). Llama 2/3, SmolLM, TinyLlama, Mistral without sliding window and
-Qwen2 without biases are this shape.
+``hybrid.model.llama``). Llama 2/3, SmolLM, TinyLlama are this shape; Llama 3.1+, Qwen2/2.5,
+Qwen3 and Mistral are its variants (below).
 
 Global parameter names (``b`` the block id 1..L; ``n`` heads, ``k`` kv_heads, ``d`` the head
-size ``h/n``, ``f`` ffn_hidden)::
+size ``h/n`` or ``model.head_dim``, ``f`` ffn_hidden)::
 
     embedding.word_embeddings.weight   [V, h]          split over TP on dim 0
     blocks.{b}.input_norm.weight       [h]             replicated
     blocks.{b}.attention.qkv.weight    [(n + 2k) d, h] dim 0: per key/value group, its
                                                        n/k query heads, its key, its value
-    blocks.{b}.attention.proj.weight   [h, h]          dim 1
+    blocks.{b}.attention.proj.weight   [h, n d]        dim 1
     blocks.{b}.mlp_norm.weight         [h]             replicated
     blocks.{b}.mlp.gate.weight         [f, h]          dim 0
     blocks.{b}.mlp.up.weight           [f, h]          dim 0
@@ -24,8 +24,15 @@ The fused QKV is laid out per query group as Megatron lays it out, so a contiguo
 holds whole groups: tp must divide kv_heads. The gate and up projections are two matrices,
 each split over TP, so a rank holds the gate and up rows of the same ``f/tp`` units.
 
-FLOPs per layer forward (b sequences of s tokens): ``2bsh(h + 2kd)`` (QKV) ``+ 2bsh²``
-(output) ``+ 4bs²h`` (scores and their use) ``+ 6bshf`` (gate, up, down).
+FLOPs per layer forward (b sequences of s tokens): ``2bsh(n + 2k)d`` (QKV) ``+ 2bshnd``
+(output) ``+ 4bs²nd`` (scores and their use) ``+ 6bshf`` (gate, up, down).
+
+Variants, each a ``ModelConfig`` field this spec reads (HF's Llama 3, Qwen2/2.5, Qwen3,
+Mistral; ``hybrid.interop.llama_variants``): ``rope_scaling=llama3`` (frequencies only, no
+parameters), ``qkv_bias`` (``attention.qkv.bias [(n + 2k) d]``, split with its rows),
+``head_dim`` (``d`` other than ``h/n``: the output projection is ``[h, n d]``), ``qk_norm``
+(``attention.q_norm.weight``, ``attention.k_norm.weight`` ``[d]``, replicated, their gradient
+partial over TP), ``sliding_window`` (a mask, no parameters).
 """
 
 from __future__ import annotations
@@ -42,6 +49,24 @@ from hybrid.planning.models.registry import BYTES, ModelSpec, register_model
 from hybrid.planning.param_spec import (ParamSpec, column_specs, head_specs, named, norm_specs,
                                         row_specs, vocab_matrix)
 
+def check_variant_fields(m) -> None:
+    """The Llama 3 / Qwen / Mistral fields: a known rope scaling, positive sizes."""
+    if m.rope_scaling not in ROPE_SCALINGS:
+        raise LayoutError(f"model.rope_scaling={m.rope_scaling!r} is not supported; choose one "
+                          f"of {', '.join(ROPE_SCALINGS)} (yarn, dynamic, longrope, linear are "
+                          f"not built)")
+    if m.rope_scaling == "llama3" and not (m.rope_factor >= 1 and m.rope_original_positions > 0
+                                           and m.rope_high_freq_factor > m.rope_low_freq_factor):
+        raise LayoutError(f"model.rope_scaling=llama3 needs rope_factor >= 1, "
+                          f"rope_original_positions > 0 and rope_high_freq_factor > "
+                          f"rope_low_freq_factor; got {m.rope_factor}, "
+                          f"{m.rope_original_positions}, {m.rope_high_freq_factor}, "
+                          f"{m.rope_low_freq_factor} (Llama 3.2: 32, 8192, 4, 1)")
+    for name in ("head_dim", "sliding_window"):
+        if getattr(m, name) is not None:
+            positive(f"model.{name}", getattr(m, name))
+
+
 def _sizes(n: int) -> str:
     return ", ".join(map(str, valid_sizes(n)))
 
@@ -52,7 +77,19 @@ RMS = ("weight",)
 
 def qkv_rows(m) -> int:
     """Rows of the fused QKV: every query head, and one key and one value per group."""
-    return (m.heads + 2 * m.kv) * (m.hidden // m.heads)
+    return (m.heads + 2 * m.kv) * m.head_size
+
+
+ROPE_SCALINGS = ("none", "llama3")
+"""``model.rope_scaling``'s values (HF's rope types ``default`` and ``llama3``)."""
+
+
+def head_norm_specs(m) -> dict:
+    """Qwen3's per-head q and k RMSNorm scales ``[head_dim]``: every TP rank holds them whole
+    but sees only its heads, so their gradient is a partial sum over TP (as the router's)."""
+    return {f"attention.{part}_norm.weight": ParamSpec(name="", shape=(m.head_size,),
+                                                     sequence_partial=True)
+            for part in ("q", "k")}
 
 
 def llama_block_params(m, block_id: int, sp: bool) -> dict[str, ParamSpec]:
@@ -66,9 +103,11 @@ def llama_block_params(m, block_id: int, sp: bool) -> dict[str, ParamSpec]:
     if not 0 < block_id < last:
         raise ValueError(f"block_id={block_id} is outside 0..{last}")
     local = {**norm_specs("input_norm", h, sp, RMS),
-             **column_specs("attention.qkv", qkv_rows(m), h, bias=False),
-             **row_specs("attention.proj", h, h, sp, bias=False),
-             **norm_specs("mlp_norm", h, sp, RMS)}
+             **column_specs("attention.qkv", qkv_rows(m), h, bias=m.qkv_bias),
+             **row_specs("attention.proj", h, m.heads * m.head_size, sp, bias=False)}
+    if m.qk_norm:  # after the projections, as the attention module registers them
+        local.update(head_norm_specs(m))
+    local.update(norm_specs("mlp_norm", h, sp, RMS))
     if m.is_moe_layer(block_id):
         local.update(moe_mlp_specs(m))
     else:
@@ -87,7 +126,7 @@ class Llama(ModelSpec):
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
     blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama_family", \
         "llama"
-    hf_model_types_also = ("mixtral",)
+    hf_model_types_also = ("mixtral", "qwen2", "qwen3", "mistral")
     learned_positions = False  # rotary: the context is no shape of any weight
 
     def block_params(self, m, block_id, sequence_parallel):
@@ -100,11 +139,13 @@ class Llama(ModelSpec):
         sparse = moe_layers(m)
         mlp = (sparse * moe_mlp_forward_flops(m, b)
                + (m.layers - sparse) * dense_mlp_flops(m, b)) / m.layers
-        return (2 * b * s * h * qkv_rows(m) + 2 * b * s * h * h
+        return (2 * b * s * h * qkv_rows(m) + 2 * b * s * h * m.heads * m.head_size
                 + self.attention_core_flops(m, b) + mlp)
 
     def attention_core_flops(self, m, b):
-        return 4 * b * m.seq_len * m.seq_len * m.hidden
+        """Scores and their use over every pair, the window's masked ones included (the
+        kernels compute them)."""
+        return 4 * b * m.seq_len * m.seq_len * m.heads * m.head_size
 
     def layer_activation_bytes(self, m, micro_batch, tp, sp, precision, recompute="none",
                                cp=1):
@@ -126,7 +167,7 @@ class Llama(ModelSpec):
         # The normed inputs of QKV and of gate/up, gathered; under autocast gate and up each
         # keep their own bf16 copy of theirs.
         nbytes += (3 if precision == "bf16" else 2) * s * b * h * low
-        nbytes += 2 * s * (h // m.heads) * low  # the rotary table's cos and sin
+        nbytes += 2 * s * m.head_size * low  # the rotary table's cos and sin
         values = 2 * h if m.heads != m.kv else h + qkv_rows(m)  # keys, values
         nbytes += (h + values + h) * s * b // tp * low  # q, k, v, output
         sparse = moe_layers(m)
@@ -159,10 +200,11 @@ class Llama(ModelSpec):
         if not math.isfinite(m.rope_base) or m.rope_base <= 1:
             raise LayoutError(f"model.rope_base={m.rope_base} must be a finite number > 1 (the "
                               f"rotary angles' base, HF's rope_theta: 10000 or 500000)")
-        if (m.hidden // m.heads) % 2:
-            raise LayoutError(f"model.hidden={m.hidden} / model.heads={m.heads} = "
-                              f"{m.hidden // m.heads} is odd; rotary positions rotate pairs "
-                              f"of a head's dimensions: choose an even head size")
+        if m.head_size % 2:
+            raise LayoutError(f"the head size {m.head_size} (model.head_dim, or model.hidden="
+                              f"{m.hidden} / model.heads={m.heads}) is odd; rotary positions "
+                              f"rotate pairs of a head's dimensions: choose an even head size")
+        check_variant_fields(m)
 
     def valid_tp_sizes(self, m):
         return [d for d in common_tp_sizes(m)
