@@ -230,6 +230,7 @@ NOT_USER_ERRORS = {
     "RendezvousFailure": "a LaunchFailed",
     "WorkerInterrupted": "a signal",
     "LaunchInterrupted": "a signal",
+    "Stopped": "a signal (SIGTERM, SIGHUP) raised as Ctrl-C's KeyboardInterrupt is",
     "RunFailed": "the launcher's carrier of a failure line and exit status",
     "OrderViolation": "internal to the schedule replay, turned into a ScheduleError",
     "Deadlock": "internal to the schedule replay, turned into a ScheduleError",

@@ -17,15 +17,11 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from hybrid.errors import UserError
+from hybrid.interop.errors import ConversionError
 from hybrid.planning.models import MODELS, family_for_hf
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILE = "tokenizer.json"
-
-
-class ConversionError(UserError):
-    """A model or a directory the conversion cannot represent: one line saying why."""
 
 
 def hf_config(path: str) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hybrid.interop.hf_dir import ConversionError
+from hybrid.interop.llama_variants import dense_hf_config, variant_fields, variant_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -148,33 +149,10 @@ def _all_used(source: dict, used: int) -> None:
 def hf_config(model: Any, eod: int | None = None) -> dict:
     """``config.json`` of the HF model equal to ``model`` (a ``ModelConfig``): Llama, or the
     variant its fields name (``hybrid.interop.llama_variants``)."""
-    from hybrid.interop.llama_variants import variant_hf_config
-
     return variant_hf_config(model, eod)
-
-
-def dense_hf_config(model: Any, eod: int | None = None) -> dict:
-    """The Llama ``config.json`` fields (Mixtral's and the variants' start from them)."""
-    from hybrid.interop.llama_variants import rope_parameters
-
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
-        "vocab_size": model.vocab, "hidden_size": model.hidden,
-        "intermediate_size": model.ffn, "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads, "num_key_value_heads": model.kv,
-        "head_dim": model.head_size, "hidden_act": "silu",
-        "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
-        "rope_parameters": rope_parameters(model),
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "pretraining_tp": 1, "initializer_range": model.init_std,
-        "tie_word_embeddings": model.tie_embeddings, "bos_token_id": eod, "eos_token_id": eod,
-        "pad_token_id": None, "use_cache": True,
-    }
 
 
 def model_fields(config: dict, source: str) -> dict:
     """``ModelConfig`` fields of an HF Llama (or Qwen2, Qwen3, Mistral, Mixtral's dense part)
     ``config.json``; ``ConversionError`` naming the first setting hybrid cannot represent."""
-    from hybrid.interop.llama_variants import variant_fields
-
     return variant_fields(config, source)

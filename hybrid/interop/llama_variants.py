@@ -115,8 +115,6 @@ def _model_type(model: Any) -> str:
 
 def variant_hf_config(model: Any, eod: int | None = None) -> dict:
     """``config.json`` of the HF model equal to ``model``: Llama's fields, then the variant's."""
-    from hybrid.interop.llama import dense_hf_config
-
     kind = _model_type(model)
     config = dense_hf_config(model, eod)
     config.update(model_type=kind, architectures=[ARCHITECTURES[kind]])
@@ -130,3 +128,20 @@ def variant_hf_config(model: Any, eod: int | None = None) -> dict:
             config.pop(key)
         config["sliding_window"] = model.sliding_window
     return config
+
+
+def dense_hf_config(model: Any, eod: int | None = None) -> dict:
+    """The Llama ``config.json`` fields (Mixtral's and the variants' start from them)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
+        "vocab_size": model.vocab, "hidden_size": model.hidden,
+        "intermediate_size": model.ffn, "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads, "num_key_value_heads": model.kv,
+        "head_dim": model.head_size, "hidden_act": "silu",
+        "max_position_embeddings": model.seq_len, "rms_norm_eps": model.norm_eps,
+        "rope_parameters": rope_parameters(model),
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "pretraining_tp": 1, "initializer_range": model.init_std,
+        "tie_word_embeddings": model.tie_embeddings, "bos_token_id": eod, "eos_token_id": eod,
+        "pad_token_id": None, "use_cache": True,
+    }

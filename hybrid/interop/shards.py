@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from hybrid.interop.hf_dir import ConversionError
+from hybrid.interop.errors import ConversionError
 
 if TYPE_CHECKING:
     import torch

@@ -83,7 +83,8 @@ def _plan_only() -> list[str]:
     lines = ["## hybrid-plan only", "", "| key | default | meaning |", "| --- | --- | --- |"]
     search, plan = field_docs(schema.SearchConfig), field_docs(schema.PlanConfig)
     for f in dataclasses.fields(schema.SearchConfig):
-        lines.append(f"| `search.{f.name}` | {_show(f.default)} | {search.get(f.name, '')} |")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        lines.append(f"| `search.{f.name}` | {_show(default)} | {search.get(f.name, '')} |")
     for name in ("format", "full"):
         default = next(f.default for f in dataclasses.fields(schema.PlanConfig) if f.name == name)
         lines.append(f"| `{name}` | {_show(default)} | {plan.get(name, '')} |")

@@ -21,6 +21,7 @@ from typing import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE  # what a C tool writing into a closed pipe exits with
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # Ctrl-C, as a shell reports it
 
 
 class Stopped(KeyboardInterrupt):

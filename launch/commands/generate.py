@@ -20,6 +20,7 @@ stdout. The generation itself is ``hybrid.generate``.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -248,15 +249,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP as console.Stopped
+        number = getattr(err, "signal_number", signal.SIGINT)
         if shown.text:
             print(flush=True)  # end the text's line; what was printed stays
         elif shown.started:
             print(f"new ids: {shown.new}", flush=True)  # no text: the ids so far are the output
         print("interrupted: " + (f"generation stopped after {len(shown.new)} new tokens"
                                  if shown.started else "stopped before generation began") +
-              " (Ctrl-C)", file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT)
+              f" ({'Ctrl-C' if number == signal.SIGINT else signal.Signals(number).name})",
+              file=sys.stderr)
+        sys.exit(128 + number)
     if cfg.show_ids or cfg.prompt_ids is not None:  # ids in, ids out
         if not shown.prompt_ids:
             print(f"prompt ids: {prompt}")
