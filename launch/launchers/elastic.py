@@ -221,27 +221,43 @@ def _plan_of_word(word: dict, composed: JobPlan) -> JobPlan:
 def _attempt(current: JobPlan, run_dir: Path, launcher, attempt: int
              ) -> tuple[Optional[list], Optional[BaseException], Optional[str]]:
     """(results, None, None) when the attempt finished or stopped at a checkpoint for a new
-    layout; (None, the error, its line) when it failed."""
-    from launch.launchers.run import failure_line, launch
+    layout; (None, the error, why it ended: one line in hybrid's words) when it failed."""
+    from launch.launchers.attempt_end import attempt_end_reason
+    from launch.launchers.run import launch
 
     started = time.time()
     try:
         return launch(current, run_dir, launcher, attempt=attempt), None, None
     except (WorkerFailure, LaunchFailed) as err:
-        line = failure_line(err, run_dir, started) if isinstance(err, WorkerFailure) \
-            else str(err)
-        return None, err, line
+        return None, err, attempt_end_reason(err, run_dir, started)
+
+
+def _guarded_attempt(coordinator: Coordinator, current: JobPlan, members: list[int],
+                     run_dir: Path, launcher, attempt: int, endpoint: str):
+    """Node 0's ``_attempt``, ended at once when a member falls silent
+    (``launch.launchers.silence``); the line then names that node."""
+    from launch.launchers.attempt_end import keep_raw_text
+    from launch.launchers.silence import SilenceGuard, local_rank_stopper
+
+    stop_ranks = local_rank_stopper(endpoint, current, attempt)
+    with SilenceGuard(coordinator, attempt, members, stop_ranks) as guard:
+        results, error, line = _attempt(current, run_dir, launcher, attempt)
+    if error is not None:
+        line = (guard.reason or line) + keep_raw_text(run_dir, attempt, line, error)
+    return results, error, line
 
 
 def stopped_for_relayout(results: Optional[list]) -> bool:
     return bool(results) and results[0].get("relayout_at") is not None
 
 
-def _run_node0(coordinator: Coordinator, plan: JobPlan, run_dir: Path, launcher) -> list:
+def _run_node0(coordinator: Coordinator, plan: JobPlan, run_dir: Path, launcher,
+               endpoint: str) -> list:
     attempt, current, members = 0, plan, list(range(plan.cfg.launcher.nnodes))
     while True:
         coordinator.begin(attempt, members)
-        results, error, line = _attempt(current, run_dir, launcher, attempt)
+        results, error, line = _guarded_attempt(coordinator, current, members, run_dir,
+                                                launcher, attempt, endpoint)
         if error is None and not stopped_for_relayout(results):
             return results
         going_on = regroup_on_node0(coordinator, plan, current, members, attempt, line,
@@ -278,7 +294,8 @@ def run_elastic(plan: JobPlan, run_dir: Path, launcher) -> Optional[list]:
         from launch.launchers.run import launch
 
         return launch(plan, run_dir, launcher)
-    with job_channel(plan.cfg, launcher.rendezvous(plan.cfg)) as channel:
+    meeting = launcher.rendezvous(plan.cfg)
+    with job_channel(plan.cfg, meeting) as channel:
         if isinstance(channel, Coordinator):
-            return _run_node0(channel, plan, run_dir, launcher)
+            return _run_node0(channel, plan, run_dir, launcher, meeting.endpoint)
         return _run_member(channel, plan, run_dir, launcher)
