@@ -109,39 +109,36 @@ def test_sigstop_of_one_of_8_workers_ends_the_job_within_60s(tmp_path):
     _wait_for(lambda: not any(_alive(pid) for pid in family), 15, "every process to be gone")
 
 
+STOP_S, RUN_S = 0.05, 0.005
+"""The throttle's duty cycle: the victim runs at most 1/11 of the time. The warning needs the
+victim slow (1.5x its peers' median, 10% of the step) in 9 of 12 steps, and a worker throttled
+to about twice its peers' compute was slow in 9 of 12 at most (``hybrid.diagnosis.stragglers``):
+the old 40/20 ms cycle sat at that edge, and under load its own sleeps overrun, the run window
+most (a longer run window is a faster victim). At 50/5 ms a run window stretched 5x still
+leaves the victim under a third of its speed, and its compute phases (a few ms per pipeline
+action) rarely fit in one window unhit: slow in every step by construction."""
+
+
+@pytest.mark.timeout(600)  # start-up and 40 throttled steps on a machine shared by many jobs
 def test_a_worker_throttled_from_outside_is_named_as_the_straggler(tmp_path):
     """#31's case: one of 8 workers stopped and continued from outside, again and again
-    (SIGSTOP 40 ms, SIGCONT 20 ms), on the main job's layout with its tiny steps: the
-    warning names its global rank with its coordinates, and no other rank."""
-    import threading
+    (SIGSTOP 50 ms, SIGCONT 5 ms: ``STOP_S``, ``RUN_S``), on the main job's layout with its
+    tiny steps: the warning names its global rank with its coordinates, and no other rank."""
+    from hybrid.testing.throttle import Throttle, worker_pid
 
-    proc = start(tmp_path, "train.steps=40", "train.collective_timeout_s=60")
-    _wait_for(lambda: first_step_done(tmp_path), 90, "the first step")
-    workers = sorted(pid for pid in _descendants(proc.pid) if _parent_of(pid) != proc.pid)
-    rank = 6
-    victim = next(pid for pid in workers
-                  if f"attempt_0/{rank}/" in os.readlink(f"/proc/{pid}/fd/1"))
-    done = threading.Event()
-
-    def throttle() -> None:  # the disturbance itself, not a synchronisation
-        while not done.is_set():
-            try:
-                os.kill(victim, signal.SIGSTOP)
-                done.wait(0.04)
-                os.kill(victim, signal.SIGCONT)
-                done.wait(0.02)
-            except ProcessLookupError:
-                return
-
-    thread = threading.Thread(target=throttle, daemon=True)
-    thread.start()
+    proc = start(tmp_path, "train.steps=40", "train.collective_timeout_s=120")
     try:
-        stderr = finish(proc, 120)
+        _wait_for(lambda: first_step_done(tmp_path), 240, "the first step")
+        rank = 6
+        victim = worker_pid(proc.pid, rank)
+        assert victim is not None
+        with Throttle(victim, stop_s=STOP_S, run_s=RUN_S):
+            stderr = finish(proc, 300)
     finally:
-        done.set()
-        thread.join()
-        if _alive(victim):
-            os.kill(victim, signal.SIGCONT)
+        if proc.poll() is None:  # the wait for the first step failed: leave nothing behind
+            for pid in _descendants(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
     named = re.findall(rf"warning: straggler: {WHO} computes", stderr)
     c = Layout(dp=2, tp=2, pp=2).coords(rank)
