@@ -232,7 +232,8 @@ BAD = [
      "is damaged: it lacks DCP's .metadata, the index of its tensors (its hybrid.json is "
      "there)"),
     ("shape", _model_mismatch, ["model.hidden=64"],
-     "model.hidden: the checkpoint step_00000005 has hidden=32, the config hidden=64"),
+     "model.hidden, model.ffn_hidden: the checkpoint step_00000005 has hidden=32, ffn=128, "
+     "the config hidden=64, ffn=256; set model.hidden=32 model.ffn_hidden=128 to match it"),
     ("truncated", _truncated_copy, [], "is truncated or damaged"),
 ]
 

@@ -32,7 +32,7 @@ def test_tokens_round_trip_through_make_dataset(tmp_path, dtype):
     result = _run(source, output, *([] if dtype == "uint16" else ["--dtype", dtype]))
     assert result.returncode == 0, result.stderr
     assert f"wrote {len(data)} tokens of 1 document ({dtype}, bytes, vocab 256)" in result.stdout
-    assert f"data.source=tokens data.path={output} data.dtype={dtype}" in result.stdout
+    assert f"use: data=tokens data.path={output} data.dtype={dtype}" in result.stdout
     assert output.stat().st_size == len(data) * np.dtype(dtype).itemsize
 
     data_cfg, model_cfg = DataConfig(source="tokens", path=str(output), dtype=dtype), \

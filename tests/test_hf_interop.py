@@ -144,7 +144,8 @@ def test_a_source_that_is_not_a_gpt2_is_one_line(name, make, needle, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, needle", [
     (["model.hidden=64", "model.heads=4"],
-     "model.hidden: the checkpoint step_00000000 has hidden=32, the config hidden=64"),
+     "model.hidden, model.ffn_hidden: the checkpoint step_00000000 has hidden=32, ffn=128, "
+     "the config hidden=64, ffn=256"),
     (["checkpoint.resume_from=auto"], "checkpoint.init_from and checkpoint.resume_from are both"),
 ])
 def test_init_from_is_checked_before_launch(overrides, needle, imported, tmp_path):

@@ -37,7 +37,7 @@ def test_megatron_reads_the_documents_and_tokens_hybrid_data_wrote(tmp_path):
     done = subprocess.run([HYBRID_DATA, source, tmp_path / "corpus", "--format", "indexed",
                            "--tokenizer", "gpt2"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "data.source=indexed data.path=" in done.stdout
+    assert "use: data=indexed data.path=" in done.stdout
 
     from hybrid.data.tokenizer import load_tokenizer
 

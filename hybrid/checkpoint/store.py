@@ -22,6 +22,7 @@ from typing import Optional
 from hybrid.errors import UserError
 from hybrid.planning.models import model_spec
 from hybrid.planning.models.moe import is_expert_bias
+from hybrid.checkpoint.shape import MODEL_SHAPE_FIELDS, check_shape, model_shape  # noqa: F401
 
 MANIFEST = "hybrid.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -31,11 +32,6 @@ WEIGHTS_KIND = "weights"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8})$")
-MODEL_SHAPE_FIELDS = ("family", "layers", "hidden", "heads", "kv", "ffn", "vocab", "padded_vocab",
-                      "seq_len", "tie_embeddings")
-"""What must match for a checkpoint to load into a model (``kv``, ``ffn`` and ``padded_vocab``
-are the resolved sizes). A checkpoint from before model families records no ``family`` (it is
-a gpt2) and no ``kv`` (its heads)."""
 
 
 class CheckpointError(UserError):
@@ -53,11 +49,6 @@ def checkpoint_name(step: int) -> str:
 
 def partial_name(step: int) -> str:
     return checkpoint_name(step) + ".tmp"
-
-
-def model_shape(model_cfg) -> dict:
-    """The fields of ``MODEL_SHAPE_FIELDS`` of a ``ModelConfig``."""
-    return {name: getattr(model_cfg, name) for name in MODEL_SHAPE_FIELDS}
 
 
 def read_manifest(path: Path) -> dict:
@@ -190,21 +181,8 @@ def check_files(path: Path, manifest: dict) -> None:
 def check_model_matches(manifest: dict, model_cfg, path: Path, padding: bool = True) -> None:
     """The checkpoint's model shape equals the config's, field by field (``padding``: the
     padded vocabulary too; weights alone load into any padding)."""
-    saved, wanted = manifest["model"], model_shape(model_cfg)
-    saved = {"family": "gpt2", "kv": saved.get("heads"), **saved}
-    for name in MODEL_SHAPE_FIELDS:
-        if name == "padded_vocab" and not padding:
-            continue
-        if name == "seq_len":
-            _check_context(saved.get(name), model_cfg, path, sliced=not padding)
-            continue
-        if saved.get(name) != wanted[name]:
-            key = {"ffn": "ffn_hidden", "padded_vocab": "vocab_pad_multiple",
-                   "kv": "kv_heads"}.get(name, name)
-            raise CheckpointError(
-                f"model.{key}: the checkpoint {path.name} has {name}={saved.get(name)}, the "
-                f"config {name}={wanted[name]}; set model.{key} to match the checkpoint "
-                f"(hybrid-ckpt show {path} prints its shape)")
+    saved = check_shape(manifest, model_cfg, path, padding, CheckpointError)
+    _check_context(saved["seq_len"], model_cfg, path, sliced=not padding)
     _check_expert_bias(manifest, model_cfg, path)
 
 

@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from hybrid.data.file_kinds import not_an_indexed_prefix
 from hybrid.data.dataset import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -70,6 +71,9 @@ def read_index(prefix: str) -> IndexInfo:
     """Check the pair at ``prefix`` (both files there, magic, version, dtype, sizes, the
     ``.bin`` as long as the index says); ``DataError`` with one line naming the file."""
     idx, bin_path = f"{prefix}.idx", f"{prefix}.bin"
+    wrong_kind = not_an_indexed_prefix(prefix)
+    if wrong_kind and not os.path.isfile(idx):
+        raise DataError(wrong_kind)
     for path in (idx, bin_path):
         if not os.path.isfile(path):
             raise DataError(f"{path} does not exist; pass the PREFIX of PREFIX.bin and "

@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from hybrid.data.file_kinds import not_a_token_file
 from hybrid.data.dataset import DataError
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -85,6 +86,9 @@ def token_count(path: Optional[str], dtype: str) -> int:
     if not os.path.isfile(path):
         raise DataError(f"data.path={path} does not exist; fix the path or make the file "
                         f"with `hybrid-data INPUT.txt {path}`")
+    wrong_kind = not_a_token_file(path)
+    if wrong_kind:
+        raise DataError(wrong_kind)
     size, itemsize = os.path.getsize(path), np.dtype(TOKEN_DTYPES[dtype]).itemsize
     if size % itemsize:
         text = text_file_message(path)  # an odd length is more often text than a wrong dtype

@@ -154,8 +154,11 @@ class TrainConfig:
     skip_memory_check: bool = False
     """Launch even when the memory estimate per rank exceeds what the ranks can use."""
     overwrite: bool = False
-    """Allow a run directory that already holds a run (its metrics and TensorBoard events are
-    replaced); without it such a directory is refused unless the run resumes there."""
+    """Replace the run a run directory holds: once every check has passed, the old run's
+    files (checkpoints, metrics, TensorBoard events, timelines, worker logs; a checkpoint.dir
+    elsewhere: its step_*) are moved, not deleted, to .replaced-<time>/ there, and one line
+    says where. Refused with checkpoint.resume_from=auto or a checkpoint of that same run.
+    Without it such a directory is refused unless the run resumes there."""
 
 
 @dataclass(kw_only=True)

@@ -36,8 +36,9 @@ def data_problem(data: Any) -> Optional[str]:
     if data.source != "indexed":
         for field in ("blend", "example"):
             if getattr(data, field) is not None:
-                return (f"data.{field} is for data.source=indexed, not data.source="
-                        f"{data.source}; use data=indexed")
+                return (f"data.{field}={getattr(data, field)} is for data.source=indexed, "
+                        f"not data.source={data.source}: choose the data group whole with "
+                        f"data={data.source} (no data.{field}), or set data.{field}=null")
         return None
     if data.example is not None:
         if data.example not in EXAMPLES:

@@ -138,7 +138,27 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.checkpoint.dir is not None and not cfg.checkpoint.every:
         warnings.append(f"checkpoint.dir={cfg.checkpoint.dir} without checkpoint.every: "
                         f"nothing is saved there; set checkpoint.every=N to save checkpoints")
-    return warnings + balance_warnings(cfg)
+    return warnings + _position_warnings(cfg.model) + balance_warnings(cfg)
+
+
+ROPE_SCALED_FAMILIES = ("llama3",)
+"""Presets (by name prefix) whose published models reach past ``rope_original_positions``
+only through Llama 3.1's ``llama3`` rope scaling (``model.rope_scaling``)."""
+
+
+def _position_warnings(m: ModelConfig) -> list[str]:
+    """A Llama 3 preset without rope scaling run past the positions it was trained at: the
+    run is legitimate (a model trained from scratch at that length), one meant to match the
+    published model's long context is not."""
+    trained = m.rope_original_positions
+    if not (m.name.startswith(ROPE_SCALED_FAMILIES) and m.rope_scaling == "none"
+            and isinstance(m.seq_len, int) and m.seq_len > trained):
+        return []
+    return [f"model.seq_len={m.seq_len} is past the {trained} positions model={m.name} was "
+            f"trained at, with model.rope_scaling=none: its rotary frequencies are not "
+            f"stretched; set model.rope_scaling=llama3 model.rope_factor=8.0 (Llama 3.1's) "
+            f"to reach past them as the published long-context models do, or keep "
+            f"model.seq_len <= {trained}"]
 
 
 def _check_model(cfg: Config, layout: Layout) -> None:

@@ -140,9 +140,35 @@ def _print_report(report: Report, fmt: str, output: str) -> None:
         print(f"replaced {report.replaced} byte{'s' * many} that {'were' if many else 'was'} "
               f"not UTF-8 with U+FFFD")
     path = os.path.abspath(output)
-    source = f"data.source=indexed data.path={path}" if fmt == "indexed" else \
-        f"data.source=tokens data.path={path} data.dtype={report.dtype}"
-    print(f"use: {source} model.vocab={info.vocab_size}")
+    print(f"use: {use_line(fmt, path, report.dtype, info.vocab_size)}")
+
+
+def use_line(fmt: str, path: str, dtype: str, vocab: int) -> str:
+    """The settings that train on what was written: the data group's choice (``data=tokens``
+    / ``data=indexed``), never ``data.source=`` alone, which keeps the default data's other
+    keys (``data.example``) and clashes with them. An indexed data set whose validation part
+    (``data.split``) is too small for the default evaluation gets evaluation turned off."""
+    if fmt != "indexed":
+        return f"data=tokens data.path={path} data.dtype={dtype} model.vocab={vocab}"
+    line = f"data=indexed data.path={path} model.vocab={vocab}"
+    return line if _evaluates(line.split()) else f"{line} eval.every=0 eval.at_end=false"
+
+
+def _evaluates(overrides: list[str]) -> bool:
+    """Whether ``hybrid-train`` with ``overrides`` passes the data checks, its evaluation
+    included (a validation part with no document or fewer samples than it reads)."""
+    from hybrid.data import validate_data
+    from hybrid.data.dataset import DataError
+    from hybrid.data.eval_split import check_eval_split
+    from launch.commands.app import compose_train_config
+
+    cfg = compose_train_config(overrides)
+    try:
+        validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
+        check_eval_split(cfg, [cfg.data.path])
+    except DataError:
+        return False
+    return True
 
 
 def train_tokenizer(argv: Sequence[str]) -> None:

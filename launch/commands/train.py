@@ -46,6 +46,7 @@ from launch.launchers.launcher import Launcher
 from launch.launchers.registered import launcher_for, launcher_problem
 from launch.launchers.run import (WORKER_FAILED_EXIT, failure_line, launch, report_results,
                                   save_run_files, start_workers_fork_server)
+from launch.commands.replace_run import replace_old_run
 from launch.commands.run_data import with_run_data
 
 
@@ -63,8 +64,6 @@ def check_run_dir(cfg: Config, run_dir: Path, resuming: bool) -> None:
     probe = run_dir / ".hybrid-write-test"
     write_text(probe, "")
     probe.unlink()
-    if held and cfg.train.overwrite:
-        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)  # never mix two runs' events
 
 
 def check_fits(plan: JobPlan, launcher: Launcher) -> None:
@@ -113,6 +112,7 @@ def resolve_checkpointing(cfg: Config, run_dir: Path
                               "init_from starts a new run from a model's weights (step 0, a "
                               "fresh optimizer), resume_from continues a run; drop one")
     path = resolve_resume(cfg.checkpoint.resume_from, Path(directory))
+    check_overwrite_resume(cfg, path, run_dir, Path(directory))
     if path is not None:
         manifest = read_manifest(path)
         check_files(path, manifest)
@@ -132,6 +132,21 @@ def resolve_checkpointing(cfg: Config, run_dir: Path
         check_files(init, manifest)
         check_model_matches(manifest, cfg.model, init, padding=False)
     return directory, None if path is None else str(path), None if init is None else str(init)
+
+
+def check_overwrite_resume(cfg: Config, resume: Optional[Path], run_dir: Path,
+                           directory: Path) -> None:
+    """``train.overwrite=true`` replaces the run in the run directory; resuming that same run
+    (``auto``, or a checkpoint of it) continues it: the two contradict."""
+    if not cfg.train.overwrite or cfg.checkpoint.resume_from is None:
+        return
+    ours = resume is not None and any(Path(resume).resolve().is_relative_to(place.resolve())
+                                      for place in (run_dir, directory))
+    if cfg.checkpoint.resume_from == "auto" or ours:
+        raise CheckpointError(
+            f"train.overwrite=true replaces the run in {run_dir}, checkpoint.resume_from="
+            f"{cfg.checkpoint.resume_from} continues it; drop one: train.overwrite=false to "
+            f"continue it, checkpoint.resume_from=null to replace it")
 
 
 def check_checkpoint_dir(directory: Path, named: bool = True) -> None:
@@ -181,6 +196,8 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
         check_checkpoint_dir(Path(directory), named=cfg.checkpoint.dir is not None)
     plan = with_run_data(plan, run_dir)
     check_resumed_data(plan)
+    if cfg.train.overwrite:  # every check has passed: the old run goes aside, never mixed
+        replace_old_run(run_dir, Path(directory))
     save_run_files(plan, run_dir)
     return plan, launcher
 
