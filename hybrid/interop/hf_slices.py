@@ -6,8 +6,10 @@ numbers, every other parameter a ``meta`` tensor (no storage). Wherever an HF te
 element numbers, those elements came from this parameter, however the map renames, transposes,
 splits or re-orders them (GPT-2's Conv1D and head-major QKV, Llama's grouped q/k/v, Mixtral's
 stacked experts). The rows and columns of each HF tensor that hold this rank's elements are
-read with ``safe_open(...).get_slice(...)`` in contiguous blocks, so a rank reads exactly its
-share and holds, beyond its parameters, one tensor's index at a time.
+read with ``safe_open(...).get_slice(...)`` in contiguous blocks of at most ``BAND`` elements
+(or one row), straight into the parameter, so a rank reads exactly its share. Beyond its
+parameters it holds one tensor's index at a time (int32 for a tensor under 2^31 elements; two
+copies while the map clones it) and a band's work; ``bench/hf_load_memory.py`` measures it.
 
 A folder the map does not give the names or shapes of (Mixtral's fused-experts layout, a
 damaged or disagreeing set) returns ``False`` here; ``load_hf_weights`` then reads it through
@@ -28,6 +30,9 @@ from hybrid.optim import spec_of
 
 IGNORED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 """Buffers some transformers versions saved beside the weights: no parameter's."""
+
+BAND = 2**22
+"""Elements of an index worked on at once: 16 MB of int32, whatever the tensor."""
 
 Reader = Callable[[str, Any, tuple[slice, ...]], torch.Tensor]
 """(HF name, ``get_slice`` handle, the block) -> the block's tensor; a test wraps it to count."""
@@ -110,38 +115,61 @@ def _load_one(name: str, param, model, interop, handles: dict, groups, reader: R
     dtype = torch.int32 if param.numel() * tp * ep < 2**31 else torch.int64
     weights = _meta_weights(model)
     weights[name] = torch.arange(weights[name].numel(), dtype=dtype).reshape(spec.shape)
-    out = torch.zeros(local, dtype=param.dtype)
-    for theirs, index in interop.to_hf(weights, model).items():
+    out = param.data  # written in place: no second copy of the slice
+    out.zero_()
+    mapped = interop.to_hf(weights, model)  # its own copies: the parameter's index goes now
+    del weights
+    for theirs in list(mapped):
+        index = mapped.pop(theirs)
         if index.device.type == "meta":
             continue
         stored = _stored(theirs, handles)
-        _read_into(out, index, spec.shape, start, local, handles[stored].get_slice(stored),
+        _read_into(out, index, spec.shape, start, local,
                    lambda block, s=stored: reader(s, handles[s].get_slice(s), block))
         del index
-    with torch.no_grad():
-        param.copy_(out)
 
 
-def _read_into(out, index, shape, start, local, handle, read) -> None:
+def _read_into(out, index, shape, start, local, read) -> None:
     """Copy into ``out`` the elements of HF tensor ``index`` (the parameter's element numbers
-    at each HF position) that fall in this rank's box ``start`` + ``local``."""
+    at each HF position) that fall in this rank's box ``start`` + ``local``. Worked in bands of
+    ``index``'s first dimension, so what it holds beyond ``index`` is a band's, not a tensor's."""
+    band = max(1, BAND // max(1, index[0].numel())) if index.dim() else 1
+    wanted = [torch.zeros(size, dtype=torch.bool) for size in index.shape]
+    for first in range(0, max(1, index.shape[0] if index.dim() else 1), band):
+        inside = _inside(index[first:first + band] if index.dim() else index, shape, start,
+                         local)
+        for d in range(inside.dim()):
+            hit = inside.movedim(d, 0).reshape(inside.shape[d], -1).any(1)
+            if d == 0:
+                wanted[0][first:first + band] = hit
+            else:
+                wanted[d] |= hit
+    runs = [_runs(torch.nonzero(w).flatten().tolist()) for w in wanted]
+    if runs:  # the first dimension's runs cut into bands too
+        runs[0] = [slice(i, min(i + band, r.stop)) for r in runs[0]
+                   for i in range(r.start, r.stop, band)]
+    for block in itertools.product(*runs):
+        positions = index[block]
+        keep = _inside(positions, shape, start, local)  # all of it where the box is a product
+        data = read(block)
+        local_flat = torch.zeros(positions.shape, dtype=index.dtype)  # in place: one copy
+        for d, s in enumerate(start):
+            local_flat.mul_(local[d]).add_(_coordinate(positions, shape, d)).sub_(s)
+        del positions
+        if bool(keep.all()):
+            out.view(-1)[local_flat.flatten()] = data.flatten().to(out.dtype)
+        else:
+            out.view(-1)[local_flat[keep]] = data[keep].to(out.dtype)
+
+
+def _inside(index: torch.Tensor, shape, start, local) -> torch.Tensor:
+    """Where element numbers ``index`` fall in the box ``start`` + ``local`` of ``shape``."""
     inside = torch.ones(index.shape, dtype=torch.bool)
     for d, (s, n) in enumerate(zip(start, local)):
-        if n < shape[d]:  # one coordinate at a time: a tensor's index, not its coordinates
+        if n < shape[d]:  # one coordinate at a time: a band's index, not its coordinates
             c = _coordinate(index, shape, d)
             inside &= (c >= s) & (c < s + n)
-    if not bool(inside.any()):
-        return
-    wanted = [inside.movedim(d, 0).reshape(inside.shape[d], -1).any(1)
-              for d in range(inside.dim())]
-    runs = [_runs(torch.nonzero(w).flatten().tolist()) for w in wanted]
-    for block in itertools.product(*runs):
-        data, keep = read(block), inside[block]  # keep: all of it where the box is a product
-        positions = index[block]
-        local_flat = torch.zeros(positions.shape, dtype=torch.int64)
-        for d, s in enumerate(start):
-            local_flat = local_flat * local[d] + (_coordinate(positions, shape, d) - s)
-        out.view(-1)[local_flat[keep]] = data[keep].to(out.dtype)
+    return inside
 
 
 def _coordinate(index: torch.Tensor, shape, dim: int) -> torch.Tensor:
@@ -150,7 +178,7 @@ def _coordinate(index: torch.Tensor, shape, dim: int) -> torch.Tensor:
     stride = 1
     for size in shape[dim + 1:]:
         stride *= size
-    return (index // stride) % shape[dim]
+    return (index // stride).remainder_(shape[dim])
 
 
 def _runs(indices: list[int]) -> list[slice]:
