@@ -1,7 +1,7 @@
 """``model.from_hf`` of a sharded Mistral whose sliding window (8) is shorter than the trained
 sequence (64 of its 256 positions): through ``hybrid-train``, cp2 x tp2 gives the 1-process
 losses, each rank reading its slices (``hybrid.interop.hf_slices``), and the first step's loss
-is HF's on the same batch."""
+is HF's on the same batch; its export writes the folder's 256 positions back."""
 
 import json
 import subprocess
@@ -18,7 +18,7 @@ from hybrid.metrics import read_metrics
 BIN = Path(sys.executable).parent
 COMMON = ["data=synthetic", "model.seq_len=64", "train.global_batch=4", "train.micro_batch=2",
           "train.steps=3", "train.timeline_step=0", "train.log_every=100", "seed=5"]
-LAYOUTS = {"single": ["parallel=single"],
+LAYOUTS = {"single": ["parallel=single", "checkpoint.every=3"],
            "cp2-tp2": ["parallel=single", "parallel.cp=2", "parallel.tp=2"]}
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -80,3 +80,12 @@ def test_the_first_step_is_hfs_loss_past_the_window(mistral, runs):
         logits = model(batch[:, :-1]).logits
     hf_loss = F.cross_entropy(logits.reshape(-1, 300), batch[:, 1:].reshape(-1)).item()
     assert _losses(runs["single"])[0] == pytest.approx(hf_loss, rel=1e-5)
+
+
+def test_its_export_writes_the_folders_positions_back(runs, tmp_path):
+    done = subprocess.run([str(BIN / "hybrid-ckpt"), "export", str(runs["single"]),
+                           str(tmp_path / "hf"), "--format", "hf"], capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["sliding_window"]) == (256, 8)
