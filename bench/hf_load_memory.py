@@ -5,7 +5,7 @@ A random Llama of about ``--gb`` GB (fp32) is saved as the hub ships it (shards 
 its parameters through ``load_hf_weights`` (each reads its own slices), and the peer loads every
 shard with ``safetensors.torch.load_file`` (what a whole-model conversion holds). Printed per
 process: the peak RSS growth over the process's state before loading (its own parameters
-allocated), against the largest shard and the rank's share; ``ratio=`` last is that peak over
+allocated and resident; the pages of the files it reads count, as the kernel maps them), against the largest shard and the rank's share; ``ratio=`` last is that peak over
 the peer's.
 
     .venv/bin/python bench/hf_load_memory.py --gb 1 --shard-mb 200
@@ -25,7 +25,8 @@ from types import SimpleNamespace
 MB = 2**20
 
 
-def make_model(folder: Path, gb: float, shard_mb: int) -> None:
+def make_model(folder: Path, gb: float, shard_mb: float, hidden: int = 1024,
+               vocab: int = 32000) -> None:
     """A random Llama of about ``gb`` GB: its names and shapes from hybrid's own export map."""
     import torch
 
@@ -34,16 +35,15 @@ def make_model(folder: Path, gb: float, shard_mb: int) -> None:
     from hybrid.interop.shards import save_sharded
     from hybrid.planning.config import ModelConfig
 
-    hidden = 1024
     layers = max(2, round(gb * 1e9 / 4 / (12 * hidden * hidden)))
     model = ModelConfig(family="llama", layers=layers, hidden=hidden, heads=16, kv_heads=8,
-                        ffn_hidden=4 * hidden, vocab=32000, seq_len=256, vocab_pad_multiple=1,
+                        ffn_hidden=4 * hidden, vocab=vocab, seq_len=256, vocab_pad_multiple=1,
                         tie_embeddings=False)
     torch.manual_seed(0)
     tensors = {name: torch.randn(t.shape) * 0.02
                for name, t in llama.to_hf(_meta_weights(model), model).items()}
     folder.mkdir(parents=True)
-    save_sharded(tensors, folder, shard_mb * MB)
+    save_sharded(tensors, folder, int(shard_mb * MB))
     (folder / "config.json").write_text(json.dumps(llama.hf_config(model)))
 
 
@@ -87,7 +87,8 @@ def load_rank(folder: str, tp_rank: int, stage: int) -> dict:
     cut = len(specs) // 2
     params = {}
     for spec in (specs[:cut] if stage == 0 else specs[cut:]):
-        params[spec.name] = torch.nn.Parameter(torch.zeros(spec.local_shape(2)))
+        # filled, not zeros (calloc'd pages would not be resident yet): the growth is the load's
+        params[spec.name] = torch.nn.Parameter(torch.full(spec.local_shape(2), 1.0))
         params[spec.name].spec = spec
     share = sum(p.numel() * 4 for p in params.values()) / MB
     reset_peak()
@@ -120,7 +121,9 @@ def in_child(*args: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--shard-mb", type=int, default=200)
+    parser.add_argument("--shard-mb", type=float, default=200)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a model of a few MB (hidden 64, vocabulary 512): the script runs")
     parser.add_argument("--child", nargs="+")
     args = parser.parse_args()
     if args.child:
@@ -130,7 +133,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"
-        make_model(folder, args.gb, args.shard_mb)
+        if args.smoke:
+            make_model(folder, 0.0, 0.05, hidden=64, vocab=512)
+        else:
+            make_model(folder, args.gb, args.shard_mb)
         files = sorted(folder.glob("*.safetensors"))
         shard = max(f.stat().st_size for f in files) / MB
         print(f"model {sum(f.stat().st_size for f in files) / MB:.0f} MB in {len(files)} "
@@ -144,7 +150,7 @@ def main() -> None:
                       f"{got['peak_growth_mb']:.0f} MB = "
                       f"{got['peak_growth_mb'] / got['share_mb']:.2f} x share, "
                       f"{got['peak_growth_mb'] / shard:.2f} x largest shard, "
-                      f"ratio={got['peak_growth_mb'] / peer['peak_growth_mb']:.3f}")
+                      f"ratio={got['peak_growth_mb'] / max(peer['peak_growth_mb'], 1e-3):.3f}")
 
 
 if __name__ == "__main__":

@@ -74,11 +74,11 @@ def source_positions(manifest: dict, seq_len: int) -> int:
     found = (config.get("model") or {}).get("seq_len", seq_len)
     hf_dir = (config.get("model") or {}).get("from_hf")
     if hf_dir is not None and Path(hf_dir, "config.json").is_file():
-        from hybrid.interop.hf_source import source_model
-
         try:
-            found = max(found, source_model(hf_dir).seq_len)
-        except ConversionError:
+            shipped = read_config(hf_dir)
+            spec = family_for_hf(shipped.get("model_type")) or MODELS["gpt2"]
+            found = max(found, name_map(spec).model_fields(shipped, hf_dir)["seq_len"])
+        except (ConversionError, KeyError):
             pass  # changed since into something unreadable: the run's own context is known
     if source is not None:
         try:
