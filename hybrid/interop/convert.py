@@ -65,13 +65,21 @@ def export_hf(path: Path, manifest: dict, out: str, max_shard_bytes: Optional[in
 
 def source_positions(manifest: dict, seq_len: int) -> int:
     """The positions a rotary model was made for: an imported model's, or those of the
-    checkpoint its run started from (``checkpoint.init_from``, when it is still there), at
-    least the run's own ``seq_len``."""
+    checkpoint its run started from (``checkpoint.init_from``) or of the HF folder
+    (``model.from_hf``), when it is still there, at least the run's own ``seq_len``."""
     from hybrid.checkpoint.store import CheckpointError, read_manifest, resolve_resume
 
     config = manifest.get("config") or {}
     source = (config.get("checkpoint") or {}).get("init_from")
     found = (config.get("model") or {}).get("seq_len", seq_len)
+    hf_dir = (config.get("model") or {}).get("from_hf")
+    if hf_dir is not None and Path(hf_dir, "config.json").is_file():
+        try:
+            shipped = read_config(hf_dir)
+            spec = family_for_hf(shipped.get("model_type")) or MODELS["gpt2"]
+            found = max(found, name_map(spec).model_fields(shipped, hf_dir)["seq_len"])
+        except (ConversionError, KeyError):
+            pass  # changed since into something unreadable: the run's own context is known
     if source is not None:
         try:
             start = resolve_resume(source, Path(source), field="checkpoint.init_from")

@@ -4,9 +4,9 @@ Before launch (``with_hf_shape``, no torch) the model's shape comes from the fol
 ``config.json`` through its family's HF map (the one ``hybrid-ckpt import`` uses);
 ``model.seq_len``, the vocabulary padding, recompute and the layout stay the user's. GPT-2's
 learned positions bound ``model.seq_len`` by ``n_positions`` (refused past it, in one line).
-On every rank (``load_hf_weights``) the folder's safetensors are read one tensor at a time,
-renamed and re-laid out by the same map, sliced to the run's context and vocabulary, and each
-parameter keeps its own TP/EP slice, as ``checkpoint.init_from`` does with a checkpoint.
+On every rank (``load_hf_weights``) each parameter's TP/EP slice of this pipeline stage is
+read from the folder's safetensors with ``get_slice`` (``hybrid.interop.hf_slices``), found
+through the same map: no rank reads or holds the whole model.
 """
 
 from __future__ import annotations
@@ -52,17 +52,23 @@ def with_hf_shape(cfg):
     return dataclasses.replace(cfg, model=model)
 
 
-def load_hf_weights(hf_dir: str, model_cfg, params: dict, groups) -> None:
+def load_hf_weights(hf_dir: str, model_cfg, params: dict, groups, reader=None) -> None:
     """The weights of HF folder ``hf_dir`` into this rank's ``params`` (global name ->
-    parameter: this pipeline stage's, each taking its TP/EP slice)."""
+    parameter: this pipeline stage's, each taking its TP/EP slice). Each rank reads only its
+    slices (``hybrid.interop.hf_slices``; ``reader``: its block reader, a test counts with
+    it); a folder the export map does not name goes through ``from_hf`` whole."""
     from hybrid.checkpoint.weights import fit_positions
     from hybrid.interop.convert import name_map
     from hybrid.interop.gpt2 import pad_vocabulary
     from hybrid.interop.hf_dir import read_hf_weights
+    from hybrid.interop.hf_slices import load_slices, read_block
     from hybrid.model.shards import load_global_weights
 
     source = source_model(hf_dir)
-    weights = name_map(model_spec(source)).from_hf(read_hf_weights(hf_dir), source)
+    interop = name_map(model_spec(source))
+    if load_slices(hf_dir, model_cfg, source, interop, params, groups, reader or read_block):
+        return
+    weights = interop.from_hf(read_hf_weights(hf_dir), source)
     weights = pad_vocabulary(fit_positions(weights, model_cfg.seq_len), model_cfg.padded_vocab)
     load_global_weights(list(params.values()),
                         {name: t for name, t in weights.items() if name in params}, groups)
