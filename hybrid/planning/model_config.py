@@ -14,8 +14,7 @@ class ModelConfig:
     from_hf: Optional[str] = None
     """A local HF model folder (config.json and safetensors, sharded or not): its shape
     replaces this config's (model.seq_len, vocab_pad_multiple and recompute stay yours) and
-    its weights start the run: each rank reads the whole model, then keeps its slices
-    (docs/models.md)."""
+    its weights start the run, each rank reading only its own slices (docs/models.md)."""
     family: str = "gpt2"
     """The model family (hybrid.planning.models; docs/models.md): gpt2, or one registered by
     family_module."""
