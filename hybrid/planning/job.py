@@ -172,7 +172,7 @@ def plan_job(cfg: Config, simulated: bool = True,
     ranges = partition_for_config(cfg, costs)
     pp = layout.pp
     stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp, layout.stage_placement),
-                         chunk=stage_chunk(s, pp),
+                         chunk=stage_chunk(s, pp, layout.stage_placement),
                          blocks=blocks) for s, blocks in enumerate(ranges))
     schedule = _schedule_plan(cfg.parallel.schedule, pp, microbatches(cfg), layout.vpp,
                               simulated)
