@@ -63,6 +63,10 @@ class ScheduleSpec:
     does, NCCL does not (``p2p.fifo_mismatches``)."""
     last_stage_holds: Callable[[int], int] = _one_microbatch_held
     """``m`` -> micro-batches whose head activations the last stage holds at once."""
+    steps: Optional[Builder] = None
+    """``steps(pp, m, vpp)``: the lists with the schedule's composite actions whole (what a
+    two-stream runtime runs and the cost model prices as overlapped on a GPU); None: its
+    ``build`` lists have none."""
     search_vpps: tuple[int, ...] = ()
     """Chunk counts the layout search tries with this schedule (none: it is not searched)."""
     doc: str = ""
