@@ -145,3 +145,19 @@ def test_docs_table_of_dualpipev_zb_v_and_1f1b_is_the_simulation_and_the_closed_
         assert f"{100 * sim.bubble_fraction:.1f}%" == bubble
         assert [int(x) for x in peak.split(" (")[0].split(", ")] == closed_peak
         assert _activations(held, pp) == pytest.approx(closed_held), (name, pp, m)
+
+
+def test_hybrid_plan_draws_dualpipev_with_its_composites_whole():
+    from hybrid.planning.config import Config, LauncherConfig, ModelConfig, ParallelConfig, \
+        TrainConfig
+    from hybrid.planning.view import build_plan, format_plan
+
+    cfg = Config(model=ModelConfig(layers=4), train=TrainConfig(global_batch=8, micro_batch=2),
+                 parallel=ParallelConfig(pp=2, vpp=2, schedule="dualpipev"),
+                 launcher=LauncherConfig(nproc_per_node=None))
+    plan = build_plan(cfg)
+    assert plan["schedule"]["steps"] == [[str(s) for s in steps]
+                                         for steps in dualpipev_steps(2, 4)]
+    drawn = format_plan(plan, full=True)
+    assert "step | rank 0" in drawn and " 0F3+3B1 " in drawn
+    assert "step | rank 0" not in format_plan(plan)
