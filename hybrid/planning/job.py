@@ -2,7 +2,7 @@
 
 Built once, before any worker starts, from the config as Hydra composed it (nothing resolved is
 written back into the config): the layout and where its ranks land, the pipeline stages (which
-blocks, on which pipeline rank as which chunk: ``schedules.actions.stage_rank`` /
+blocks, on which pipeline rank as which chunk: ``schedules.stage_map.stage_rank`` /
 ``stage_chunk``, with the schedule's ``layout.stage_placement``), the schedule and its
 simulated shape, the micro-batches per step, the DP strategies, the memory each pipeline rank
 needs (``rank_memory``), and, for a run, its checkpoint directory and the checkpoint it resumes

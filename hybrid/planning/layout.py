@@ -84,8 +84,9 @@ class Layout:
     order: str = DEFAULT_ORDER
     vpp: int = 1
     stage_placement: str = "loop"
-    """Which pipeline rank holds each virtual stage (``hybrid.planning.schedules.actions.
-    stage_rank``: "loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this).
+    """The name of the stage map: which pipeline rank holds each virtual stage
+    (``hybrid.planning.schedules.stage_map``: "loop", "v" for zb-v and dualpipev, or a rule a
+    schedule module registers; ``placement_warnings`` is about nodes, not this).
     It decides where the first and last stage, and so the tied embedding, live."""
     ep: int = 1
     """Expert parallelism: ranks carved out of ``dp * cp`` that hold different experts

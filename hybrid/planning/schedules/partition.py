@@ -4,7 +4,7 @@ The model is a list of blocks: ``n_special[0]`` leading blocks (the embedding), 
 transformer layers, then ``n_special[1]`` trailing blocks (the head: final norm, output layer
 and loss). With the default ``n_special=(1, 1)``: block 0 is the embedding, blocks 1..L the
 layers, block L+1 the head. ``partition`` returns one ``range`` of block indices per virtual
-stage ``s`` (model order), placed by ``hybrid.planning.schedules.actions.stage_rank`` / ``stage_chunk``.
+stage ``s`` (model order), placed by the stage map (``stage_map.stage_rank`` / ``stage_chunk``).
 
 Every stage gets at least one transformer layer; the leading blocks always go with stage 0 and
 the trailing blocks with the last stage.
