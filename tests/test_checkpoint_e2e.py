@@ -40,6 +40,8 @@ LAYOUTS = {
     "dp2-powersgd": SINGLE + ["parallel.dp=2", "parallel.dp_compress=powersgd",
                               "parallel.powersgd_warmup=3"],
     "dp2-delay": SINGLE + ["parallel.dp=2", "parallel.dp_delay=1"],
+    # DualPipeV's V: rank 0 holds the first and last stage; saved by global names like any
+    "pp2-dualpipev": SINGLE + ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=dualpipev"],
 }
 
 SOURCE_EXTRA = {"tp2": ["checkpoint.async_save=true"]}
@@ -103,7 +105,7 @@ def test_resume_on_the_same_layout_is_bitwise(layout, saved, tmp_path):
 # Every axis changes: DP, TP, PP and the ZeRO stage at once (into ZeRO-2 on dp4, and into
 # ZeRO-3's weight shards on dp2); TP into interleaved PP; ZeRO-3 on 2x2x2 into one process.
 RESHARD = [("2x2x2-zero1", "dp4-zero2"), ("tp2", "pp4-vpp2"), ("2x2x2-zero3", "single"),
-           ("2x2x2-zero1", "dp2-zero3")]
+           ("2x2x2-zero1", "dp2-zero3"), ("pp2-dualpipev", "tp2")]
 
 
 @pytest.mark.parametrize("source_layout, target_layout", RESHARD,

@@ -20,6 +20,8 @@ LAYOUTS = {  # no plain cp2: cp2-zero1 runs the same ring (p2p) with dp2 beside 
     "cp2-tp2-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                    "checkpoint.every=3"],
     "cp2-pp2-1f1b-measured": ["parallel.cp=2", "parallel.pp=2", "parallel.partition=measured"],
+    "cp2-pp2-dualpipev": ["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2",
+                          "parallel.schedule=dualpipev"],
     "dp2-cp2-tp2-zero2": ["parallel.dp=2", "parallel.cp=2", "parallel.tp=2", "parallel.zero=2"],
     "cp2-zero1": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1"],
 }

@@ -98,3 +98,66 @@ def test_dualpipev_bubble_and_peak_inflight_equal_their_closed_forms(pp, per_pp)
     assert sim.peak_inflight == (2 * pp + 1,) * pp
     bubble, peak = closed_form_schedule("dualpipev", pp, m, 2)
     assert bubble == pytest.approx(sim.bubble_fraction) and peak == sim.peak_inflight
+
+
+def _table_rows() -> list[list[str]]:
+    """docs/pipeline.md's "DualPipeV beside ZB-V and 1F1B" table, row by row."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "pipeline.md").read_text()
+    section = text.split("### DualPipeV beside ZB-V and 1F1B", 1)[1].split("###", 1)[0]
+    return [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith(("| schedule", "| ---"))]
+
+
+CLOSED_FORMS = {  # (pp, m) -> (bubble, peak in-flight per rank, whole-model activations held)
+    "1f1b": lambda pp, m: ((pp - 1) / (m + pp - 1), [min(pp - r, m) for r in range(pp)],
+                           [min(pp - r, m) / pp for r in range(pp)]),
+    "zb-v": lambda pp, m: ((pp - 1) / (6 * m + pp - 1),
+                           [min(2 * pp, 2 * m, m + 1 + r) for r in range(pp)],
+                           [min(2 * pp, 2 * m, m + 1 + r) / (2 * pp) for r in range(pp)]),
+    "dualpipev": lambda pp, m: ((pp - 1) / (6 * m + pp - 1), [2 * pp + 1] * pp,
+                                [(2 * pp + 1) / (2 * pp)] * pp),
+}
+
+
+def _activations(cell: str, pp: int) -> list[float]:
+    """``"A, 3A/4"`` or ``"9A/8 on every rank"`` -> multiples of A per rank."""
+    from fractions import Fraction
+
+    words = cell.replace(" on every rank", "").split(", ")
+    values = [float(Fraction(w.replace("A", "1") if w.startswith("A") else
+                             w.replace("A", ""))) for w in words]
+    return values * pp if len(values) == 1 else values
+
+
+def test_docs_table_of_dualpipev_zb_v_and_1f1b_is_the_simulation_and_the_closed_forms():
+    rows = _table_rows()
+    assert {(r[0], int(r[1]), int(r[2])) for r in rows} == {
+        (name, pp, m) for name in CLOSED_FORMS for pp, m in ((4, 8), (4, 16), (2, 4))}
+    for name, pp, m, _, bubble, peak, held in rows:
+        pp, m, vpp = int(pp), int(m), 1 if name == "1f1b" else 2
+        sim = simulate_unit_costs(name, pp, m, vpp)
+        closed_bubble, closed_peak, closed_held = CLOSED_FORMS[name](pp, m)
+        assert sim.bubble_fraction == pytest.approx(closed_bubble), (name, pp, m)
+        assert list(sim.peak_inflight) == closed_peak, (name, pp, m)
+        assert f"{100 * sim.bubble_fraction:.1f}%" == bubble
+        assert [int(x) for x in peak.split(" (")[0].split(", ")] == closed_peak
+        assert _activations(held, pp) == pytest.approx(closed_held), (name, pp, m)
+
+
+def test_hybrid_plan_draws_dualpipev_with_its_composites_whole():
+    from hybrid.planning.config import Config, LauncherConfig, ModelConfig, ParallelConfig, \
+        TrainConfig
+    from hybrid.planning.view import build_plan, format_plan
+
+    cfg = Config(model=ModelConfig(layers=4), train=TrainConfig(global_batch=8, micro_batch=2),
+                 parallel=ParallelConfig(pp=2, vpp=2, schedule="dualpipev"),
+                 launcher=LauncherConfig(nproc_per_node=None))
+    plan = build_plan(cfg)
+    assert plan["schedule"]["steps"] == [[str(s) for s in steps]
+                                         for steps in dualpipev_steps(2, 4)]
+    drawn = format_plan(plan, full=True)
+    assert "step | rank 0" in drawn and " 0F3+3B1 " in drawn
+    assert "step | rank 0" not in format_plan(plan)

@@ -20,6 +20,9 @@ LAYOUTS = {
                              "parallel.schedule=interleaved-1f1b"],
     "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "dp2-zero2": ["parallel=single", "parallel.dp=2", "parallel.zero=2"],
+    # evaluation runs the forwards of DualPipeV's lists (its composites' forward parts)
+    "pp2-dualpipev": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
+                      "parallel.schedule=dualpipev"],
 }
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -19,6 +19,8 @@ LAYOUTS = {
     "pp2 zb-v tied": ParallelConfig(pp=2, vpp=2, schedule="zb-v"),
     "dp2 powersgd": ParallelConfig(dp=2, dp_compress="powersgd"),
     "measured": ParallelConfig(pp=2, partition="measured"),
+    "pp2 dualpipev": ParallelConfig(pp=2, vpp=2, schedule="dualpipev"),
+    "dp2 pp2 zero3": ParallelConfig(dp=2, pp=2, zero=3),
 }
 
 
@@ -72,3 +74,30 @@ def test_a_plan_file_of_another_format_is_refused(tmp_path):
     data["format"] = 99
     with pytest.raises(PlanFileError, match="plan format 99"):
         plan_from_dict(data)
+
+
+@pytest.mark.parametrize("name", ["pp2 dualpipev", "dp2 pp2 zero3", "pp4 interleaved"])
+def test_the_plan_holds_the_lowered_lists_the_runtime_runs(name, tmp_path):
+    from dataclasses import replace
+
+    from hybrid.pipeline.stages import lowered_schedule
+    from hybrid.planning.rank_lists import lowered_lists
+    from hybrid.planning.schedules.check import check_schedule
+
+    plan = plan_job(config(LAYOUTS[name]))
+    layout, m = plan.layout, plan.schedule.microbatches
+    assert [list(a) for a in plan.lowered] == lowered_lists(plan.cfg, layout, m)
+    check_schedule([list(a) for a in plan.lowered], layout.pp, m, layout.vpp,
+                   layout.stage_placement)
+    written = json.loads(save_plan(plan, tmp_path).read_text())["lowered"]
+    assert written == [[str(a) for a in actions] for actions in plan.lowered]
+    assert any(t.startswith(("1SEND_F", "2RECV_F", "1RECV_F")) for t in written[1] + written[0])
+    if "zero3" in name:
+        assert any("UNSHARD" in t for t in written[0])
+    swapped = replace(plan, lowered=tuple(reversed(plan.lowered)))  # what the plan says runs
+    assert lowered_schedule(swapped) == [list(a) for a in reversed(plan.lowered)]
+    assert lowered_schedule(plan, m=2 * m) == lowered_lists(plan.cfg, layout, 2 * m)
+
+
+def test_a_plan_of_closed_forms_holds_no_lists():
+    assert plan_job(config(LAYOUTS["pp2 dualpipev"]), simulated=False).lowered == ()

@@ -168,7 +168,8 @@ def test_a_search_where_nothing_fits_says_so_in_one_line():
     from hybrid.planning.cost.search import no_layout_line
     cfg = config(replace(GPT_1B, layers=128, hidden=25600, heads=160), 64)
     line = no_layout_line(search(cfg, 8, A100, top=3))
-    assert "\n" not in line and "too large for device memory; e.g. parallel.dp=" in line
+    assert "\n" not in line and "1497 too large for device memory" in line
+    assert "; e.g. parallel.dp=8 " in line  # (and dualpipev's 27 with m < 2pp, refused)
     assert "or more of 80.0 GiB (a100-80gb)" in line
 
 

@@ -64,6 +64,18 @@ LAYOUTS = {
                                 "parallel.zero=1", "train.micro_batch=1"],
     "pp4-dualpipev": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
                       "parallel.schedule=dualpipev", "train.micro_batch=1"],
+    # DualPipeV composed (issue 54): TP with SP and full recompute; ZeRO-2 and ZeRO-3 (the
+    # gathers bracket a composite's parts like any compute)
+    "tp2-pp2-dualpipev-sp-recompute": ["parallel=single", "parallel.tp=2", "parallel.pp=2",
+                                       "parallel.vpp=2", "parallel.schedule=dualpipev",
+                                       "parallel.sequence_parallel=true",
+                                       "model.recompute=full"],
+    "dp2-pp2-dualpipev-zero2": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
+                                "parallel.vpp=2", "parallel.schedule=dualpipev",
+                                "parallel.zero=2", "train.micro_batch=1"],
+    "dp2-pp2-dualpipev-zero3": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
+                                "parallel.vpp=2", "parallel.schedule=dualpipev",
+                                "parallel.zero=3", "train.micro_batch=1"],
 }
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import RECV, SEND, Group, Message
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_rank
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
@@ -67,7 +68,7 @@ class PendingRecv:
 
 
 def post(actions: list[Action], payloads: dict[Action, torch.Tensor], *, group: Group,
-         n_microbatches: int, recv_buffer: Callable[[], torch.Tensor], placement: str = LOOP
+         n_microbatches: int, recv_buffer: Callable[[], torch.Tensor], placement: Placement = LOOP
          ) -> tuple[list[tuple[Action, torch.Tensor, dist.Work]], list[PendingRecv]]:
     """Post consecutive SEND/RECV actions as one batch on the pipeline ``group``.
 
@@ -173,7 +174,7 @@ class SendsInFlight:
             del work, tensor, item  # the buffer goes now, not when the next item arrives
 
 
-def fifo_mismatches(lists: list[list[Action]], pp: int, placement: str = LOOP
+def fifo_mismatches(lists: list[list[Action]], pp: int, placement: Placement = LOOP
                     ) -> list[tuple[int, int]]:
     """Directed rank pairs ``(src, dst)`` whose messages ``dst`` receives in another order than
     ``src`` sends them. Empty means the lowered ``lists`` are also safe on a backend that

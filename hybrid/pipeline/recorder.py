@@ -15,6 +15,7 @@ from typing import Optional
 
 from hybrid.comm import Group
 from hybrid.files import write_text
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import COMPUTE_KINDS, LOOP, Action
 from hybrid.planning.schedules.simulate import Costs, simulate
 from hybrid.pipeline.timeline import draw_timeline, measured_bubble, write_chrome_trace
@@ -59,7 +60,7 @@ def mean_costs(events: list[Event]) -> Costs:
 
 
 def bubble_report(events: list[Event], lists: list[list[Action]], pp: int, m: int,
-                  vpp: int = 1, placement: str = LOOP) -> dict:
+                  vpp: int = 1, placement: Placement = LOOP) -> dict:
     """Measured bubble of a real step next to the simulator's for ``lists`` timed with the
     step's own mean action durations (no communication time): the difference is what
     communication and waiting cost."""
@@ -74,7 +75,7 @@ def bubble_report(events: list[Event], lists: list[list[Action]], pp: int, m: in
 
 def write_timeline(events: list[Event], lists: list[list[Action]], out_prefix: str | Path, *,
                    pp: int, m: int, vpp: int = 1, title: str = "pipeline",
-                   placement: str = LOOP) -> dict:
+                   placement: Placement = LOOP) -> dict:
     """Write ``<out_prefix>.json`` (Chrome trace) and ``<out_prefix>.png``; return the bubble
     report, with the two paths added."""
     prefix = Path(out_prefix)

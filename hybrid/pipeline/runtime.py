@@ -24,6 +24,7 @@ from torch import nn
 
 from hybrid.groups import ParallelGroups
 from hybrid.pipeline.step import Step
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import LOOP, Action, ScheduleError
 from hybrid.planning.schedules.rank_check import RankPlan, plan_rank
 
@@ -53,7 +54,7 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
                       act_dtype: torch.dtype, recorder: Optional[Recorder] = None,
                       recv_timeout_s: Optional[float] = None,
                       progress: Optional[Progress] = None,
-                      placement: str = LOOP, forward_only: bool = False,
+                      placement: Placement = LOOP, forward_only: bool = False,
                       weights: Optional[StageWeights] = None,
                       loss_divisor: Optional[int] = None) -> Optional[float]:
     """Run one step's forwards and backwards of this rank's stages; return the mean loss.
@@ -106,7 +107,7 @@ def run_pipeline_step(actions: Sequence[Action] | RankPlan, chunks: dict[int, nn
 
 
 def prepare_rank(actions: Sequence[Action], chunks: dict[int, nn.Module], *,
-                 groups: ParallelGroups, pp: int, vpp: int, m: int, placement: str = LOOP,
+                 groups: ParallelGroups, pp: int, vpp: int, m: int, placement: Placement = LOOP,
                  forward_only: bool = False) -> RankPlan:
     """This rank's ``RankPlan`` for ``run_pipeline_step``: ``actions`` lowered, checked
     against the stages in ``chunks``, and their messages planned for the PP group's backend."""

@@ -10,11 +10,8 @@ from torch import nn
 from hybrid.groups import ParallelGroups
 from hybrid.model import build_blocks
 from hybrid.planning.job import JobPlan
-from hybrid.planning.cost.gathered import gather_policy
-from hybrid.planning.schedules import add_communication, build_schedule, forward_only
-from hybrid.planning.schedules.gathers import add_gathers
+from hybrid.planning.rank_lists import lowered_lists
 from hybrid.planning.schedules.actions import Action
-from hybrid.planning.schedules.check import check_schedule
 
 
 def build_chunks(plan: JobPlan, groups: ParallelGroups) -> dict[int, nn.Module]:
@@ -35,21 +32,13 @@ def build_chunks(plan: JobPlan, groups: ParallelGroups) -> dict[int, nn.Module]:
 def lowered_schedule(plan: JobPlan, forward: bool = False,
                      m: Optional[int] = None) -> list[list[Action]]:
     """Every pipeline rank's action list with sends/receives, and under ZeRO-3 its gathers
-    and releases, proved safe by the checker; ``forward``: an evaluation's (forwards only);
-    ``m``: micro-batches per step (default the plan's; a replica's own under
-    ``parallel.dp_balance=dynamic``)."""
-    layout = plan.layout
+    and releases, proved safe by the checker: the plan's own for a training step of its
+    micro-batches; ``forward``: an evaluation's (forwards only); ``m``: another count of
+    micro-batches per step (a replica's own under ``parallel.dp_balance=dynamic``)."""
     m = plan.schedule.microbatches if m is None else m
-    pp, vpp, placement = layout.pp, layout.vpp, layout.stage_placement
-    lists = add_communication(build_schedule(plan.schedule.name, pp, m, vpp=vpp), pp, vpp,
-                              placement)
-    if forward:
-        lists = forward_only(lists)
-    policy = gather_policy(plan.cfg)
-    if policy is not None:
-        lists = add_gathers(lists, policy)
-    check_schedule(lists, pp, m, vpp, placement, forward_only=forward)
-    return lists
+    if not forward and m == plan.schedule.microbatches and plan.lowered:
+        return [list(actions) for actions in plan.lowered]
+    return lowered_lists(plan.cfg, plan.layout, m, forward=forward)
 
 
 def activation_shape(plan: JobPlan) -> tuple[int, int, int]:

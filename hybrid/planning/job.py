@@ -2,7 +2,7 @@
 
 Built once, before any worker starts, from the config as Hydra composed it (nothing resolved is
 written back into the config): the layout and where its ranks land, the pipeline stages (which
-blocks, on which pipeline rank as which chunk: ``schedules.actions.stage_rank`` /
+blocks, on which pipeline rank as which chunk: ``schedules.stage_map.stage_rank`` /
 ``stage_chunk``, with the schedule's ``layout.stage_placement``), the schedule and its
 simulated shape, the micro-batches per step, the DP strategies, the memory each pipeline rank
 needs (``rank_memory``), and, for a run, its checkpoint directory and the checkpoint it resumes
@@ -30,7 +30,8 @@ from hybrid.planning.models.moe import expert_bias_payload
 from hybrid.planning.param_spec import DENSE, EXPERT
 from hybrid.planning.layout import EMBEDDING, ROLES, Layout
 from hybrid.planning.rank_memory import ranks_memory, with_gathered
-from hybrid.planning.schedules.actions import stage_chunk, stage_rank
+from hybrid.planning.rank_lists import lowered_lists
+from hybrid.planning.schedules.actions import Action, stage_chunk, stage_rank
 from hybrid.planning.cost.block_costs import partition_costs, partition_for_config
 from hybrid.planning.strategies import (SCALAR, DpOptions, all_reduce_bytes, reduction_of,
                                         sharding_of)
@@ -106,6 +107,10 @@ class JobPlan:
     ran), in the order of ``data.path``/``data.blend``."""
     data_cache_dir: Optional[str] = None
     """data.source=indexed: where megatron-core's index caches are (built before launch)."""
+    lowered: tuple[tuple[Action, ...], ...] = ()
+    """Per pipeline rank, the training step's action list as the runtime runs it: lowered
+    with sends, receives and ZeRO-3's gathers, and checked (``rank_lists``); empty in a plan
+    of the closed forms (``simulated=False``: searches of many layouts)."""
 
     @property
     def world_size(self) -> int:
@@ -172,7 +177,7 @@ def plan_job(cfg: Config, simulated: bool = True,
     ranges = partition_for_config(cfg, costs)
     pp = layout.pp
     stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp, layout.stage_placement),
-                         chunk=stage_chunk(s, pp),
+                         chunk=stage_chunk(s, pp, layout.stage_placement),
                          blocks=blocks) for s, blocks in enumerate(ranges))
     schedule = _schedule_plan(cfg.parallel.schedule, pp, microbatches(cfg), layout.vpp,
                               simulated)
@@ -182,8 +187,10 @@ def plan_job(cfg: Config, simulated: bool = True,
     if gather_policy(cfg) is not None:
         memory = with_gathered(cfg, layout, memory, by_rank, chunks, simulated)
     placed = ranks_per_node(cfg, layout)
+    lowered = () if not simulated else tuple(
+        tuple(actions) for actions in lowered_lists(cfg, layout, schedule.microbatches))
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
-                   schedule=schedule, memory=memory, by_rank=by_rank,
+                   schedule=schedule, memory=memory, by_rank=by_rank, lowered=lowered,
                    priced_ranks_per_node=_priced_ranks_per_node(cfg, layout, placed),
                    block_costs=tuple(costs) if cfg.parallel.partition == "measured" else None,
                    costs_measured=measured)

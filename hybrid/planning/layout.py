@@ -27,7 +27,7 @@ from hybrid.errors import UserError
 from hybrid.planning.axes import (AXES, AXIS_TRAFFIC, COORD_ORDER, DEFAULT_ORDER, EMBEDDING,
                                   EXPERT_AXES, ROLES, on_expert_grid)
 from hybrid.planning.grid import expert_order, grid_groups
-from hybrid.planning.schedules.actions import PLACEMENTS, stage_rank
+from hybrid.planning.schedules.stage_map import STAGE_RULES, stage_rank
 
 
 def role_key(role: str) -> str:
@@ -84,8 +84,9 @@ class Layout:
     order: str = DEFAULT_ORDER
     vpp: int = 1
     stage_placement: str = "loop"
-    """Which pipeline rank holds each virtual stage (``hybrid.planning.schedules.actions.
-    stage_rank``: "loop", or "v" for zb-v; ``placement_warnings`` is about nodes, not this).
+    """The name of the stage map: which pipeline rank holds each virtual stage
+    (``hybrid.planning.schedules.stage_map``: "loop", "v" for zb-v and dualpipev, or a rule a
+    schedule module registers; ``placement_warnings`` is about nodes, not this).
     It decides where the first and last stage, and so the tied embedding, live."""
     ep: int = 1
     """Expert parallelism: ranks carved out of ``dp * cp`` that hold different experts
@@ -97,9 +98,9 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be an integer >= 1")
-        if self.stage_placement not in PLACEMENTS:
+        if self.stage_placement not in STAGE_RULES:
             raise LayoutError(f"stage_placement={self.stage_placement!r} is not one of "
-                              f"{PLACEMENTS}")
+                              f"{tuple(STAGE_RULES)}")
         object.__setattr__(self, "_axes", parse_order(self.order, self.cp))
         width = self.dp * self.cp
         if width % self.ep:

@@ -2,7 +2,8 @@
 and read by every rank (pure: no torch).
 
 It holds every resolved fact of the run: the config as composed, the layout and the ranks per
-node, the stages and where they run, the schedule's shape, the memory per pipeline rank, the
+node, the stages and where they run, the schedule's shape and every pipeline rank's lowered
+action list, the memory per pipeline rank, the
 DP strategies, every role's groups, the checkpoint directory and the checkpoint to resume
 from. ``load_plan(save_plan(plan))`` gives back an equal plan; the DP strategies and the
 groups are written for people and tools to read and are derived again on loading.
@@ -20,11 +21,12 @@ from hybrid.planning.config import from_dict, to_dict
 from hybrid.planning.cost.sizes import MemoryEstimate
 from hybrid.planning.job import JobPlan, SchedulePlan, Stage
 from hybrid.planning.layout import COORD_ORDER, Layout
+from hybrid.planning.schedules.actions import Action
 
 FILE = "plan.json"
-FORMAT = 4
+FORMAT = 5
 """2: the run's indexed data (data_prefixes, data_cache_dir); 3: init_from, tokenizer,
-peak_flops; 4: the layout's cp."""
+peak_flops; 4: the layout's cp; 5: the lowered per-rank action lists."""
 
 
 class PlanFileError(UserError):
@@ -44,6 +46,7 @@ def plan_to_dict(plan: JobPlan) -> dict:
         "stages": [{"index": s.index, "pp_rank": s.pp_rank, "chunk": s.chunk,
                     "blocks": [s.blocks.start, s.blocks.stop]} for s in plan.stages],
         "by_rank": [list(ranks) for ranks in plan.by_rank],
+        "lowered": [[str(action) for action in actions] for actions in plan.lowered],
         "schedule": asdict(plan.schedule),
         "memory": [asdict(est) for est in plan.memory],
         "block_costs": None if plan.block_costs is None else list(plan.block_costs),
@@ -74,6 +77,8 @@ def plan_from_dict(data: dict) -> JobPlan:
                                  "peak_inflight": tuple(schedule["peak_inflight"])}),
         memory=tuple(MemoryEstimate(**est) for est in data["memory"]),
         by_rank=tuple(tuple(ranks) for ranks in data["by_rank"]),
+        lowered=tuple(tuple(Action.parse(text) for text in actions)
+                      for actions in data["lowered"]),
         priced_ranks_per_node=data["priced_ranks_per_node"],
         block_costs=None if data["block_costs"] is None else tuple(data["block_costs"]),
         costs_measured=data["costs_measured"], checkpoint_dir=data["checkpoint_dir"],

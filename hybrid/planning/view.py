@@ -15,6 +15,8 @@ from hybrid.planning.layout import AXIS_TRAFFIC
 from hybrid.planning.models.moe import expert_bias_payload
 from hybrid.planning.strategies import all_reduce_bytes
 from hybrid.planning.cost.block_costs import partition_basis
+from hybrid.planning.schedules.check import format_table
+from hybrid.planning.schedules.shapes import checked_schedule, schedule_steps
 from hybrid.planning.schedules.partition import format_partition
 
 GROUP_KEYS = ("tp", "cp", "dp", "cp-dp", "pp", "tp-pp", "embedding", "ep", "edp", "tp-ep-pp")
@@ -81,7 +83,8 @@ def plan_dict(plan: JobPlan) -> dict:
         "schedule": {"name": sched.name, "microbatches": sched.microbatches,
                      "bubble_fraction": sched.bubble_fraction,
                      "bubble_fraction_per_rank": list(sched.bubble_per_rank),
-                     "peak_inflight": list(sched.peak_inflight)},
+                     "peak_inflight": list(sched.peak_inflight),
+                     "steps": _steps(plan)},
         "experts": _experts(plan),
         "memory": [{"pp_rank": r, "params": est.params, "param_bytes": est.param_bytes,
                     "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
@@ -89,6 +92,14 @@ def plan_dict(plan: JobPlan) -> dict:
                     "dp_state_bytes": est.dp_state_bytes, "total_bytes": est.total_bytes}
                    for r, est in enumerate(plan.memory)],
     }
+
+
+def _steps(plan: JobPlan) -> list[list[str]]:
+    """Each pipeline rank's compute actions in order, a composite whole (``0F3+3B1``)."""
+    layout, m = plan.layout, plan.schedule.microbatches
+    shape = (plan.schedule.name, layout.pp, m, layout.vpp)
+    steps = schedule_steps(*shape) or checked_schedule(*shape)
+    return [[str(step) for step in rank_steps] for rank_steps in steps]
 
 
 SUMMARY_ABOVE_RANKS = 64
@@ -172,6 +183,8 @@ def format_plan(plan: dict, full: bool = False) -> str:
     sched = plan["schedule"]
     lines += ["", f"schedule {sched['name']}: simulated bubble {sched['bubble_fraction']:.1%}, "
                   f"peak in-flight micro-batches per pp rank {sched['peak_inflight']}"]
+    if full:  # the schedule drawn: step x rank ("+" joins a composite's overlapped parts)
+        lines += ["", *format_table(sched["steps"]).splitlines()]
     lines += ["", "memory per rank (estimate)  params    weights   grads     optimizer "
                   "activations total"]
     for m in plan["memory"]:

@@ -1,28 +1,71 @@
 """The pipeline's makespan three ways (pure: no torch): simulated on the stages' times, its
 closed-form bubble (for ranking thousands of layouts), and a lower bound no order of the
 schedule's actions can beat (what makes the layout search exact). ``times``: one entry per
-virtual stage with ``forward`` and ``backward`` seconds (``stage_time.StageTimes``)."""
+virtual stage with ``forward`` and ``backward`` seconds (``stage_time.StageTimes``).
+
+``overlap``: the device runs a composite action's parts on two streams (a GPU; never a CPU
+host, where they run in order), so each part's communication hides under the other's
+compute (``pair_time``); the simulation and the ranks' busy time then count the pair so."""
 
 from __future__ import annotations
 
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules import schedule_spec
-from hybrid.planning.schedules.actions import stage_rank
+from hybrid.planning.schedules.actions import BACKWARD, FORWARD, Action, Composite, stage_rank
 from hybrid.planning.schedules.registry import schedule_splits_backward
 from hybrid.planning.schedules.replay import replay
-from hybrid.planning.schedules.shapes import checked_schedule
+from hybrid.planning.schedules.shapes import checked_schedule, schedule_steps
 from hybrid.planning.schedules.simulate import StageCosts
 
 
-def simulated_makespan(plan: JobPlan, times: list, p2p: float) -> float:
+def pair_time(forward, backward) -> float:
+    """One composite of a forward (``StageTimes`` of its stage) and another stage's full
+    backward on two streams: both computes, and of each part's communication what the
+    other part's compute does not cover."""
+    compute_f = forward.forward - forward.comm_forward
+    compute_b = backward.backward - backward.comm_backward
+    return (compute_f + compute_b + max(0.0, forward.comm_forward - compute_b)
+            + max(0.0, backward.comm_backward - compute_f))
+
+
+def _overlapped_pairs(plan: JobPlan, times: list) -> list[tuple[int, Action, float]]:
+    """(rank, the pair's backward part, seconds the overlap saves) of every F+B composite."""
+    layout, m = plan.layout, plan.schedule.microbatches
+    pairs = []
+    for rank, steps in enumerate(schedule_steps(plan.schedule.name, layout.pp, m, layout.vpp)):
+        for step in steps:
+            if isinstance(step, Composite) and [p.kind for p in step.parts] == [FORWARD,
+                                                                                BACKWARD]:
+                f, b = step.parts
+                whole = times[f.stage].forward + times[b.stage].backward
+                pairs.append((rank, b, whole - pair_time(times[f.stage], times[b.stage])))
+    return pairs
+
+
+def overlap_savings(plan: JobPlan, times: list) -> list[float]:
+    """Per pipeline rank, the seconds a step's composites save on a two-stream device."""
+    saved = [0.0] * plan.layout.pp
+    for rank, _, saving in _overlapped_pairs(plan, times):
+        saved[rank] += saving
+    return saved
+
+
+def simulated_makespan(plan: JobPlan, times: list, p2p: float, overlap: bool = False) -> float:
     """The pipeline's time with the schedule simulated on these per-stage times (its action
-    lists built and checked once per shape: ``simulate`` would check them on every call)."""
+    lists built and checked once per shape: ``simulate`` would check them on every call).
+    ``overlap``: a composite runs its parts in order, the backward part shortened by what
+    the overlap saves (so the forward's output leaves when it would, the pair ends when
+    both parts have)."""
     layout, m = plan.layout, plan.schedule.microbatches
     costs = StageCosts(F=tuple(t.forward for t in times), B=tuple(t.backward for t in times),
                        I=tuple(t.backward / 2 for t in times),
                        W=tuple(t.backward / 2 for t in times), p2p=p2p)
     lists = checked_schedule(plan.schedule.name, layout.pp, m, layout.vpp)
-    timed = replay([list(actions) for actions in lists], layout.pp, layout.vpp, costs.of,
+    duration = costs.of
+    if overlap:
+        saved = {action: saving for _, action, saving in _overlapped_pairs(plan, times)}
+        duration = lambda action: costs.of(action) - saved.get(action, 0.0)  # noqa: E731
+    timed = replay([list(actions) for actions in lists], layout.pp, layout.vpp, duration,
                    costs.p2p, layout.stage_placement)
     return max((t.end for t in timed), default=0)
 

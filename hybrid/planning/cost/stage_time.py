@@ -58,6 +58,11 @@ class StageTimes:
     cp_ring: float = 0.0
     """Context parallelism's ring in both passes (its exposed part is in forward/backward)."""
     cp_exposed: float = 0.0
+    comm_forward: float = 0.0
+    """Of ``forward``, communication (TP collectives, the experts' all-to-all, the exposed
+    CP ring): what another stream's compute can hide (``makespan.pair_time``)."""
+    comm_backward: float = 0.0
+    """Likewise of ``backward``."""
     backward_matmul: float = 0.0
     """Of ``backward``, the multiplies (a recomputed forward's too): what runs slower beside
     a collective that holds some of the SMs (``Device.collective_sm_share``)."""
@@ -112,6 +117,9 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
                                 + all_calls * (call - call_cpu)),
                        cp_ring=layers * (ring.forward_s + ring.backward_s),
                        cp_exposed=layers * (ring.forward_exposed_s + ring.backward_exposed_s),
+                       comm_forward=tp_fwd + a2a_fwd + layers * ring.forward_exposed_s,
+                       comm_backward=(tp_bwd + recompute_comm + a2a_bwd
+                                      + layers * ring.backward_exposed_s),
                        backward_matmul=2 * matmul * factor + recomputed)
 
 

@@ -35,7 +35,7 @@ from hybrid.planning.cost.stage_time import (
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.registry import schedule_splits_backward
 from hybrid.planning.cost.makespan import (
-    closed_form_bubble, makespan_lower_bound, simulated_makespan,
+    closed_form_bubble, makespan_lower_bound, overlap_savings, simulated_makespan,
 )
 
 
@@ -148,9 +148,11 @@ def _parts(plan: JobPlan, device: Device) -> _Parts:
         if kinds not in alike:
             alike[kinds] = _rank_sums([known[kind] for kind in kinds], m)
         ranks.append(alike[kinds])
+    times = [known[key] for key in keys]
+    saved = overlap_savings(plan, times) if not device.host else [0.0] * len(ranks)
     return _Parts(
-        times=[known[key] for key in keys], p2p=link_p2p, message=message, ranks=ranks,
-        busy=[r.busy for r in ranks], cpu_busy=[r.cpu_busy for r in ranks],
+        times=times, p2p=link_p2p, message=message, ranks=ranks,
+        busy=[r.busy - s for r, s in zip(ranks, saved)], cpu_busy=[r.cpu_busy for r in ranks],
         wire=[r.wire for r in ranks],
         optimizer=[est.optimizer_bytes / 8 * device.optimizer_s_per_param
                    for est in plan.memory])
@@ -168,7 +170,7 @@ def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepP
     optimizer step; on shared CPU cores, at least the node's work over its cores."""
     parts = _parts(plan, device)
     if simulated and simulates(plan):
-        makespan = simulated_makespan(plan, parts.times, parts.p2p)
+        makespan = simulated_makespan(plan, parts.times, parts.p2p, overlap=not device.host)
     else:
         makespan = max(parts.busy) + closed_form_bubble(plan, parts.times, parts.p2p)
     return _prediction(plan, device, parts, makespan,

@@ -1,11 +1,7 @@
 """Pipeline actions: the small values that a schedule is made of (no torch).
 
-A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. Virtual stage ``s``
-(in model order, ``0 <= s < pp * vpp``) is chunk ``s // pp`` of the rank ``stage_rank`` gives,
-the one placement function: ``loop`` (Megatron's interleaved placement, rank ``s % pp``) or
-``v`` (ZB-V's: odd chunks run the ranks backwards, so with ``vpp == 2`` rank ``r`` holds
-stages ``r`` and ``2*pp - 1 - r``, and the first and last stage share rank 0). With
-``vpp == 1`` both are the identity.
+A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. Which rank runs
+virtual stage ``s`` is the stage map's (``stage_map``: ``loop``, ``v`` or any other shape).
 
 Text form, as in torch.distributed.pipelining: ``<stage><KIND><micro-batch>``, e.g. ``2F0``,
 ``1I3``, ``0W3``, ``1B2``, ``2SEND_F0``, ``3RECV_B1``, and under ZeRO-3 ``0UNSHARD3`` /
@@ -21,7 +17,10 @@ import csv
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from hybrid.errors import UserError
+from hybrid.planning.schedules.errors import ScheduleError
+from hybrid.planning.schedules.stage_map import (  # noqa: F401  (importable from here too)
+    LOOP, V_SHAPE, rank_stages, stage_chunk, stage_rank,
+)
 
 FORWARD = "F"
 BACKWARD = "B"  # full backward: input gradient and weight gradient together
@@ -39,10 +38,6 @@ ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + SHARD_KINDS
 _ACTION_PATTERN = re.compile(
     r"^(\d+)(" + "|".join(sorted(ALL_KINDS, key=len, reverse=True)) + r")(\d+)$"
 )
-
-
-class ScheduleError(UserError):
-    """A schedule that cannot be built or does not hold; the first line says what to change."""
 
 
 @dataclass(frozen=True, order=True)
@@ -135,31 +130,6 @@ def flatten(lists: list[list]) -> list[list[Action]]:
             for steps in lists]
 
 
-LOOP, V_SHAPE = "loop", "v"
-PLACEMENTS = (LOOP, V_SHAPE)
-
-
-def stage_rank(stage: int, pp: int, placement: str = LOOP) -> int:
-    """The pipeline rank that holds virtual stage ``stage`` (see the module doc)."""
-    if placement == V_SHAPE and (stage // pp) % 2:
-        return pp - 1 - stage % pp
-    if placement not in PLACEMENTS:
-        raise ScheduleError(f"unknown placement {placement!r}; use one of {PLACEMENTS}")
-    return stage % pp
-
-
-def stage_chunk(stage: int, pp: int) -> int:
-    """The virtual chunk (0 .. vpp-1) that ``stage`` is on its rank (either placement)."""
-    return stage // pp
-
-
-def rank_stages(rank: int, pp: int, vpp: int, placement: str = LOOP) -> list[int]:
-    """The virtual stages pipeline rank ``rank`` holds, by chunk (the inverse of
-    ``stage_rank`` and ``stage_chunk``)."""
-    return sorted((s for s in range(pp * vpp) if stage_rank(s, pp, placement) == rank),
-                  key=lambda s: stage_chunk(s, pp))
-
-
 # ----- whole schedules as text and CSV -------------------------------------------------------
 def to_text(lists: list[list[Action]]) -> str:
     """One line per rank, ``rank 0: 0F0 0F1 0B0 ...``; read back with ``from_text``."""
@@ -195,3 +165,4 @@ def load_csv(path: str | Path) -> list[list[Action]]:
     with open(path, newline="") as handle:
         return [[parse_step(cell) for cell in row if cell.strip()]
                 for row in csv.reader(handle)]
+

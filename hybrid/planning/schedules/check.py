@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
     LOOP, ScheduleError, flatten, stage_rank,
@@ -41,7 +42,7 @@ def format_table(lists: list[list[Action]], marks: set[Cell] | None = None) -> s
 
 
 def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
-                   placement: str = LOOP, forward_only: bool = False) -> None:
+                   placement: Placement = LOOP, forward_only: bool = False) -> None:
     """Raise ``ScheduleError`` unless ``lists`` is a complete, ordered, deadlock-free schedule
     (composite actions count as their parts in order).
 
@@ -83,7 +84,7 @@ def _locate(lists: list[list[Action]], wanted: Action) -> set[Cell]:
             for i, action in enumerate(actions) if action == wanted}
 
 
-def _check_placement(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str
+def _check_placement(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: Placement
                      ) -> None:
     n_stages = pp * vpp
     for rank, actions in enumerate(lists):
@@ -97,7 +98,7 @@ def _check_placement(lists: list[list[Action]], pp: int, m: int, vpp: int, place
                       f"{home}", lists, {(rank, step)})
 
 
-def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str,
+def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: Placement,
                     forward_only: bool) -> None:
     counts = Counter(action for actions in lists for action in actions)
     for action, count in counts.items():
@@ -116,7 +117,7 @@ def _check_complete(lists: list[list[Action]], pp: int, m: int, vpp: int, placem
                   _locate(lists, action))
 
 
-def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: str,
+def _required_actions(lists: list[list[Action]], pp: int, m: int, vpp: int, placement: Placement,
                       forward_only: bool = False) -> set[Action]:
     """Every action a complete schedule must have; B vs I+W follows what each (s, mb) uses
     (``forward_only``: forwards and their messages only)."""

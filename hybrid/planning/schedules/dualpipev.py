@@ -114,5 +114,6 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     name="dualpipev", build=_dualpipev_lists, closed_form=_dualpipev_closed_form,
     warmup_step=lambda forward, backward, vpp: forward / vpp,
     chunks=TWO, instead="zb-v", placement=V_SHAPE, tag_matched=True, min_microbatches_per_pp=2,
+    steps=lambda pp, m, vpp: dualpipev_steps(pp, m), search_vpps=(2,),
     doc="DeepSeek-V3's DualPipeV: ZB-V's V, each steady step one chunk's F overlapped with "
         "the other's B; gloo only"))

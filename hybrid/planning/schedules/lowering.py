@@ -4,13 +4,14 @@ form complete and deadlock-free."""
 
 from __future__ import annotations
 
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     FORWARD, LOOP, RECV_B, RECV_F, SEND_B, SEND_F, Action, ScheduleError, flatten, stage_rank,
 )
 
 
 def add_communication(compute_lists: list[list[Action]], pp: int, vpp: int = 1,
-                      placement: str = LOOP) -> list[list[Action]]:
+                      placement: Placement = LOOP) -> list[list[Action]]:
     """Insert SEND/RECV actions around the compute actions that cross ranks.
 
     A RECV goes right before the compute that consumes it and a SEND right after the compute
@@ -37,7 +38,7 @@ def add_communication(compute_lists: list[list[Action]], pp: int, vpp: int = 1,
     return lowered
 
 
-def _comms_around(action: Action, pp: int, n_stages: int, placement: str
+def _comms_around(action: Action, pp: int, n_stages: int, placement: Placement
                   ) -> tuple[list[Action], list[Action]]:
     """The RECVs to put before ``action`` and the SENDs after it."""
     s, mb = action.stage, action.mb

@@ -4,7 +4,7 @@ The model is a list of blocks: ``n_special[0]`` leading blocks (the embedding), 
 transformer layers, then ``n_special[1]`` trailing blocks (the head: final norm, output layer
 and loss). With the default ``n_special=(1, 1)``: block 0 is the embedding, blocks 1..L the
 layers, block L+1 the head. ``partition`` returns one ``range`` of block indices per virtual
-stage ``s`` (model order), placed by ``hybrid.planning.schedules.actions.stage_rank`` / ``stage_chunk``.
+stage ``s`` (model order), placed by the stage map (``stage_map.stage_rank`` / ``stage_chunk``).
 
 Every stage gets at least one transformer layer; the leading blocks always go with stage 0 and
 the trailing blocks with the last stage.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import LOOP, stage_chunk, stage_rank
 from hybrid.errors import UserError
 
@@ -159,7 +160,7 @@ def block_names(n_blocks: int, n_special: tuple[int, int] = (1, 1)) -> list[str]
 
 def format_partition(stages: list[range], pp: int, n_layers: int | None = None, *,
                      n_special: tuple[int, int] = (1, 1),
-                     costs: Sequence[float] | None = None, placement: str = LOOP) -> str:
+                     costs: Sequence[float] | None = None, placement: Placement = LOOP) -> str:
     """One line per stage, by rank then chunk, e.g.
     ``rank 0 chunk 0 (stage 0): blocks 0-4 [embedding, layer 0..3]`` (+ ``cost`` if given).
 
@@ -174,7 +175,7 @@ def format_partition(stages: list[range], pp: int, n_layers: int | None = None, 
     names = block_names(n_blocks, n_special)
     lines = []
     def place(s: int) -> tuple[int, int]:
-        return stage_rank(s, pp, placement), stage_chunk(s, pp)
+        return stage_rank(s, pp, placement), stage_chunk(s, pp, placement)
 
     for stage in sorted(range(len(stages)), key=place):
         rank, chunk = place(stage)

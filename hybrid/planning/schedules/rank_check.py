@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     flatten,
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, Action,
@@ -42,14 +43,14 @@ class RankPlan:
     pp: int
     vpp: int
     m: int
-    placement: str
+    placement: Placement
     recv_lookahead: int
     forward_only: bool = False
     unshard_directions: tuple[int, ...] = ()
     """ZeRO-3: per ``UNSHARD`` in order, the way its stage's next compute walks the blocks
     (``gathers.unshard_directions``), found once here rather than every step."""
 
-    def check_made_for(self, *, rank: int, pp: int, vpp: int, m: int, placement: str,
+    def check_made_for(self, *, rank: int, pp: int, vpp: int, m: int, placement: Placement,
                        stages: Sequence[int], recv_lookahead: int,
                        forward_only: bool = False) -> None:
         """Raise ``ScheduleError`` (one line) unless the plan was made for this step."""
@@ -65,7 +66,7 @@ class RankPlan:
 
 
 def plan_rank(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,
-              vpp: int, m: int, placement: str = LOOP, recv_lookahead: int = 0,
+              vpp: int, m: int, placement: Placement = LOOP, recv_lookahead: int = 0,
               forward_only: bool = False) -> RankPlan:
     """Lower ``actions`` (when compute-only), check them for this rank and plan the posting of
     their messages; raises ``ScheduleError`` with the first problem. ``forward_only``: an
@@ -111,7 +112,7 @@ def _runs(action: Action) -> bool:
 
 
 def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int,
-                       placement: str = LOOP) -> list[Action]:
+                       placement: Placement = LOOP) -> list[Action]:
     """``add_communication`` for one rank's compute-only list."""
     lists: list[list[Action]] = [[] for _ in range(pp)]
     lists[rank] = list(actions)
@@ -119,7 +120,7 @@ def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int,
 
 
 def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank: int, pp: int,
-                       vpp: int, m: int, placement: str = LOOP,
+                       vpp: int, m: int, placement: Placement = LOOP,
                        forward_only: bool = False) -> None:
     """Raise ``ScheduleError`` unless ``actions`` is a complete, ordered list for this rank."""
     expected_stages = rank_stages(rank, pp, vpp, placement)
@@ -145,7 +146,7 @@ def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank
 
 
 def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp: int,
-                    vpp: int, m: int, placement: str, forward_only: bool = False) -> None:
+                    vpp: int, m: int, placement: Placement, forward_only: bool = False) -> None:
     present = set(actions)
     compute = [a for a in actions if a.is_compute]
     required = set(compute) | set(lower_rank_actions(compute, rank, pp, vpp, placement))
@@ -164,7 +165,7 @@ def _check_complete(actions: Sequence[Action], stages: list[int], rank: int, pp:
                             f"which no stage needs; drop them")
 
 
-def _check_order(actions: Sequence[Action], rank: int, pp: int, vpp: int, placement: str
+def _check_order(actions: Sequence[Action], rank: int, pp: int, vpp: int, placement: Placement
                  ) -> None:
     lowered = any(action.is_comm for action in actions)
     done: set = set()

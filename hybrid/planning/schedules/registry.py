@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from hybrid.planning.schedules.actions import (
-    BACKWARD_INPUT, LOOP, PLACEMENTS, Action, ScheduleError,
+    BACKWARD_INPUT, Action, ScheduleError,
 )
+from hybrid.planning.schedules.stage_map import LOOP, STAGE_RULES
 
 ONE, TWO_OR_MORE, TWO = "one", "two or more", "two"
 """How many virtual chunks per pipeline rank a schedule runs (``ScheduleSpec.chunks``)."""
@@ -49,8 +50,9 @@ class ScheduleSpec:
     """``ONE``, ``TWO_OR_MORE`` or ``TWO`` virtual chunks per rank (``parallel.vpp``)."""
     instead: str = "1f1b"
     """The schedule a refusal suggests instead."""
-    placement: str = LOOP
-    """Where stages live (``actions.stage_rank``): ``loop``, or ``v`` (ZB-V)."""
+    placement: Placement = LOOP
+    """Its stage map's name (``stage_map.STAGE_RULES``): ``loop``, ``v`` (ZB-V, DualPipeV),
+    or a shape its module registers with ``register_stage_rule`` before its spec."""
     min_pp: int = 1
     microbatches_multiple_of_pp: bool = False
     min_microbatches_per_pp: int = 0
@@ -61,13 +63,17 @@ class ScheduleSpec:
     does, NCCL does not (``p2p.fifo_mismatches``)."""
     last_stage_holds: Callable[[int], int] = _one_microbatch_held
     """``m`` -> micro-batches whose head activations the last stage holds at once."""
+    steps: Optional[Builder] = None
+    """``steps(pp, m, vpp)``: the lists with the schedule's composite actions whole (what a
+    two-stream runtime runs and the cost model prices as overlapped on a GPU); None: its
+    ``build`` lists have none."""
     search_vpps: tuple[int, ...] = ()
     """Chunk counts the layout search tries with this schedule (none: it is not searched)."""
     doc: str = ""
     """One line for ``docs/pipeline.md`` and the config reference."""
 
     def __post_init__(self) -> None:
-        if self.chunks not in (ONE, TWO_OR_MORE, TWO) or self.placement not in PLACEMENTS:
+        if self.chunks not in (ONE, TWO_OR_MORE, TWO) or self.placement not in STAGE_RULES:
             raise ScheduleError(f"schedule {self.name!r}: chunks={self.chunks!r} or "
                                 f"placement={self.placement!r} is not a known kind")
 
@@ -96,7 +102,7 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 def schedule_placement(name: str) -> str:
-    """Where schedule ``name`` puts its stages (``actions.LOOP`` or ``actions.V_SHAPE``)."""
+    """The name of schedule ``name``'s stage map (``stage_map.STAGE_RULES``)."""
     return schedule_spec(name).placement
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hybrid.planning.schedules.gathers import strip_gathers
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
     LOOP, stage_rank,
@@ -48,7 +49,7 @@ class Dependency:
 
 
 def dependencies(action: Action, pp: int, n_stages: int, lowered: bool,
-                 placement: str = LOOP) -> list[Dependency]:
+                 placement: Placement = LOOP) -> list[Dependency]:
     """What ``action`` needs done before it can start (see the module docstring)."""
     s, mb = action.stage, action.mb
     here = stage_rank(s, pp, placement)
@@ -111,7 +112,7 @@ class Timed:
 
 
 def replay(lists: list[list[Action]], pp: int, vpp: int,
-           duration: Callable[[Action], float], p2p: float = 0, placement: str = LOOP
+           duration: Callable[[Action], float], p2p: float = 0, placement: Placement = LOOP
            ) -> list[Timed]:
     """Run every rank as far as it can, repeatedly, until all finish or all wait.
 
@@ -166,6 +167,6 @@ def _ready_time(rank: int, step: int, action: Action, clock: float,
 
 
 def _first_missing(action: Action, finished: dict[ResultKey, float], pp: int, n_stages: int,
-                   lowered: bool, placement: str) -> ResultKey:
+                   lowered: bool, placement: Placement) -> ResultKey:
     deps = dependencies(action, pp, n_stages, lowered, placement)
     return next(dep.key for dep in deps if dep.key not in finished)

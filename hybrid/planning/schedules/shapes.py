@@ -28,6 +28,14 @@ def simulate_unit_costs(schedule: str, pp: int, m: int, vpp: int) -> SimResult:
                     placement=schedule_spec(schedule).placement, checked=True)
 
 
+@functools.lru_cache(maxsize=64)
+def schedule_steps(schedule: str, pp: int, m: int, vpp: int) -> tuple:
+    """The schedule's lists with its composite actions whole (``ScheduleSpec.steps``), once
+    per shape; () for a schedule without composites."""
+    steps = schedule_spec(schedule).steps
+    return () if steps is None else tuple(tuple(actions) for actions in steps(pp, m, vpp))
+
+
 def closed_form_schedule(schedule: str, pp: int, m: int, vpp: int) -> tuple[float, tuple]:
     """(bubble fraction, peak in-flight micro-batches per rank) with unit costs, without
     simulating: the spec's closed forms (``tests/test_simulate.py`` checks them against the

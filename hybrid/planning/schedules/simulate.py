@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_WEIGHT, FORWARD, LOOP, Action, flatten,
 )
@@ -80,7 +81,7 @@ class SimResult:
 
 def simulate(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
              costs: Costs | StageCosts = Costs(F=1, B=2, I=1, W=1, p2p=0),
-             placement: str = LOOP, checked: bool = False) -> SimResult:
+             placement: Placement = LOOP, checked: bool = False) -> SimResult:
     """Check ``lists`` (compute-only or lowered; ``checked``: already), then time it with
     ``costs``. A composite action runs its parts in order, as the CPU runtime does (its
     events are its parts')."""
