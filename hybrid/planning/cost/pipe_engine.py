@@ -8,29 +8,34 @@ has the table):
 
 - *The same lock-step 1F1B.* ``schedule.TrainSchedule`` alternates forward and backward
   steps, even and odd stages out of phase, each exchange a blocking ``p2p.send``/``recv``
-  (``dist.send``, or a 2-rank ``broadcast`` before torch 1.8): with equal stages its makespan
-  is 1F1B's exactly (a rendezvous simulation of its command lists), so it is priced as 1F1B
-  with blocking exchanges (``Device.blocking_p2p``) and the search offers it nothing else.
+  (``dist.send``, or a 2-rank ``broadcast`` before torch 1.8): its makespan is 1F1B's, with
+  equal stages and with heavier first and last ones (``tests/test_pipe_engine.py`` simulates
+  its command lists), so it is priced as 1F1B with blocking exchanges
+  (``Device.blocking_p2p``) and the search offers it nothing else.
 - *Activations partitioned over the TP group* (``pipe_partitioned``, ``grad_partitioned``:
   on by default whenever TP > 1): ``_exec_forward_pass`` and ``_exec_send_grads`` cut the
   tensor into ``1 / tp`` slices (``PartitionedTensor``), each TP rank sends its own over its
   NIC and the receiver gathers it (``part.full()``): Megatron-LM's scatter/gather
-  (``p2p_scatter_gather``). Per message 0.9 ms, where sending it whole took 4.2 ms.
+  (``p2p_scatter_gather``). Per message 0.88 ms, where sending it whole took 4.2 ms: the
+  step 1.7 s shorter.
 - *The sent output gathered back for the backward* (``_exec_backward_pass``:
   ``part_output.full()``, the output's storage having been freed after the send): one more
-  gather of ``b·s·h`` over NVLink per backward exchange (``p2p_restore_gather``): 0.35 ms.
+  gather of ``b·s·h`` over NVLink per backward exchange (``p2p_restore_gather``): 0.35 ms,
+  the step 0.09 s longer.
 - *Each tensor's meta sent on its own* (``outputs = (part.to_meta(), part.data(), ...)``,
   one blocking ``p2p.send`` each): one more message latency per exchange
-  (``p2p_meta_messages``): 10 us. Until PR #4360 (2023) the receiver also read that meta back
+  (``p2p_meta_messages``): 10 us, 6 ms a step. Until PR #4360 (2023) the receiver read it back
   to the host (``PartitionedTensor.from_meta``: ``meta.tolist()``), a device-to-host
   synchronisation per exchange; its cost is the launch gap after it (the next kernels are
   milliseconds long at this size), not priced.
 - *Tied embedding gradients* (``_exec_reduce_tied_grads``, before ``ReduceGrads`` at the last
   step): the word embedding's gradient all-reduced between the first and last stage,
-  ``V / t x h`` at 2 bytes, after the last backward (``tied_after_backward``): 10 ms a step.
+  ``V / t x h`` at 2 bytes, after the last backward (``tied_after_backward``): 13 ms a step.
 - *Gradients reduced after the last backward, in buckets* (``_exec_reduce_grads``:
-  ``allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)``, 5e8 elements; ZeRO-1's
-  ``reduce_gradients`` likewise): Megatron-LM's ``local`` DDP's timing, not its one buffer.
+  ``allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)``; ZeRO-1's
+  ``reduce_gradients`` likewise): Megatron-LM's ``local`` DDP's timing, not its one buffer
+  (priced in ``parallel.bucket_mb``'s buckets; its 5e8 elements would save 20 ms of ring
+  latency on MT-NLG).
 
 ZeRO with a pipeline: the engine asserts stage < 2 (``PipelineEngine.__init__``).
 """
