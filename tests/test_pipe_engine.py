@@ -8,11 +8,10 @@ import pytest
 
 from hybrid.planning.cost.devices import PRESETS
 from hybrid.planning.cost.held_out import MT_NLG_2022, other_rows
-from hybrid.planning.cost.pipe_engine import deepspeed_pipe
 from hybrid.planning.cost.published import a100_gpt
 from hybrid.planning.cost.search import search
 from hybrid.planning.cost.search_limits import SearchLimits, search_limits
-from hybrid.planning.cost.software import DEEPSPEED_PIPE, software_named
+from hybrid.planning.cost.software import DEEPSPEED_PIPE, deepspeed_pipe, software_named
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.job import plan_job
 from test_search_limits import GPT_2B, best, by_hand, config

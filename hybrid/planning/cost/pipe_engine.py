@@ -42,11 +42,8 @@ ZeRO with a pipeline: the engine asserts stage < 2 (``PipelineEngine.__init__``)
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hybrid.planning.cost.collectives import ring_all_reduce
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.published import megatron_lm
 from hybrid.planning.cost.stage_time import link_for
 
 TIED_GRAD_BYTES = 2
@@ -54,11 +51,10 @@ TIED_GRAD_BYTES = 2
 32-bit ``_hp_grad``."""
 
 
-def deepspeed_pipe(device: Device) -> Device:
-    """``device`` as DeepSpeed's pipeline engine drives it, on Megatron-DeepSpeed's layers
-    (Megatron-LM's attention and its mixed-precision step)."""
-    return replace(megatron_lm(device), p2p_scatter_gather=True, dp_one_collective=False,
-                   p2p_meta_messages=1, p2p_restore_gather=True, tied_after_backward=True)
+ENGINE_TERMS = dict(p2p_scatter_gather=True, dp_one_collective=False, p2p_meta_messages=1,
+                    p2p_restore_gather=True, tied_after_backward=True)
+"""The ``Device`` fields above, as the engine sets them on Megatron-DeepSpeed's layers
+(Megatron-LM's attention and mixed-precision step: ``software.deepspeed_pipe``)."""
 
 
 def tied_grads_s(plan, device: Device) -> float:

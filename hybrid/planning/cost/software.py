@@ -11,12 +11,12 @@ sources; none is fitted to a training run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from hybrid.errors import UserError
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.pipe_engine import deepspeed_pipe
+from hybrid.planning.cost.pipe_engine import ENGINE_TERMS
 from hybrid.planning.cost.published import megatron_lm
 
 
@@ -100,6 +100,12 @@ MEGATRON_LM_2021 = Software(
 ``--checkpoint-activations`` or nothing (selective recompute and sequence parallelism are
 Korthikanti et al. 2022); no context parallelism (2023)."""
 
+def deepspeed_pipe(device: Device) -> Device:
+    """``device`` as DeepSpeed's pipeline engine drives it (``pipe_engine.ENGINE_TERMS``) on
+    Megatron-DeepSpeed's layers (Megatron-LM's attention and mixed-precision step)."""
+    return replace(megatron_lm(device), **ENGINE_TERMS)
+
+
 def _deepspeed_pipe(device: Device, pp: int) -> Device:
     return deepspeed_pipe(device)
 
@@ -113,7 +119,7 @@ DEEPSPEED_PIPE = Software(
             "sent output gathered back for the backward, tied embeddings and DP reduced after "
             "the last backward, Megatron-LM's unfused attention and mixed-precision step")
 """DeepSpeed's ``PipelineEngine`` as MT-NLG, BLOOM and GPT-NeoX ran it
-(``pipe_engine.deepspeed_pipe`` prices each term from its code): its ``TrainSchedule`` only
+(``deepspeed_pipe``; ``pipe_engine`` prices each term from its code): its ``TrainSchedule`` only
 (no interleaving, no zero-bubble split); ZeRO ≤ 1 with a pipeline (its engine asserts it);
 Megatron-DeepSpeed's ``--checkpoint-activations`` or nothing; no sequence or context
 parallelism (they came to Megatron-DeepSpeed in 2023)."""
