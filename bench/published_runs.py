@@ -26,7 +26,7 @@ def main() -> None:
               f"{r['predicted_s']:>11.2f} {r['error']:>+7.1%}")
     print("\nheld out (Narayanan et al. 2021, Table 1; not used in the fit):")
     print(format_held_out(held_out_rows()))
-    print("\nother published runs (in no fit):")
+    print("\nother published runs (in no fit; cost.software=deepspeed-pipe):")
     print(format_other(other_rows()))
     best, meta = llama3_405b_choice()
     print("\nLlama 3 405B on 8,192 H100s (Dubey et al. 2024: tp 8 x cp 1 x pp 16 x dp 64, "

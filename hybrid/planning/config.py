@@ -253,8 +253,9 @@ class CostConfig:
     """The link between nodes in Gb/s instead of the device's (e.g. 10 for plain Ethernet):
     what-if pricing, e.g. of the DP options hybrid-plan compares."""
     software: str = "hybrid"
-    """The training stack the prediction is for (hybrid/planning/cost/software.py): hybrid or
-    megatron-lm-2021; it sets what the step costs and what the search offers."""
+    """The training stack the prediction is for (hybrid/planning/cost/software.py): hybrid,
+    megatron-lm-2021 or deepspeed-pipe; it sets what the step costs and what the search
+    offers."""
     replica_speed: Optional[List[float]] = None
     """Each DP replica's compute speed relative to the device (e.g. [1, 0.5]: the second at
     half speed): hybrid-plan then predicts the step under even shares and under

@@ -97,6 +97,15 @@ class Device:
     p2p_scatter_gather: bool = False
     """Between nodes, each TP rank sends ``1 / tp`` of an activation over its own NIC and the
     receiving node gathers it over NVLink (Narayanan et al. 2021, section 4.1)."""
+    p2p_meta_messages: int = 0
+    """Small blocking messages sent before every activation or gradient (DeepSpeed's
+    pipeline engine: each partitioned tensor's shape, its own ``p2p.send``): a latency each."""
+    p2p_restore_gather: bool = False
+    """The sender's backward gathers back the output it sent partitioned (DeepSpeed's
+    ``_exec_backward_pass``, ``part_output.full()``): one more gather a backward exchange."""
+    tied_after_backward: bool = False
+    """The tied embedding's gradient is all-reduced between the first and last stage after
+    the last backward, nothing beside it (DeepSpeed's ``_exec_reduce_tied_grads``)."""
     collective_sm_share: float = 0.0
     """The share of the SMs a running collective holds, that the multiplies beside a
     reduction the backward hides lose while it runs (``COLLECTIVE_SMS``); 0: not priced."""

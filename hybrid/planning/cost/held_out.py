@@ -22,9 +22,9 @@ from typing import Iterator, Optional
 from hybrid.planning.config import Config, ModelConfig, TrainConfig
 from hybrid.planning.cost.devices import Device, load_device
 from hybrid.planning.cost.published import (
-    KORTHIKANTI_2022, NARAYANAN_2021, GptRun, ThroughputRun, a100_gpt, megatron_lm,
+    KORTHIKANTI_2022, NARAYANAN_2021, GptRun, ThroughputRun, a100_gpt,
 )
-from hybrid.planning.cost.software import MEGATRON_LM_2021
+from hybrid.planning.cost.software import DEEPSPEED_PIPE, MEGATRON_LM_2021, Software
 from hybrid.planning.cost.steptime import StepPrediction, predict_step
 from hybrid.planning.job import plan_job
 from hybrid.planning.layout import LayoutError, valid_sizes
@@ -145,16 +145,14 @@ MT_NLG_2022 = tuple(
                  50272, seconds, "Smith et al. 2022, section 2.4")
     for gpus, seconds in ((2240, 60.1), (2800, 50.2), (3360, 44.4)))
 """Megatron-Turing NLG 530B: tensor 8 x pipeline 35 on 280, 350 and 420 DGX A100 nodes,
-global batch 1920, sequence 2048, micro-batch 1 (DeepSpeed's pipeline engine: 1F1B, no
-scatter/gather of pipeline messages, gradients reduced after the last backward)."""
+global batch 1920, sequence 2048, micro-batch 1, on DeepSpeed's pipeline engine
+(``cost.software=deepspeed-pipe``: ``pipe_engine`` prices what it does)."""
 
 
-def other_rows() -> list[dict]:
-    """Each of ``MT_NLG_2022`` priced as it ran: predicted against published seconds."""
-    # DeepSpeed reduces after the last backward too, but in buckets of 5e8 elements, not one
-    # buffer (its passes over the gradients are priced as Megatron-LM's local DDP's)
-    device = replace(megatron_lm(load_device("a100-80gb")), p2p_scatter_gather=False,
-                     dp_one_collective=False)
+def other_rows(software: Software = DEEPSPEED_PIPE) -> list[dict]:
+    """Each of ``MT_NLG_2022`` priced as it ran (on ``software``): predicted against
+    published seconds."""
+    device = software.device(load_device("a100-80gb"), MT_NLG_2022[0].run.pp)
     rows = []
     for other in MT_NLG_2022:
         cfg = a100_gpt(other.run, "full", other.run.tp, other.run.pp)

@@ -139,7 +139,8 @@ def searched_shardings() -> list[int]:
 def _knobs(pp: int, dp: int, tp: int, limits: SearchLimits) -> Iterator[tuple]:
     schedules = [(name, vpp) for name, vpp in searched_schedules(pp, limits)
                  if limits.allows("vpp", vpp)]
-    zeros = limits.only("zero", searched_shardings() if dp > 1 else (0,))
+    zeros = [z for z in (searched_shardings() if dp > 1 else (0,))
+             if limits.allows_zero(z, pp)]
     sps = limits.only("sequence_parallel", (False, True) if tp > 1 else (False,))
     recomputes = limits.only("recompute", RECOMPUTE)
     for schedule in schedules:
@@ -171,7 +172,7 @@ def search(cfg: Config, world: int, device: Device, top: int = 10,
     for order, candidate in enumerate(candidates(cfg, world, limits)):
         layout_key, spec = _without_zero(candidate), SHARDINGS[candidate.parallel.zero]
         below = lower.get(layout_key)
-        if not limits.allows("zero", candidate.parallel.zero - 1):
+        if not limits.allows_zero(candidate.parallel.zero - 1, candidate.parallel.pp):
             below = None  # the stage below is not tried (search.keep, the software): no skip
         skip = spec.searched_if_less_fails and zero_stage_skip(spec, below, device)
         if skip:

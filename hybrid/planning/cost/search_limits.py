@@ -44,6 +44,11 @@ class SearchLimits:
             return False
         return self.software.allows(key, value)
 
+    def allows_zero(self, stage: int, pp: int) -> bool:
+        """Whether a layout of ``pp`` stages may run ZeRO ``stage`` (the software may run
+        fewer stages with a pipeline than without)."""
+        return self.allows("zero", stage) and self.software.allows_zero(stage, pp)
+
     def only(self, key: str, values: Iterable) -> list:
         return [v for v in values if self.allows(key, v)]
 

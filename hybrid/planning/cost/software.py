@@ -11,11 +11,12 @@ sources; none is fitted to a training run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from hybrid.errors import UserError
 from hybrid.planning.cost.devices import Device
+from hybrid.planning.cost.pipe_engine import ENGINE_TERMS
 from hybrid.planning.cost.published import megatron_lm
 
 
@@ -34,6 +35,8 @@ class Software:
     """The pipeline schedules it runs (None: every registered one)."""
     zero_stages: Optional[tuple[int, ...]] = None
     """The ZeRO stages it runs with data parallelism (None: every searched one)."""
+    zero_stages_pipelined: Optional[tuple[int, ...]] = None
+    """Of those, the ones it runs with a pipeline too (None: all of them)."""
     recompute: Optional[tuple[str, ...]] = None
     """The ``model.recompute`` modes it offers (None: all)."""
     sequence_parallel: bool = True
@@ -58,6 +61,13 @@ class Software:
         if key == "cp":
             return self.context_parallel or value == 1
         return True
+
+
+    def allows_zero(self, stage: int, pp: int) -> bool:
+        """Whether it runs ZeRO ``stage`` on a layout of ``pp`` pipeline stages."""
+        return self.allows("zero", stage) and (
+            pp == 1 or self.zero_stages_pipelined is None
+            or stage in self.zero_stages_pipelined)
 
 
 def _as_is(device: Device, pp: int) -> Device:
@@ -90,7 +100,31 @@ MEGATRON_LM_2021 = Software(
 ``--checkpoint-activations`` or nothing (selective recompute and sequence parallelism are
 Korthikanti et al. 2022); no context parallelism (2023)."""
 
-SOFTWARE = {s.name: s for s in (HYBRID, MEGATRON_LM_2021)}
+def deepspeed_pipe(device: Device) -> Device:
+    """``device`` as DeepSpeed's pipeline engine drives it (``pipe_engine.ENGINE_TERMS``) on
+    Megatron-DeepSpeed's layers (Megatron-LM's attention and mixed-precision step)."""
+    return replace(megatron_lm(device), **ENGINE_TERMS)
+
+
+def _deepspeed_pipe(device: Device, pp: int) -> Device:
+    return deepspeed_pipe(device)
+
+
+DEEPSPEED_PIPE = Software(
+    name="deepspeed-pipe", pricing=_deepspeed_pipe,
+    schedules=("1f1b",), zero_stages_pipelined=(0, 1), recompute=("none", "full"),
+    sequence_parallel=False, context_parallel=False,
+    summary="DeepSpeed's pipeline engine under Megatron-DeepSpeed (2021-22): lock-step 1F1B, "
+            "blocking exchanges partitioned over the TP group with their meta sent apart, the "
+            "sent output gathered back for the backward, tied embeddings and DP reduced after "
+            "the last backward, Megatron-LM's unfused attention and mixed-precision step")
+"""DeepSpeed's ``PipelineEngine`` as MT-NLG, BLOOM and GPT-NeoX ran it
+(``deepspeed_pipe``; ``pipe_engine`` prices each term from its code): its ``TrainSchedule`` only
+(no interleaving, no zero-bubble split); ZeRO ≤ 1 with a pipeline (its engine asserts it);
+Megatron-DeepSpeed's ``--checkpoint-activations`` or nothing; no sequence or context
+parallelism (they came to Megatron-DeepSpeed in 2023)."""
+
+SOFTWARE = {s.name: s for s in (HYBRID, MEGATRON_LM_2021, DEEPSPEED_PIPE)}
 
 
 def software_named(name: str) -> Software:

@@ -28,6 +28,7 @@ from hybrid.planning.cost.collectives import ring_gather
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import paper_flops_per_step
+from hybrid.planning.cost.pipe_engine import tied_grads_s
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.cost.stage_time import (
     StageTimes, link_for, stage_times,
@@ -64,6 +65,9 @@ class StepPrediction:
     dp_contention_s: float = 0.0
     """What the multiplies beside the hidden part of the DP reduction lose to the SMs it
     holds (``Device.collective_sm_share``)."""
+    tied_s: float = 0.0
+    """The tied embedding's gradient all-reduce where the software exposes it
+    (``Device.tied_after_backward``)."""
     schedule_simulated: bool = True
     """The makespan comes from simulating the schedule (else from its closed form)."""
 
@@ -133,11 +137,13 @@ def _parts(plan: JobPlan, device: Device) -> _Parts:
         if key not in known:
             known[key] = stage_times(plan, device, stage.blocks, split=split)
         keys.append(key)
-    message = _p2p_time(plan, device)
+    message, gather = _p2p_time(plan, device)
     link_p2p = message
+    restore = gather if device.p2p_restore_gather else 0.0
     if device.blocking_p2p and plan.layout.pp > 1:
         # the rank waits for each exchange: one after each forward and backward of a chunk
-        known = {key: dc_replace(t, forward=t.forward + message, backward=t.backward + message)
+        known = {key: dc_replace(t, forward=t.forward + message,
+                                 backward=t.backward + message + restore)
                  for key, t in known.items()}
         link_p2p = 0.0
     m = plan.schedule.microbatches
@@ -211,7 +217,8 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
         dp_exposed = dp_s
     contention = _contention(parts.ranks[dp_rank], dp_s - dp_exposed, device)
     optimizer = parts.optimizer
-    step = max(makespan + dp_exposed + contention + max(optimizer),
+    tied = tied_grads_s(plan, device)
+    step = max(makespan + dp_exposed + contention + tied + max(optimizer),
                _shared_cores_time(plan, device,
                                   [b + o for b, o in zip(parts.cpu_busy, optimizer)],
                                   max(parts.wire)) + dp_exposed)
@@ -220,6 +227,7 @@ def _prediction(plan: JobPlan, device: Device, parts: _Parts, makespan: float,
         bubble_s=makespan - parts.busy[busiest],
         tp_s=parts.ranks[busiest].tp, pp_s=parts.message, dp_s=dp_s,
         dp_exposed_s=dp_exposed, optimizer_s=max(optimizer), dp_contention_s=contention,
+        tied_s=tied,
         tflops_per_device=(paper_flops_per_step(cfg) / step / layout.world_size / 1e12
                            if step else 0.0),
         mem_bytes_per_rank=max(est.total_bytes for est in plan.memory),
@@ -258,13 +266,14 @@ def _shared_cores_time(plan: JobPlan, device: Device, work: list[float], wire: f
     return layout.dp * layout.cp * layout.tp * replica / nodes / rate + wire / groups
 
 
-def _p2p_time(plan: JobPlan, device: Device) -> float:
-    """One activation (or its gradient) to the next stage. With sequence parallelism a TP rank
-    holds and sends ``1 / tp`` of it; without, between nodes, software that scatters it
-    (``p2p_scatter_gather``: each TP rank sends ``1 / tp`` over its own NIC) gathers it back
-    over the node's link (Narayanan et al. 2021, section 4.1)."""
+def _p2p_time(plan: JobPlan, device: Device) -> tuple[float, float]:
+    """One activation (or its gradient) to the next stage, and the gather in it. With
+    sequence parallelism a TP rank holds and sends ``1 / tp`` of it; without, between nodes,
+    software that scatters it (``p2p_scatter_gather``: each TP rank sends ``1 / tp`` over its
+    own NIC) gathers it back over the node's link (Narayanan et al. 2021, section 4.1); some
+    sends each tensor's shape first (``p2p_meta_messages``: a latency each)."""
     if plan.layout.pp == 1:
-        return 0.0
+        return 0.0, 0.0
     cfg, tp = plan.cfg, plan.layout.tp
     nbytes = (cfg.train.micro_batch * cfg.model.seq_len // plan.layout.cp * cfg.model.hidden
               * BYTES[cfg.train.precision])
@@ -275,4 +284,6 @@ def _p2p_time(plan: JobPlan, device: Device) -> float:
     elif device.p2p_scatter_gather and tp > 1 and link is device.inter:
         nbytes /= tp
         gather = ring_gather(nbytes * tp, tp, device.intra_for(tp))
-    return nbytes / link.bandwidth + link.latency + device.collective_overhead_s + gather
+    per_message = link.latency + device.collective_overhead_s
+    return (nbytes / link.bandwidth + per_message * (1 + device.p2p_meta_messages) + gather,
+            gather)
