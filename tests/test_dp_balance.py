@@ -264,11 +264,12 @@ def test_zero2_spreads_its_rounds_of_zeros_among_its_own(own, extra, expected):
             return None
 
     def shard(index):
-        bucket = SimpleNamespace(index=index, numel=4, late=False, params=[0], shard_group=None,
+        bucket = SimpleNamespace(index=index, numel=4, late=False, params=[0],
+                                 shard_group=Group(),
                                  span=lambda slot: (0, 4))
         return SimpleNamespace(bucket=bucket, grad=torch.zeros(2))
 
-    staged = StagedShards([shard(0), shard(1)], Group(), wait=lambda work: None)
+    staged = StagedShards([shard(0), shard(1)], wait=lambda work: None)
     staged.extra_rounds, staged.own_rounds = extra, own
     param = torch.zeros(4)
     for _ in range(own):

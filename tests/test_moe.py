@@ -35,6 +35,12 @@ LAYOUTS = {
     "dp4-ep4-zero2": ["parallel=single", "parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
                       "parallel.bucket_mb=0.02"],
     "dp2-cp2-ep2": ["parallel=single", "parallel.dp=2", "parallel.cp=2", "parallel.ep=2"],
+    # every DP strategy on the expert placement: ZeRO-3 gathers the experts' weights over
+    # their expert-DP group; dynamic shares give an expert group's replicas one share
+    "dp2-ep2-zero3": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
+                      "parallel.bucket_mb=0.02"],
+    "dp2-ep2-dynamic": ["parallel=single", "parallel.dp=2", "parallel.ep=2",
+                        "parallel.dp_balance=dynamic", "parallel.dp_balance_every=2"],
 }
 
 

@@ -3,6 +3,8 @@
 Training parity with and without ZeRO-1 is in ``tests/test_dp.py``.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -23,7 +25,8 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
 @pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
 def test_shards_cover_every_parameter_element_exactly_once(dp_size):
     params = [nn.Parameter(torch.randn(n)) for n in (5, 3, 7)]  # 15 elements
-    bucket = Bucket.allocate(0, params, pad_to=dp_size)
+    placement = SimpleNamespace(size=lambda: dp_size)  # no collective runs here
+    bucket = Bucket.allocate(0, params, pad_to=dp_size, group=placement, shard_group=placement)
     bucket.flatten_params()
     assert bucket.numel % dp_size == 0 and bucket.numel - 15 < dp_size
     covered = torch.zeros(bucket.numel, dtype=torch.int64)

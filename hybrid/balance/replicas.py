@@ -8,6 +8,10 @@ micro-batch and a fixed rest, and at every ``dp_balance_every``-th step (counted
 resumed run decides at the same steps) lets the pure ``hybrid.planning.balance.Balancer``
 decide. Same inputs, same pure code: every rank holds the same shares, no extra collective.
 
+With expert parallelism the replicas that share an expert group are one balance unit
+(``hybrid.planning.expert_grid.replica_units``): their experts' all-to-all needs each member's
+micro-batch, so they run the same count; the units are balanced against each other.
+
 The shares travel in checkpoints (``train.dp_shares``) so a resumed run continues with them.
 """
 
@@ -19,6 +23,7 @@ from typing import Optional, Sequence
 from hybrid.planning.balance import (
     CHECKPOINT_KEY, Balancer, even_shares, pipeline_bubble, replica_split, share_unit,
 )
+from hybrid.planning.expert_grid import replica_units
 from hybrid.planning.job import JobPlan
 
 
@@ -31,8 +36,11 @@ class ReplicaShares:
         self.dp_rank, self.dp_of_rank = dp_rank, list(dp_of_rank)
         self.even = plan.schedule.microbatches
         """Micro-batches per replica under even shares (what every loss is divided by)."""
+        self.unit_of = replica_units(layout, self.dp_of_rank)
+        """Per replica, its balance unit (the replicas of one expert group run alike)."""
+        units = max(self.unit_of) + 1
         self.dynamic = cfg.parallel.dp_balance == "dynamic" and layout.dp > 1
-        self.balancer = Balancer(even_shares(self.even * layout.dp, layout.dp),
+        self.balancer = Balancer(even_shares(self.even * units, units),
                                  every=cfg.parallel.dp_balance_every,
                                  unit=share_unit(cfg.parallel.schedule, layout.pp),
                                  bubble=pipeline_bubble(layout.pp, layout.vpp),
@@ -41,7 +49,8 @@ class ReplicaShares:
 
     @property
     def shares(self) -> tuple[int, ...]:
-        return self.balancer.shares
+        """Micro-batches per replica (its unit's)."""
+        return tuple(self.balancer.shares[u] for u in self.unit_of)
 
     @property
     def mine(self) -> int:
@@ -61,8 +70,9 @@ class ReplicaShares:
         if not self.warm:  # the first step of a run (or of a resumed one) builds caches
             self.warm = True
             return
-        pipeline, fixed = replica_split(compute_s, pipeline_s, self.dp_of_rank,
-                                        len(self.shares))
+        pipeline, fixed = replica_split(compute_s, pipeline_s,
+                                        [self.unit_of[d] for d in self.dp_of_rank],
+                                        len(self.balancer.shares))
         before = self.shares
         if self.balancer.observe(pipeline, decide=step % self.balancer.every == 0,
                                  fixed_s=fixed) and say:
@@ -113,4 +123,7 @@ class ReplicaShares:
     def load_checkpoint_state(self, targets: dict) -> None:
         """Continue with the saved shares (else even, when they do not fit this run)."""
         if CHECKPOINT_KEY in targets:
-            self.balancer.restore(targets[CHECKPOINT_KEY].tolist())
+            saved = targets[CHECKPOINT_KEY].tolist()
+            per_unit = {u: saved[d] for d, u in reversed(list(enumerate(self.unit_of)))}
+            if all(saved[d] == per_unit[u] for d, u in enumerate(self.unit_of)):
+                self.balancer.restore([per_unit[u] for u in sorted(per_unit)])

@@ -77,13 +77,13 @@ class Bucket:
     offsets: list[int]
     numel: int
     grad: torch.Tensor
-    reduce_first: Optional[Group] = None
-    group: Optional[Group] = None
+    group: Group
     """The ranks that average this bucket's gradients: its parameters' ``placement.reduce_role``
-    (one placement per bucket); None: the strategy's own gradient group."""
-    shard_group: Optional[Group] = None
-    """The ranks a ZeRO stage shards it over: its placement's ``shard_role``; None: the
-    strategy's own sharding group."""
+    (one placement per bucket). Every DP strategy reduces, averages or delays over it."""
+    shard_group: Group
+    """The ranks a ZeRO stage shards it over (and gathers its weights over): its placement's
+    ``shard_role``. No strategy holds a group of its own: the bucket says where it goes."""
+    reduce_first: Optional[Group] = None
     data: Optional[torch.Tensor] = None
     # per-step state, reset by start_step
     accumulations: list[int] = field(default_factory=list)
@@ -94,8 +94,8 @@ class Bucket:
 
     @classmethod
     def allocate(cls, index: int, params: list[torch.nn.Parameter], *, pad_to: int,
-                 reduce_first: Optional[Group] = None, group: Optional[Group] = None,
-                 grad_buffer: bool = True, shard_group: Optional[Group] = None) -> "Bucket":
+                 group: Group, shard_group: Group, reduce_first: Optional[Group] = None,
+                 grad_buffer: bool = True) -> "Bucket":
         """``grad_buffer=False`` (ZeRO-2): no persistent buffer, ``.grad`` stays autograd's
         and ``hybrid.dp.zero2`` stages it per micro-batch."""
         offsets, total = [], 0

@@ -23,7 +23,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.reduce import ExactMean
 from hybrid.dp.zero import Shard
@@ -53,8 +52,8 @@ class _InFlight:
 class PowerSGD(ExactMean):
     """The PowerSGD reducer: ``launch`` in the backward, ``finish`` after it."""
 
-    def __init__(self, group: Group, buckets: Sequence[Bucket], options, wait=None):
-        super().__init__(group, buckets, options, wait)
+    def __init__(self, buckets: Sequence[Bucket], options, wait=None):
+        super().__init__(buckets, options, wait)
         self.approx_rank, self.warmup = options.powersgd_rank, options.powersgd_warmup
         self.step = 0
         self.matrices = {b.index: self._matrices(b) for b in buckets}
@@ -92,12 +91,12 @@ class PowerSGD(ExactMean):
         rest = [bucket.grad_view(s).reshape(-1) for s in range(len(bucket.params))
                 if s not in compressed]
         if rest:
-            flat = torch.cat(rest).mul_(1.0 / self.d)
-            bucket.works.append(self.group.all_reduce(flat, async_op=True))
+            flat = torch.cat(rest).mul_(1.0 / bucket.group.size())
+            bucket.works.append(bucket.group.all_reduce(flat, async_op=True))
             bucket.on_done.append(lambda: _scatter_back(flat, rest))
         matrices = [bucket.grad_view(x.slot).view(x.rows, x.cols).add_(x.error) for x in mats]
         p = torch.cat([(mat @ x.q).reshape(-1) for mat, x in zip(matrices, mats)])
-        bucket.works.append(self.group.all_reduce(p, async_op=True))
+        bucket.works.append(bucket.group.all_reduce(p, async_op=True))
         self.in_flight[bucket.index] = _InFlight(matrices, p)
 
     def finish(self, buckets: Sequence[Bucket], wait: Callable) -> None:
@@ -106,12 +105,12 @@ class PowerSGD(ExactMean):
             flight = self.in_flight.get(bucket.index)
             if flight is not None:
                 flight.q = self._new_q(self.matrices[bucket.index], flight)
-                bucket.works.append(self.group.all_reduce(flight.q, async_op=True))
+                bucket.works.append(bucket.group.all_reduce(flight.q, async_op=True))
         for bucket in buckets:
             bucket.wait(wait)
             flight = self.in_flight.pop(bucket.index, None)
             if flight is not None:
-                self._decompress(self.matrices[bucket.index], flight)
+                self._decompress(self.matrices[bucket.index], flight, bucket.group.size())
 
     def _new_q(self, mats: list[_Matrix], flight: _InFlight) -> torch.Tensor:
         out, start = [], 0
@@ -122,8 +121,8 @@ class PowerSGD(ExactMean):
             out.append((mat.T @ p).reshape(-1))
         return torch.cat(out)
 
-    def _decompress(self, mats: list[_Matrix], flight: _InFlight) -> None:
-        flight.q.mul_(1.0 / self.d)
+    def _decompress(self, mats: list[_Matrix], flight: _InFlight, d: int) -> None:
+        flight.q.mul_(1.0 / d)
         p_start = q_start = 0
         for mat, x in zip(flight.matrices, mats):
             p = flight.p[p_start:p_start + x.rows * self.approx_rank].view(x.rows, self.approx_rank)

@@ -1,8 +1,9 @@
 """The reductions at run time: how the replicas' gradients are combined. ``ExactMean`` is the
 protocol every reduction runtime follows (the runtime of a spec in
-``hybrid.planning.strategies``, built by ``GradSync`` as ``cls(group, buckets, options, wait)``):
+``hybrid.planning.strategies``, built by ``GradSync`` as ``cls(buckets, options, wait)``):
 
-- ``launch(bucket, shard)`` starts the bucket's mean over the gradient group, asynchronously
+- ``launch(bucket, shard)`` starts the bucket's mean over ``bucket.group`` (its placement's
+  reduction group: dp x cp for dense weights, the expert-DP group for experts), asynchronously
   (during the backward, for the overlapped buckets), leaving its works and completion steps on
   the bucket; ``finish(buckets, wait)`` completes every bucket. Under ZeRO the result lands in
   this rank's ``shard.grad``, else in ``bucket.grad``. Averaging pre-divides by ``d`` and sums
@@ -24,7 +25,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from hybrid.dp.buckets import Bucket
-from hybrid.comm import Group
 from hybrid.dp.zero import Shard
 
 
@@ -37,9 +37,8 @@ class ExactMean:
 
     averages_each_step = True
 
-    def __init__(self, group: Group, buckets: Sequence[Bucket], options=None,
+    def __init__(self, buckets: Sequence[Bucket], options=None,
                  wait: Optional[Callable] = None):
-        self.group, self.d = group, group.size()
         self.buckets, self.options, self.wait = list(buckets), options, wait
 
     def start_step(self, step: int) -> None:
@@ -67,12 +66,8 @@ class ExactMean:
     def load_checkpoint_state(self, states: dict[str, torch.Tensor], name_of: NameOf) -> None:
         """Take ``checkpoint_targets`` filled by a checkpoint."""
 
-    def group_of(self, bucket: Bucket) -> Group:
-        """The ranks that average ``bucket``: its placement's reduce group, else ours."""
-        return bucket.group or self.group
-
     def launch(self, bucket: Bucket, shard: Optional[Shard]) -> None:
-        group = self.group_of(bucket)
+        group = bucket.group
         bucket.grad.mul_(1.0 / group.size())
         if shard is not None:
             shard.launch_reduce_scatter(group)
@@ -89,7 +84,7 @@ class Bf16Mean(ExactMean):
     gradients: each element's mean is rounded to bf16 once per rank's contribution and sum."""
 
     def launch(self, bucket: Bucket, shard: Optional[Shard]) -> None:
-        group = self.group_of(bucket)
+        group = bucket.group
         low = bucket.grad.mul(1.0 / group.size()).to(torch.bfloat16)
         if shard is not None:
             out = torch.empty(shard.end - shard.start, dtype=torch.bfloat16, device=low.device)

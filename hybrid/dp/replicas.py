@@ -17,27 +17,27 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.reduce import ExactMean, NameOf
 
 
 def average_replicas(buckets: Sequence[Bucket], optimizer: torch.optim.Optimizer,
-                     group: Group, wait: Callable, *, moments: bool) -> None:
-    """Replace every parameter (and its moments) by its mean over the DP group."""
-    d = group.size()
-    if d == 1:
-        return
+                     wait: Callable, *, moments: bool) -> None:
+    """Replace every parameter (and its moments) by its mean over its bucket's group (dp x cp
+    for dense weights, the expert-DP group for experts)."""
     pending = []
     for bucket in buckets:
+        group = bucket.group
+        if group.size() == 1:
+            continue
         kinds = [[p.detach() for p in bucket.params]]
         if moments:
             kinds += [[optimizer.state[p][key] for p in bucket.params]
                       for key in ("exp_avg", "exp_avg_sq")]
         for tensors in kinds:
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            pending.append((group.all_reduce(flat, async_op=True), flat, tensors))
-    for work, flat, tensors in pending:
+            pending.append((group.all_reduce(flat, async_op=True), flat, tensors, group.size()))
+    for work, flat, tensors, d in pending:
         wait(work)
         flat.mul_(1.0 / d)
         start = 0
@@ -53,8 +53,7 @@ class LocalSGD(ExactMean):
 
     def after_update(self, step, optimizer):
         if step % self.options.sync_every == 0:
-            average_replicas(self.buckets, optimizer, self.group, self.wait,
-                             moments=self.options.sync_moments)
+            average_replicas(self.buckets, optimizer, self.wait, moments=self.options.sync_moments)
 
 
 class DelayedMean(ExactMean):
@@ -62,8 +61,8 @@ class DelayedMean(ExactMean):
 
     averages_each_step = False
 
-    def __init__(self, group: Group, buckets: Sequence[Bucket], options=None, wait=None):
-        super().__init__(group, buckets, options, wait)
+    def __init__(self, buckets: Sequence[Bucket], options=None, wait=None):
+        super().__init__(buckets, options, wait)
         self.in_flight: Optional[list[torch.Tensor]] = None
         """Per bucket, the previous step's mean (being reduced until ``works`` are done)."""
         self.works: list = []
@@ -76,12 +75,12 @@ class DelayedMean(ExactMean):
         returns whether there was a previous step's mean to apply."""
         for work in self.works:
             wait(work)
-        d = self.group.size()
-        started = [b.grad.mul(1.0 / d) for b in self.buckets]
+        started = [b.grad.mul(1.0 / b.group.size()) for b in self.buckets]
         ready = self.in_flight is not None
         for bucket, previous in zip(self.buckets, self.in_flight or []):
             bucket.grad.copy_(previous)
-        self.works = [self.group.all_reduce(t, async_op=True) for t in started]
+        self.works = [b.group.all_reduce(t, async_op=True)
+                      for b, t in zip(self.buckets, started)]
         self.in_flight = started
         return ready
 

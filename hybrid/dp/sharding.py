@@ -12,7 +12,6 @@ from typing import Callable, Optional
 
 import torch
 
-from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket, Piece
 from hybrid.dp.zero import Shard, all_gather_params
 from hybrid.dp.zero2 import StagedShards
@@ -31,8 +30,8 @@ class Replicated:
     shards_state = False
     """Each rank holds only its shard of the reduced gradients and of AdamW's state."""
 
-    def __init__(self, group: Group, wait: Callable):
-        self.group, self.wait = group, wait
+    def __init__(self, wait: Callable):
+        self.wait = wait
         self.shards: list[Shard] = []
 
     def make_shards(self, buckets: list[Bucket]) -> list[Shard]:
@@ -87,7 +86,7 @@ class Zero1(Replicated):
     pads = flattens = shards_state = True
 
     def make_shards(self, buckets):
-        self.shards = [Shard.of(b, self._group(b).rank(), self._group(b).size())
+        self.shards = [Shard.of(b, b.shard_group.rank(), b.shard_group.size())
                        for b in buckets]
         return self.shards
 
@@ -101,12 +100,8 @@ class Zero1(Replicated):
     def shard_of(self, bucket):
         return self.shards[bucket.index]
 
-    def _group(self, bucket) -> Group:
-        """The ranks sharding ``bucket``: its placement's, else this strategy's."""
-        return bucket.shard_group or self.group
-
     def after_optimizer_step(self):
-        all_gather_params(self.shards, self.group, self.wait)  # each over its bucket's group
+        all_gather_params(self.shards, self.wait)  # each over its bucket's sharding group
 
 
 class Zero2(Zero1):
@@ -116,7 +111,7 @@ class Zero2(Zero1):
 
     def make_shards(self, buckets):
         shards = super().make_shards(buckets)
-        self.staged = StagedShards(shards, self.group, self.wait)
+        self.staged = StagedShards(shards, self.wait)
         return shards
 
     def accumulated(self, bucket, slot, param):
@@ -150,8 +145,7 @@ class Zero3(Zero2):
 
     def stage_weights(self, chunks, policy):
         if self.weights is None:
-            self.weights = StageWeights(self.shards, self.values, chunks, policy, self.group,
-                                        self.wait)
+            self.weights = StageWeights(self.shards, self.values, chunks, policy, self.wait)
         return self.weights
 
     def close(self):

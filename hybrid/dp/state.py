@@ -67,7 +67,7 @@ def _gathered_moment(sync, shard, key: str) -> torch.Tensor:
         # a piece's place in the shard: its parameter's in the bucket, plus its offset
         start = bucket.span(slots[id(piece.param)])[0] + piece.offset - shard.start
         local[start:start + piece.tensor.numel()] = sync.optimizer.state[piece.tensor][key]
-    group = bucket.shard_group or sync.shard_group  # an expert bucket's own group
+    group = bucket.shard_group
     if group.size() == 1:
         return local
     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)

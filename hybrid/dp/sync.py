@@ -103,7 +103,7 @@ class GradSync:
                      for _, p in named}
         """Chunks using each parameter: a tied embedding used by two chunks of one rank (the
         V placement's rank 0) accumulates once per chunk's backward, so twice a micro-batch."""
-        self.sharding = runtime_class(sharding_of(options))(self.shard_group, self.wait)
+        self.sharding = runtime_class(sharding_of(options))(self.wait)
         self.buckets, self.num_overlapped = build_buckets(
             [p for _, p in named], groups, bucket_bytes=int(bucket_mb * MIB),
             pads=self.sharding.pads,
@@ -115,8 +115,7 @@ class GradSync:
         self.pieces = [piece for pieces in self.pieces_by_bucket for piece in pieces]
         self.optimizer = build_adamw([(p.tensor, p.decays) for p in self.pieces], optim)
         self._norm_grads = self._grads_counted_in_norm(self.pieces_by_bucket)
-        self.reducer = runtime_class(reduction_of(options))(self.gradient, self.buckets,
-                                                            options, self.wait)
+        self.reducer = runtime_class(reduction_of(options))(self.buckets, options, self.wait)
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._accumulated, b, i))
                        for b in self.buckets for i, param in enumerate(b.params)]
         self._microbatches: Union[int, None] = None

@@ -84,16 +84,17 @@ class Shard:
         self.bucket.works.append(work)
 
 
-def all_gather_params(shards: Sequence[Shard], group: Group,
+def all_gather_params(shards: Sequence[Shard],
                       wait: Callable[[dist.Work], None] = dist.Work.wait) -> None:
-    """Rebuild every bucket's flat parameters from the DP ranks' updated shards (in place).
+    """Rebuild every bucket's flat parameters from the updated shards of its sharding group
+    (in place).
 
     Each rank's input is exactly its own slot of the output, as in Megatron's distributed
     optimizer: the collective's copy of the input into that slot is then a no-op.
     """
     works = []
     for s in shards:
-        mine = s.bucket.shard_group or group  # an expert bucket's own sharding group
+        mine = s.bucket.shard_group
         if mine.size() > 1:
             works.append(mine.all_gather_into(s.bucket.data, s.bucket.data[s.start:s.end],
                                               async_op=True))

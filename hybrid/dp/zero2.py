@@ -20,7 +20,6 @@ from typing import Callable, Sequence
 import torch
 
 from hybrid.dp.buckets import GRAD_DTYPE, Bucket
-from hybrid.comm import Group
 from hybrid.dp.zero import Shard
 
 MAX_IN_FLIGHT = 2
@@ -29,9 +28,8 @@ MAX_IN_FLIGHT = 2
 class StagedShards:
     """Per-micro-batch staging and reduce-scatter of every bucket into its shard."""
 
-    def __init__(self, shards: Sequence[Shard], group: Group, wait: Callable):
-        self.shards, self.group, self.wait = list(shards), group, wait
-        self.d = group.size()
+    def __init__(self, shards: Sequence[Shard], wait: Callable):
+        self.shards, self.wait = list(shards), wait
         self.staging: dict[int, torch.Tensor] = {}
         self.arrived: dict[int, set] = {s.bucket.index: set() for s in self.shards}
         self.pending: deque = deque()
@@ -87,7 +85,7 @@ class StagedShards:
         index = shard.bucket.index
         staging = self.staging.pop(index)
         self.arrived[index] = set()
-        group = shard.bucket.shard_group or self.group  # an expert bucket's own group
+        group = shard.bucket.shard_group
         staging.mul_(1.0 / group.size())
         if group.size() == 1:
             shard.grad.add_(staging)

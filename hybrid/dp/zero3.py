@@ -30,7 +30,6 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from hybrid.comm import Group
 from hybrid.dp.buckets import Bucket
 from hybrid.dp.zero import Shard
 from hybrid.planning.cost.state_bytes import FP32
@@ -57,8 +56,8 @@ class StageWeights:
     stage, hooks on its blocks gather and release them (see the module doc)."""
 
     def __init__(self, shards: list[Shard], values: list[torch.Tensor],
-                 chunks: dict[int, nn.Module], policy: str, group: Group, wait: Callable):
-        self.shards, self.values, self.group, self.wait = shards, values, group, wait
+                 chunks: dict[int, nn.Module], policy: str, wait: Callable):
+        self.shards, self.values, self.wait = shards, values, wait
         self.releases_per_use = policy == AFTER_FORWARD
         where = {id(p): s.bucket.index for s in shards for p in s.bucket.params}
         self.units = {stage: [frozenset(where[id(p)] for p in unit.parameters()
@@ -162,11 +161,11 @@ class StageWeights:
         # Autograd's saved weights are these tensors: what the gather writes is what was
         # saved, so the version the backward checks must not move.
         with torch.autograd._unsafe_preserve_version_counter(bucket.data):
-            if self.group.size() == 1:
+            group = bucket.shard_group  # dp x cp for dense weights, expert-DP for experts
+            if group.size() == 1:
                 bucket.data.copy_(shard)
             else:
-                self.pending[index] = self.group.all_gather_into(bucket.data, shard,
-                                                                 async_op=True)
+                self.pending[index] = group.all_gather_into(bucket.data, shard, async_op=True)
 
     def _settle(self, index: int) -> None:
         work = self.pending.pop(index, None)

@@ -16,7 +16,7 @@ the groups of a layout at another ep.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from hybrid.planning.grid import expert_order, grid_groups
 from hybrid.planning.layout import EXPERT_AXES, Layout, LayoutError
@@ -67,11 +67,9 @@ def _expert_grid(layout: Layout, wanted: list[str]) -> list[list[int]]:
 
 def expert_problem(cfg, layout: Layout) -> Optional[str]:
     """What a config with ``parallel.ep`` > 1 must also be, one line (None: fine): the layout
-    rules of ``check_ep``, a model with experts, and the DP settings whose runtime averages
-    and shards each placement over its own group (exact or bf16 means, ZeRO 0-2, even
-    micro-batch shares: the experts' all-to-all needs the same micro-batches on every rank
-    of an expert group)."""
-    par, ep = cfg.parallel, cfg.parallel.ep
+    rules of ``check_ep`` and a model with experts. Every DP strategy runs on the expert
+    placement (its buckets carry their own groups: ``hybrid.dp.buckets``)."""
+    ep = cfg.parallel.ep
     if ep == 1:
         return None
     try:
@@ -81,15 +79,19 @@ def expert_problem(cfg, layout: Layout) -> Optional[str]:
     if cfg.model.experts == 0:
         return (f"parallel.ep={ep} spreads experts, but model.experts=0 (a dense model); set "
                 f"model.experts (e.g. model=moe-tiny) or parallel.ep=1")
-    if par.zero == 3:
-        return (f"parallel.zero=3 with parallel.ep={ep} is not supported (ZeRO-3 gathers "
-                f"weights over dp*cp, the experts live on dp*cp/ep ranks); use parallel.zero=2 "
-                f"or parallel.ep=1")
-    for name, value, plain in (("dp_compress", par.dp_compress, ("none", "bf16")),
-                               ("dp_sync_every", par.dp_sync_every, (1,)),
-                               ("dp_delay", par.dp_delay, (0,)),
-                               ("dp_balance", par.dp_balance, ("even",))):
-        if value not in plain:
-            return (f"parallel.{name}={value} with parallel.ep={ep} is not supported; use "
-                    f"parallel.{name}={plain[0]} or parallel.ep=1")
     return None
+
+
+def replica_units(layout: Layout, dp_of_rank: Sequence[int]) -> list[int]:
+    """Per DP replica, the index of its balance unit: the replicas that share an expert group
+    (their experts' all-to-all needs every member's micro-batch, so ``dp_balance=dynamic``
+    gives them one share); every replica its own at ``ep=1``. Units are numbered in order."""
+    label = list(range(layout.dp))
+    if layout.ep > 1:
+        for group in layout.role_groups("expert"):
+            members = {dp_of_rank[rank] for rank in group}
+            low = min(label[m] for m in members)
+            tied = {label[m] for m in members}
+            label = [low if x in tied else x for x in label]
+    order = {x: i for i, x in enumerate(dict.fromkeys(label))}
+    return [order[x] for x in label]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from hybrid.planning.config import Config
-from hybrid.planning.cost.gathered import gather_policy, rank_gathers
+from hybrid.planning.cost.gathered import gather_policy, gathers_by_placement, rank_gathers
 from hybrid.planning.cost.sizes import MemoryEstimate
 from hybrid.planning.cost.dp_traffic import gradient_bytes, step_bytes
 from hybrid.planning.cost.state_bytes import by_tag_placement, rank_shapes
@@ -237,34 +237,39 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
                          sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
     options = options or DpOptions.of(cfg.parallel)
     gathers = None
+    stages = [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)]
     if sharding_of(options).gathers_params:
-        gathers = rank_gathers(cfg, plan.layout, pp_rank, microbatches(cfg),
-                               [(st.index, list(st.blocks)) for st in plan.stages_of(pp_rank)],
+        gathers = rank_gathers(cfg, plan.layout, pp_rank, microbatches(cfg), stages,
                                policy=options.reshard)[1]
     # the aux-loss-free expert bias's routed slots, summed over the ranks with other tokens
     bias = all_reduce_bytes(expert_bias_payload(cfg.model, blocks),
                             plan.layout.role_size("loss"))
     if plan.layout.ep > 1:
+        by_placement = gathers and gathers_by_placement(cfg, plan.layout, gathers, stages)
         return bias + _expert_parallel_dp_bytes(cfg, plan.layout, blocks, step, options,
-                                                rounds or microbatches(cfg))
+                                                rounds or microbatches(cfg), by_placement)
     return bias + step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
                              microbatches=rounds or microbatches(cfg), options=options,
                              bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)
 
 
 def _expert_parallel_dp_bytes(cfg: Config, layout: Layout, blocks: list[int], step: int,
-                              options: DpOptions, rounds: int) -> float:
+                              options: DpOptions, rounds: int,
+                              gathers: Optional[dict] = None) -> float:
     """``rank_dp_bytes`` at ``ep > 1``: the dense buckets over dp x cp (with the step's loss
     and norm scalars), the experts' over their expert data-parallel group (with, when the
-    state is sharded, the norm's sum over it), both reported as DP traffic."""
+    state is sharded, the norm's sum over it), both reported as DP traffic; ``gathers``:
+    ZeRO-3's gathers per bucket of each placement."""
+    gathers = gathers or {}
     shapes = rank_shapes(cfg.model, blocks, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
                          pp=layout.pp, ep=layout.ep)
     parts = by_tag_placement(shapes)
     total = step_bytes(parts.get(DENSE, []), dp=layout.role_size("gradient"), step=step,
-                       microbatches=rounds, options=options, bucket_mb=cfg.parallel.bucket_mb)
+                       microbatches=rounds, options=options, bucket_mb=cfg.parallel.bucket_mb,
+                       gathers=gathers.get(DENSE))
     edp = layout.role_size(EXPERT.reduce_role)
     if sharding_of(options).shards_optimizer:
         total += all_reduce_bytes(SCALAR, edp)
     return total + gradient_bytes(parts.get(EXPERT, []), dp=edp, step=step,
                                   microbatches=rounds, options=options,
-                                  bucket_mb=cfg.parallel.bucket_mb)
+                                  bucket_mb=cfg.parallel.bucket_mb, gathers=gathers.get(EXPERT))

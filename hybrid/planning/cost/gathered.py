@@ -14,7 +14,7 @@ import math
 from typing import Optional
 
 from hybrid.planning.config import Config
-from hybrid.planning.cost.state_bytes import FP32, bucket_members, bucket_tag
+from hybrid.planning.cost.state_bytes import FP32, bucket_members, bucket_tag, tag_placement
 from hybrid.planning.layout import Layout
 from hybrid.planning.params import TIED_HEAD_ALIAS, block_param_specs
 from hybrid.planning.schedules import build_schedule
@@ -39,8 +39,10 @@ def rank_gathers(cfg: Config, layout: Layout, pp_rank: int, m: int,
     tensors = _tensor_units(cfg, layout, stages)
     members = bucket_members([(numel, late) for numel, late, _ in tensors],
                              cfg.parallel.bucket_mb)
-    d = layout.role_size("sharding")
-    sizes = [FP32 * -(-sum(tensors[i][0] for i in bucket) // d) * d for bucket in members]
+    sizes = []
+    for bucket in members:  # padded for the shards of its placement's sharding group
+        d = layout.role_size(tag_placement(tensors[bucket[0]][1]).shard_role)
+        sizes.append(FP32 * -(-sum(tensors[i][0] for i in bucket) // d) * d)
     units = {stage: [frozenset(b for b, bucket in enumerate(members)
                                if any((stage, k) in tensors[i][2] for i in bucket))
                      for k in range(len(blocks))]
@@ -48,6 +50,19 @@ def rank_gathers(cfg: Config, layout: Layout, pp_rank: int, m: int,
     actions = add_gathers(build_schedule(cfg.parallel.schedule, layout.pp, m, vpp=layout.vpp),
                           policy)[pp_rank]
     return walk_gathers(actions, units, sizes, policy)
+
+
+def gathers_by_placement(cfg: Config, layout: Layout, gathers: list[int],
+                         stages: list[tuple[int, list[int]]]) -> dict:
+    """``rank_gathers``' gathers per bucket split by the buckets' placements, each in bucket
+    order (what each placement's own traffic over its sharding group is counted from)."""
+    tensors = _tensor_units(cfg, layout, stages)
+    members = bucket_members([(numel, late) for numel, late, _ in tensors],
+                             cfg.parallel.bucket_mb)
+    out: dict = {}
+    for bucket, count in zip(members, gathers):
+        out.setdefault(tag_placement(tensors[bucket[0]][1]), []).append(count)
+    return out
 
 
 def closed_form_gathered(stage_blocks: list[list[int]], policy: str) -> int:
@@ -80,6 +95,7 @@ def _tensor_units(cfg: Config, layout: Layout, stages: list[tuple[int, list[int]
                 late = "tp" if spec.sequence_partial and tp > 1 else (
                     "embedding" if spec.tied and pp > 1 else "")
                 index_of[spec.name] = len(out)
-                out.append((math.prod(spec.local_shape(tp)), bucket_tag(late, spec.placement),
+                out.append((math.prod(spec.local_shape(tp, layout.ep)),
+                            bucket_tag(late, spec.placement),
                             {(stage, position)}))
     return out
