@@ -46,8 +46,8 @@ class Fp16Mean(ExactMean):
     """The mean of fp16 copies, accumulated back into the fp32 gradients."""
 
     def launch(self, bucket, shard):
-        low = bucket.grad.mul(1.0 / self.d).to(torch.float16)
-        bucket.works.append(self.group.all_reduce(low, async_op=True))
+        low = bucket.grad.mul(1.0 / bucket.group.size()).to(torch.float16)
+        bucket.works.append(bucket.group.all_reduce(low, async_op=True))
         bucket.on_done.append(lambda: bucket.grad.copy_(low))
 
 
