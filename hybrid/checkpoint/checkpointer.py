@@ -34,7 +34,8 @@ from hybrid.checkpoint.publish import build_manifest, replace_dir, write_errors_
 from hybrid.checkpoint.restore import check_every_key_loaded, load_targets, read_checkpoint
 from hybrid.checkpoint.store import TOKENIZER_FILE, checkpoint_dir, checkpoint_name, \
     partial_name, prune, read_manifest, resolve_resume, write_manifest
-from hybrid.checkpoint.weights import fit_positions, read_model_weights
+from hybrid.checkpoint.weights import (check_no_foreign_tensors, fit_positions,
+                                       read_model_weights)
 from hybrid.data.fingerprint import run_data_record
 from hybrid.interop.gpt2 import pad_vocabulary
 from hybrid.model.expert_bias import expert_biases, load_expert_biases
@@ -45,6 +46,7 @@ from hybrid.dp.option_state import (
 )
 from hybrid.dp.state import MOMENTS
 from hybrid.optim import unique_parameters
+from hybrid.planning.params import model_param_specs
 
 
 class Checkpointer:
@@ -219,6 +221,7 @@ class Checkpointer:
         weights = fit_positions(read_model_weights(path), self.cfg.model.seq_len)
         weights = pad_vocabulary(weights, self.cfg.model.padded_vocab)
         weights = load_expert_biases(self.chunks.values(), weights)
+        check_no_foreign_tensors(weights, set(model_param_specs(self.cfg.model)), path)
         names = {spec.name for spec, _ in self.params}
         with self.sync.whole_weights(self.chunks, write_back=True):
             load_global_weights([param for _, param in self.params],

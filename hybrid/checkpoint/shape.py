@@ -33,12 +33,23 @@ SHAPE_FIELDS = {
     "vocab": ShapeField("vocab"),
     "padded_vocab": ShapeField("vocab_pad_multiple"),
     "tie_embeddings": ShapeField("tie_embeddings"),
+    "head_size": ShapeField("head_dim"),
+    "qkv_bias": ShapeField("qkv_bias"),
+    "qk_norm": ShapeField("qk_norm"),
     "experts": ShapeField("experts"),
     "moe_ffn": ShapeField("moe_ffn_hidden", moe_only=True),
     "moe_every": ShapeField("moe_every", moe_only=True),
 }
-"""Manifest name -> the setting that decides it. ``kv``, ``ffn``, ``padded_vocab`` and
-``moe_ffn`` are resolved sizes."""
+"""Manifest name -> the setting that decides it. ``kv``, ``ffn``, ``padded_vocab``,
+``head_size`` and ``moe_ffn`` are resolved sizes. The variants' ``head_dim``, ``qkv_bias`` and
+``qk_norm`` decide which tensors exist and their shapes (Qwen2's biases, Qwen3's norms)."""
+WEIGHT_FREE_FIELDS = ("rope_base", "rope_scaling", "norm_eps", "sliding_window", "experts_topk")
+"""``model.*`` settings no weight depends on: a checkpoint loads under another value (a
+context-extension fine-tune changes the rope on purpose, as Megatron and torchtitan allow);
+``setting_changes`` names those that differ."""
+LLAMA3_FACTORS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                  "rope_original_positions")
+"""``model.rope_scaling=llama3``'s settings: compared where either side scales so."""
 MODEL_SHAPE_FIELDS = (*SHAPE_FIELDS, "seq_len")
 """What a manifest records of the model (``seq_len``: the context it was saved with)."""
 
@@ -51,11 +62,16 @@ def model_shape(model_cfg) -> dict:
 def saved_shape(manifest: dict) -> dict:
     """The checkpoint's shape, every field present. A manifest written before a field was
     recorded: a checkpoint from before families is a gpt2, from before ``kv`` has one
-    key/value head per head, from before the MoE fields reads them from its saved config's
-    model (none saved: dense)."""
+    key/value head per head, from before the MoE and variant fields reads them from its saved
+    config's model (none saved: dense, a head of hidden/heads, no q/k/v bias or norm)."""
     recorded = manifest["model"]
     saved_model = (manifest.get("config") or {}).get("model") or {}
-    older = {"family": "gpt2", "kv": recorded.get("heads"),
+    hidden, heads = recorded.get("hidden"), recorded.get("heads")
+    older = {"family": "gpt2", "kv": heads,
+             "head_size": saved_model.get("head_dim") or (hidden // heads if hidden and heads
+                                                          else None),
+             "qkv_bias": saved_model.get("qkv_bias", False),
+             "qk_norm": saved_model.get("qk_norm", False),
              "experts": saved_model.get("experts", 0),
              "moe_every": saved_model.get("moe_every", 1),
              "moe_ffn": saved_model.get("moe_ffn_hidden") or recorded.get("ffn")}
@@ -73,8 +89,8 @@ def shape_mismatches(saved: dict, wanted: dict, padding: bool = True) -> list[st
 
 def mismatch_line(differ: list[str], saved: dict, wanted: dict, path: Path) -> str:
     """One line naming every field that differs, the two values and the fix."""
-    there = ", ".join(f"{name}={saved.get(name)}" for name in differ)
-    here = ", ".join(f"{name}={wanted[name]}" for name in differ)
+    there = ", ".join(f"{name}={_text(saved.get(name))}" for name in differ)
+    here = ", ".join(f"{name}={_text(wanted[name])}" for name in differ)
     keys = ", ".join(f"model.{SHAPE_FIELDS[name].config_key}" for name in differ)
     fix = " ".join(_setting(name, saved.get(name)) for name in differ)
     return (f"{keys}: the checkpoint {Path(path).name} has {there}, the config {here}; set "
@@ -87,9 +103,7 @@ def _setting(name: str, value: object) -> str:
     key = f"model.{SHAPE_FIELDS[name].config_key}"
     if name == "padded_vocab" or value is None:
         return f"{key} to match"
-    if isinstance(value, bool):
-        return f"{key}={str(value).lower()}"
-    return f"{key}={value}"
+    return f"{key}={_text(value)}"
 
 
 def check_shape(manifest: dict, model_cfg, path: Path, padding: bool,
@@ -100,3 +114,22 @@ def check_shape(manifest: dict, model_cfg, path: Path, padding: bool,
     if differ:
         raise error(mismatch_line(differ, saved, wanted, path))
     return saved
+
+
+def setting_changes(manifest: dict, model_cfg) -> list[str]:
+    """``model.KEY=VALUE (the checkpoint's: SAVED)`` for each weight-free setting
+    (``WEIGHT_FREE_FIELDS``) that differs from the checkpoint's saved config; [] where none
+    does or the checkpoint saved no config."""
+    saved = (manifest.get("config") or {}).get("model") or {}
+    names = list(WEIGHT_FREE_FIELDS)
+    if "llama3" in (saved.get("rope_scaling"), model_cfg.rope_scaling):
+        names += LLAMA3_FACTORS
+    return [f"model.{name}={_text(getattr(model_cfg, name))} (the checkpoint's: "
+            f"{_text(saved[name])})"
+            for name in names if name in saved and saved[name] != getattr(model_cfg, name)]
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -52,6 +52,20 @@ def fit_positions(weights: dict[str, torch.Tensor], seq_len: int) -> dict[str, t
     return {**weights, POSITIONS: table[:seq_len]}
 
 
+def check_no_foreign_tensors(weights: dict, model_names: set, path: Path) -> None:
+    """Every tensor of checkpoint ``path`` has a parameter in the whole model (every stage's
+    names, ``model_names``): one it has no place for means another model (a q/k/v bias, a
+    q/k norm), never a tensor to drop (a rank keeps only its own stage's, so the whole model
+    is asked)."""
+    foreign = sorted(set(weights) - model_names)
+    if foreign:
+        from hybrid.checkpoint.store import CheckpointError
+
+        raise CheckpointError(f"checkpoint {path} holds {len(foreign)} tensors this model has "
+                              f"no parameter for (first: {foreign[0]}); set the model.* fields "
+                              f"hybrid-ckpt show {path} prints")
+
+
 def checkpoint_tokenizer(path: Path, manifest: dict) -> tuple[Optional[dict], Optional[str]]:
     """(the tokenizer record, its JSON) a checkpoint carries; (None, None) for none."""
     file = Path(path) / TOKENIZER_FILE

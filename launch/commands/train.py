@@ -28,6 +28,7 @@ from hybrid.checkpoint.store import (
     WEIGHTS_KIND, CheckpointError, check_files, check_model_matches, checkpoint_dir,
     read_manifest, resolve_resume,
 )
+from hybrid.checkpoint.shape import setting_changes
 from hybrid.data import validate_data
 from hybrid.data.fingerprint import (changed_file, changed_tokenizer, data_files, fingerprint,
                                      order_changes)
@@ -121,6 +122,9 @@ def resolve_checkpointing(cfg: Config, run_dir: Path
                                   f"run to continue); start from it with "
                                   f"checkpoint.init_from={path}")
         check_model_matches(manifest, cfg.model, path)
+        for change in setting_changes(manifest, cfg.model):
+            print(f"warning: resuming with {change}: no weight depends on it, but the losses "
+                  f"from here on are not the saved run's", file=sys.stderr)
         if manifest["step"] >= cfg.train.steps:
             raise CheckpointError(f"checkpoint {path} is at step {manifest['step']}, "
                                   f"train.steps={cfg.train.steps} leaves nothing to train; "
@@ -131,6 +135,10 @@ def resolve_checkpointing(cfg: Config, run_dir: Path
         manifest = read_manifest(init)
         check_files(init, manifest)
         check_model_matches(manifest, cfg.model, init, padding=False)
+        changes = setting_changes(manifest, cfg.model)
+        if changes:  # a fine-tune may change them on purpose (a longer context's rope)
+            print(f"note: starting from {init.name} with {', '.join(changes)}; no weight "
+                  f"depends on these", file=sys.stderr)
     return directory, None if path is None else str(path), None if init is None else str(init)
 
 
