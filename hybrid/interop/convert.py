@@ -129,17 +129,35 @@ def import_hf(hf_dir: str, out: str) -> Path:
 
 SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                    "seq_len", "tie_embeddings", "norm_eps", "rope_base")
+"""Always written, whatever the base config says: the shape a reader checks first."""
 MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every", "moe_aux_loss")
 """Added for a model with experts (an imported Mixtral); its aux-loss coefficient too, so a
 run started from the printed line trains with the coefficient the model came with."""
+RUN_FIELDS = ("name", "from_hf", "vocab_pad_multiple", "recompute")
+"""``ModelConfig`` fields that are the run's, not the model's (as ``model.from_hf`` keeps
+them): an import's ``vocab_pad_multiple=1`` is no advice for training."""
 
 
 def shape_overrides(model: ModelConfig) -> list[str]:
-    """The ``model.*`` overrides that give a config ``model``'s shape: what
-    ``checkpoint.init_from`` of an imported model needs."""
-    names = SHAPE_OVERRIDES + (MOE_OVERRIDES if model.experts else ())
-    return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
-            for name in names if (value := getattr(model, name)) is not None]
+    """The ``model.*`` overrides that give a config ``model``'s shape and settings: what
+    ``checkpoint.init_from`` of an imported model needs. Besides ``SHAPE_OVERRIDES`` (and
+    ``MOE_OVERRIDES`` for experts), every other field that differs from the base config's
+    model (``ModelConfig()``, which ``conf/model/tiny.yaml`` repeats): a variant's
+    ``head_dim``, ``qkv_bias``, ``qk_norm``, rope scaling, window."""
+    base = ModelConfig()
+    always = SHAPE_OVERRIDES + (MOE_OVERRIDES if model.experts else ())
+    names = [*always, *(name for name in ModelConfig.__dataclass_fields__
+                        if name not in always and name not in RUN_FIELDS
+                        and getattr(model, name) != getattr(base, name))]
+    return [f"model.{name}={override_text(getattr(model, name))}" for name in names
+            if name not in always or getattr(model, name) is not None]
+
+
+def override_text(value: object) -> str:
+    """``value`` as a Hydra override writes it (``true``, ``null``)."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _record(tokenizer, tokenizer_json: str, eos: Optional[str], hf_dir: str,
