@@ -37,20 +37,49 @@ def rope_parameters(model: Any) -> dict:
             **{theirs: getattr(model, ours) for ours, theirs in LLAMA3_KEYS}}
 
 
+SCALED_TYPES = ("llama3", "yarn", "longrope")
+"""Rope types whose ``original_max_position_embeddings`` transformers defaults to
+``max_position_embeddings``."""
+DEFAULT_THETA = {"mixtral": 1e6}
+"""A config class's ``default_theta`` where it is not transformers' 10000."""
+
+
+def hf_rope(config: dict, source: str) -> tuple[dict, str]:
+    """(the rope parameters transformers 5 reads from ``config.json``, the key they came
+    from), in its order (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`` and
+    ``standardize_rope_params``): a legacy ``rope_scaling``, when set, replaces
+    ``rope_parameters``; the dict's ``rope_theta`` outranks the top-level ``rope_theta``,
+    which outranks the class's default; the type is ``rope_type``, else ``type``, else
+    default; a scaled type's original positions default to ``max_position_embeddings``."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise ConversionError(f"{source}: {key}={rope!r} is not one rope for every layer; "
+                              f"hybrid builds one rope of type {' or '.join(ROPE_TYPES)}")
+    rope = dict(rope)
+    theta = config.get("rope_theta", DEFAULT_THETA.get(config.get("model_type"), 10000.0))
+    rope.setdefault("rope_theta", theta)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in SCALED_TYPES:
+        rope.setdefault("original_max_position_embeddings",
+                        config.get("max_position_embeddings"))
+    return rope, key
+
+
 def rope_fields(config: dict, source: str) -> dict:
-    """The rope fields of an HF config (transformers 5's ``rope_parameters``, or 4's
-    ``rope_theta`` and ``rope_scaling``); a rope type hybrid does not build is refused."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    """The rope fields of an HF config (``hf_rope``); a rope type hybrid does not build is
+    refused in one line naming it and the built ones."""
+    rope, key = hf_rope(config, source)
+    kind = rope["rope_type"]
     if kind not in ROPE_TYPES:
-        raise ConversionError(f"{source}: rope type {kind!r} (rope_scaling) is not supported; "
+        raise ConversionError(f"{source}: rope type {kind!r} ({key}) is not supported; "
                               f"hybrid builds {', '.join(ROPE_TYPES)}")
-    base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    base = float(rope["rope_theta"])
     if kind == "default":
         return {"rope_base": base}
     fields = {"rope_base": base, "rope_scaling": kind}
     for ours, theirs in LLAMA3_KEYS:
-        if theirs not in rope:
+        if rope.get(theirs) is None:
             raise ConversionError(f"{source}: rope type llama3 lacks {theirs}; the config is "
                                   f"incomplete")
         fields[ours] = type(_DEFAULTS[ours])(rope[theirs])
