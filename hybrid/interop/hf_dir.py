@@ -43,6 +43,11 @@ def hf_config(path: str) -> dict:
     if family_for_hf(config.get("model_type")) is None:
         known = sorted({t for spec in MODELS.values()
                         for t in (spec.hf_model_type, *spec.hf_model_types_also) if t})
+        if config.get("model_type") is None:
+            raise ConversionError(f"{folder / 'config.json'} has no model_type, so no family "
+                                  f"can read it; the registered model_types are "
+                                  f"{', '.join(known)}: use the config.json saved with the "
+                                  f"model, or add the model_type it is")
         raise ConversionError(f"{path} holds a {config.get('model_type')!r} model; the "
                               f"registered model_types are {', '.join(known)}")
     _check_sizes(config, folder / "config.json")
