@@ -63,7 +63,10 @@ def test_invalid_config_exits_2_with_one_line_and_no_traceback(overrides, needle
 
 @pytest.mark.parametrize("override, needle", [
     ("parallel.tpp=2", "Key 'tpp' not in 'ParallelConfig'"),
-    ("parallel.tp=two", "Value 'two' of type 'str' could not be converted to Integer"),
+    ("parallel.tp=two", "parallel.tp=two: parallel.tp takes an integer; write a whole number "
+                        "(parallel.tp=N)"),
+    ("parallel.tp=2.0", "parallel.tp=2.0: parallel.tp takes an integer, and this reads as the "
+                        "float 2.0; write parallel.tp=2"),
     ("model=huge", "Could not find 'model/huge'"),
 ])
 def test_misspelt_key_wrong_type_or_unknown_preset_fail_at_composition(override, needle):

@@ -63,7 +63,16 @@ BAD = [
     (["seed=99999999999999999999"], "seed=99999999999999999999 must be an integer in "
                                     "0..9,223,343,366,818"),
     (["launcher=slurm", "launcher.time_min=soon"],
-     "Value 'soon' of type 'str' could not be converted to Integer"),
+     "launcher.time_min=soon: launcher.time_min takes an integer; write a whole number "
+     "(launcher.time_min=N)"),
+    # a float for an integer setting: the field and the integer to write
+    (["train.steps=1e3"], "train.steps=1e3: train.steps takes an integer, and this reads as "
+                          "the float 1000.0; write train.steps=1000"),
+    (["model.layers=2.0"], "model.layers=2.0: model.layers takes an integer, and this reads "
+                           "as the float 2.0; write model.layers=2"),
+    (["model.kv_heads=2.0"], "write model.kv_heads=2"),
+    (["train.steps=2.5"], "train.steps=2.5: train.steps takes an integer, not 2.5; write "
+                          "train.steps=2 or train.steps=3"),
     (["launcher=slurm", "launcher.cpus_per_task=0"],
      "launcher.cpus_per_task=0 must be an integer >= 1"),
     (["launcher=slurm", "launcher.rdzv_endpoint=n1:29500"],
@@ -98,7 +107,7 @@ BAD = [
 THROUGH_THE_COMMAND = ["parallel.tp=3", "parallel.tpp=2", "model=tinyy", "launcher.nnodes=2",
                        "launcher=slurm launcher.time_min=soon", "data=tokens data.path=/nonexistent/tokens.bin",
                        "model=gpt2-350m parallel.dp=4 parallel.tp=2 parallel.pp=1 train.global_batch=16",
-                       "seed=99999999999999999999"]
+                       "seed=99999999999999999999", "train.steps=1e3"]
 
 pytestmark = pytest.mark.timeout(120)
 

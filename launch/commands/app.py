@@ -6,6 +6,7 @@ dataclasses of ``hybrid.planning.config`` right at the edge.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,9 @@ def run_hydra_app(app: Callable[[], None]) -> None:
 def composition_error(err: BaseException) -> str:
     """``Could not override 'parallel.tpp'. Key 'tpp' not in 'ParallelConfig'``; for an
     unknown preset (``model=tinyy``) the presets there are."""
+    integer = integer_error(err)
+    if integer is not None:
+        return integer
     parts, options = [], None
     while err is not None and len(parts) < 2:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -91,6 +95,27 @@ def composition_error(err: BaseException) -> str:
         err = err.__cause__
     line = " ".join(parts)
     return f"{line}; choose one of: {', '.join(sorted(options))}" if options else line
+
+
+def integer_error(err: Optional[BaseException]) -> Optional[str]:
+    """For a value an integer setting cannot take (``train.steps=1e3``, ``model.layers=2.0``:
+    Hydra reads them as floats, which OmegaConf refuses for an int): the field, what was
+    written and the integer to write; None for any other error."""
+    written = str(err).split("override ", 1)[-1].split()[0] if "override " in str(err) else ""
+    while err is not None:
+        if "could not be converted to Integer" in str(err) and getattr(err, "full_key", None):
+            key, value = err.full_key, err.value
+            text = written if written.startswith(f"{key}=") else f"{key}={value}"
+            if isinstance(value, float) and math.isfinite(value) and value == int(value):
+                return (f"{text}: {key} takes an integer, and this reads as the float "
+                        f"{value}; write {key}={int(value)}")
+            if isinstance(value, float) and math.isfinite(value):
+                low = math.floor(value)
+                return (f"{text}: {key} takes an integer, not {value}; write {key}={low} or "
+                        f"{key}={low + 1}")
+            return f"{text}: {key} takes an integer; write a whole number ({key}=N)"
+        err = err.__cause__
+    return None
 
 
 def available_memory(cfg: Config) -> tuple[Optional[int], str]:
