@@ -91,8 +91,8 @@ def test_truncated_files_and_other_models_are_refused_with_both_values(tmp_path)
     with pytest.raises(CheckpointError, match="model.ffn_hidden: the checkpoint step_00000003 "
                                               "has ffn=128, the config ffn=96"):
         check_model_matches(manifest, ModelConfig(ffn_hidden=96), path)
-    with pytest.raises(CheckpointError, match="tie_embeddings=False, the config "
-                                              "tie_embeddings=True"):
+    with pytest.raises(CheckpointError, match="tie_embeddings=false, the config "
+                                              "tie_embeddings=true"):
         check_model_matches(manifest, ModelConfig(tie_embeddings=True), path)
 
 
