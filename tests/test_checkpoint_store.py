@@ -144,3 +144,31 @@ def test_metadata_unpickler_admits_dcp_classes_but_not_dcp_functions(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(CallsDcp()))
     with pytest.raises(CheckpointError, match="format_utils.dcp_to_torch_save"):
         read_metadata(tmp_path)
+
+
+def test_init_from_under_another_rope_starts_and_says_which_settings_differ(tmp_path, capsys):
+    """A context-extension fine-tune changes the rope on purpose: ``checkpoint.init_from``
+    takes it, in one ``note:`` line naming each setting and the checkpoint's value; a resume
+    under it is warned of (its losses are no longer the saved run's)."""
+    from dataclasses import asdict, replace
+
+    from hybrid.planning.config import Config, TrainConfig
+    from launch.commands.train import resolve_checkpointing
+
+    path = make_checkpoint(tmp_path / "checkpoints", 2)
+    manifest = json.loads((path / MANIFEST).read_text())
+    write_manifest(path, {**manifest, "config": {"model": asdict(ModelConfig())}})
+    longer = replace(ModelConfig(), rope_base=500000.0, norm_eps=1e-6)
+    cfg = Config(model=longer, train=TrainConfig(steps=4))
+    cfg.checkpoint.init_from = str(path)
+    assert resolve_checkpointing(cfg, tmp_path / "new")[2] == str(path.resolve())
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["note: starting from step_00000002 with model.rope_base=500000.0 (the "
+                     "checkpoint's: 10000.0), model.norm_eps=1e-06 (the checkpoint's: 1e-05); "
+                     "no weight depends on these"], lines
+    cfg = Config(model=longer, train=TrainConfig(steps=4))
+    cfg.checkpoint.resume_from = "auto"
+    resolve_checkpointing(cfg, tmp_path)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("warning: resuming with model.")
+                                   for line in lines), lines
