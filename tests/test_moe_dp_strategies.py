@@ -30,7 +30,7 @@ STRATEGIES = {
     "zero2": ({"zero": 2, "bucket_mb": 0.02}, EXACT),
     "zero3": ({"zero": 3, "bucket_mb": 0.02}, EXACT),
     "dynamic": ({"dp_balance": "dynamic", "dp_balance_every": 2}, EXACT),
-    "delay": ({"dp_delay": 1}, EXACT),
+    "delayed": ({"dp_delay": 1}, EXACT),
     # bf16 rounds each share: the experts' are summed over fewer ranks at ep2 (measured:
     # 2e-5 on the norms)
     "bf16": ({"dp_compress": "bf16"}, {"losses": 1e-5, "norms": 2e-4}),
