@@ -1,6 +1,7 @@
 """A tiny mixture-of-experts model through ``hybrid-train`` (docs/moe.md): its losses with the
-aux loss and the aux-loss-free expert bias on equal to the 1-process run's, and its final
-expert biases too, on dense and expert-parallel layouts (rtol 1e-4), one with full recompute
+aux loss and the aux-loss-free expert bias on equal to the 1-process run's, its gradient
+norms too (clipping on: a wrong gradient scale changes the losses), and its final expert
+biases too, on dense and expert-parallel layouts (rtol 1e-4), one with full recompute
 (its MoE figures each step the 1-process run's: the recomputed forward counts nothing again),
 and a checkpoint resumed on another layout. The layer on its own is test_moe_layer's."""
 
@@ -12,9 +13,11 @@ import torch
 from hybrid.testing.accounting import checked_records
 from test_llama import assert_same_losses, preset, run_train
 
-MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01"]
+MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01", "train.grad_clip=0.5"]
 """moe-tiny with the aux-loss-free expert bias on too (every run below, the reference's as
-well): each layout's losses and final biases are the 1-process run's."""
+well): each layout's losses and final biases are the 1-process run's. Clipped at 0.5, below
+every step's norm (0.62-0.69): AdamW is blind to a gradient's scale, clipping is not, so an
+expert gradient ep times too large shows in the losses as well as in ``grad_norm``."""
 
 
 
@@ -57,7 +60,9 @@ def moe_reference_run(tmp_path_factory):
     assert len(biases) == preset("moe-tiny").layers
     assert any(bias.abs().max() > 0 for bias in biases.values())  # they moved
     records = checked_records(run_dir)
-    return [r["loss"] for r in records], biases, [r["moe"] for r in records]
+    norms = [r["grad_norm"] for r in records]
+    assert all(norm > 0.5 for norm in norms)  # every step clipped
+    return [r["loss"] for r in records], biases, [r["moe"] for r in records], norms
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +98,19 @@ def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_referenc
     # dp x cp) as predicted, every step
     records = checked_records(tmp_path)
     assert_same_losses([r["loss"] for r in records], moe_reference_run[0])
+    assert_same_norms([r["grad_norm"] for r in records], moe_reference_run[3])
     assert_same_biases(tmp_path, moe_reference_run[1])  # every stage's layers, on any layout
     if "-ep" in name:
         assert all(r["comm_bytes"]["ep"] > 0 for r in records)  # tokens travelled
         _assert_expert_groups(tmp_path)
     _assert_moe_metrics(records, name, moe_reference_run[2])
+
+
+def assert_same_norms(norms: list[float], reference: list[float]) -> None:
+    """The global gradient norm of every step, the 1-process run's: each expert's gradient is
+    the 1-process mean's (not ep times it), counted once."""
+    assert len(norms) == len(reference)
+    assert norms == pytest.approx(reference, rel=1e-5)
 
 
 def _assert_moe_metrics(records, name, reference):
@@ -156,7 +169,7 @@ def test_a_checkpoint_saved_on_ep2_resumes_on_ep1_and_ep4_with_the_same_losses(
     resumed on dp2 (ep1: every expert on every rank) and on dp4 ep4 (one expert a rank): the
     checkpoint holds every expert by its global index, and the expert biases, so the resumed
     runs end with the uninterrupted run's biases too."""
-    moe_reference, reference_biases, _ = moe_reference_run
+    moe_reference, reference_biases, *_ = moe_reference_run
     source = tmp_path / "source"
     done = run_train(source, *MOE, *LAYOUTS["dp2-ep2-tp2"], "parallel.sequence_parallel=true",
                      "checkpoint.every=3")

@@ -18,6 +18,8 @@ Averaging: pre-divide. A bucket is scaled by ``1/d`` (``d`` = DP size) and then 
 so every rank ends with the mean of the DP ranks' gradients; with the loss of each micro-batch
 scaled by ``1/num_microbatches`` that is the 1-process mean gradient over the global batch.
 For power-of-two ``d`` the division is exact, so pre- and post-dividing agree bit for bit.
+That takes a rank's gradient as its replica's; an expert's sums the losses of its expert group
+(``Placement.loss_role``) and is divided by their count as it arrives (``_replica_gradient_hooks``).
 
 Gradients are reduced in fp32 (the buffers are fp32; parameters stay fp32 master weights and
 bf16 compute runs under autocast, whose gradients arrive in the parameters' fp32).
@@ -118,6 +120,7 @@ class GradSync:
         self.reducer = runtime_class(reduction_of(options))(self.buckets, options, self.wait)
         self._hooks = [param.register_post_accumulate_grad_hook(partial(self._accumulated, b, i))
                        for b in self.buckets for i, param in enumerate(b.params)]
+        self._hooks += _replica_gradient_hooks(named, groups)
         self._microbatches: Union[int, None] = None
         self._next_launch = 0
         self.step = 0
@@ -306,6 +309,21 @@ class GradSync:
             handle.remove()
         self._hooks.clear()
         self.sharding.close()
+
+
+def _replica_gradient_hooks(named: list[tuple[ParamSpec, nn.Parameter]], groups) -> list:
+    """Hooks that make each gradient of a parameter whose placement sums other ranks' losses
+    (``Placement.loss_role``: an expert's, its expert group's) one replica's, divided by
+    their count before it accumulates. Every strategy (a mean, ZeRO's per-micro-batch
+    reduce-scatter, PowerSGD's error feedback, local SGD's own steps, a delayed mean) then
+    reduces it as any replica's gradient, over its placement's group."""
+    hooks = []
+    for spec, param in named:
+        role = spec.placement.loss_role
+        summed = groups.role(role).size() if role is not None else 1
+        if summed > 1:
+            hooks.append(param.register_hook(partial(torch.mul, other=1.0 / summed)))
+    return hooks
 
 
 def _check_settings(options: DpOptions, dp: int, bucket_mb: Any) -> None:

@@ -30,12 +30,19 @@ class Placement:
     norm_role: str = "model"
     """The ranks that hold different parts of it (besides its TP split): its counted
     gradient's squares are summed over them for the global norm."""
+    loss_role: Optional[str] = None
+    """The ranks whose losses a rank's gradient of it sums (None: its own loss only). Every DP
+    strategy takes a rank's gradient as its replica's: the mean over ``reduce_role`` of the
+    replicas' gradients is then the 1-process mean. An expert's weights compute the tokens
+    of their whole expert group (the all-to-all brings them, its backward returns their
+    gradients), so ``GradSync`` divides an expert's gradient by that group's size as it
+    arrives: ep replicas' losses summed, made one replica's."""
 
 
 DENSE = Placement()
 """Every parameter of a dense model: reduced and sharded over dp x cp, split over tp x pp."""
 EXPERT = Placement(reduce_role="expert_gradient", shard_role="expert_sharding",
-                   norm_role="expert_model")
+                   norm_role="expert_model", loss_role="expert")
 """An expert's weights (``hybrid.planning.models.moe``): its own role groups on the expert grid
 (``hybrid.planning.layout.EXPERT_AXES``), the dense ones' ranks at ``ep=1``."""
 PLACEMENTS = (DENSE, EXPERT)
