@@ -264,14 +264,17 @@ def interrupted_twice() -> list[str]:
     return seen
 
 
-def test_a_worker_takes_ctrl_c_once():
+def test_a_worker_takes_ctrl_c_once(monkeypatch):
     """The CI failure: the second KeyboardInterrupt landed in torch's wrapper while it wrote
     the first one's traceback, and multiprocessing printed "Process ForkServerProcess-1:
-    Traceback ... KeyboardInterrupt" on the console."""
-    from launch.launchers.agent_worker import call_entrypoint
+    Traceback ... KeyboardInterrupt" on the console. Run here, in the test's own process."""
+    from launch.launchers.agent_worker import LAUNCHER_PID_ENV, call_entrypoint
 
-    saved = signal.getsignal(signal.SIGINT)
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)  # no launcher to watch
+    taken = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {sig: signal.getsignal(sig) for sig in taken}
     try:
         assert call_entrypoint(interrupted_twice) == ["first raised", "second ignored"]
     finally:
-        signal.signal(signal.SIGINT, saved)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
