@@ -222,4 +222,4 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         proc.kill()
     assert proc.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == [
-        "interrupted: stopped before any worker started"], stderr[-2000:]
+        "interrupted: stopped while no worker was running"], stderr[-2000:]

@@ -43,6 +43,7 @@ from hybrid.planning.memory import check_memory
 from hybrid.planning.validate import config_warnings
 from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
+from launch.commands.console import work_done
 from launch.launchers.launcher import Launcher
 from launch.launchers.registered import launcher_for, launcher_problem
 from launch.launchers.run import (WORKER_FAILED_EXIT, failure_line, launch, report_results,
@@ -238,9 +239,11 @@ class RunFailed(Exception):
         self.line, self.code = line, code
 
 
-def run(plan: JobPlan, launcher: Launcher, run_dir: Path) -> bool:
+def run(plan: JobPlan, launcher: Launcher, run_dir: Path, last: bool = True) -> bool:
     """Launch the workers; True when they trained here, False when they were left running
-    (a Slurm job). A failure raises ``RunFailed``; a signal exits with its status."""
+    (a Slurm job). A failure raises ``RunFailed``; a signal exits with its status. ``last``:
+    nothing follows in this command (not a sweep's cell), so once the workers have returned,
+    a signal stops nothing and the finished run exits 0 (``console.work_done``)."""
     from launch.launchers.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
 
     started = time.time()
@@ -260,6 +263,8 @@ def run(plan: JobPlan, launcher: Launcher, run_dir: Path) -> bool:
         sys.exit(128 + err.signal_number)  # the shell's convention: 143 for SIGTERM
     except OSError as err:  # the launcher's own files (worker logs) on a full disk
         raise RunFailed(str(write_error(run_dir, err)), USER_ERROR_EXIT) from None
+    if last:  # every step is trained and saved: the report below is all that is left
+        work_done()
     if results is None:
         return False
     report_results(results, run_dir)
@@ -275,7 +280,7 @@ def _train(dict_cfg: DictConfig) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     cell = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        trained = run(*prepare(cfg, run_dir), run_dir)
+        trained = run(*prepare(cfg, run_dir), run_dir, last=not cell)
     except UserError as err:
         if not cell:
             discard_scaffolding(run_dir)

@@ -29,24 +29,33 @@ def worker_environ(omp_threads: Optional[int]) -> dict[str, str]:
 
 def call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
     """Worker side: run ``entrypoint``; a SIGINT aimed at this worker alone is a failure; a
-    SIGHUP ends it (as SIGTERM does). Both are taken back from the fork server, which ignores
-    them (``fork_server.hangup_ignored``).
+    SIGHUP or SIGTERM ends it. All three are taken back from the fork server, which ignores
+    them (``fork_server.hangup_ignored``); one that came meanwhile was held and comes now.
 
     torch.multiprocessing treats KeyboardInterrupt in a worker as a clean exit (code 0, no
     return value), after which the agent would wait forever for that worker's result.
     """
     die_with_launcher()
-    # Forked by a fork server deaf to SIGHUP (``hangup_ignored``), a worker inherits that;
+    # Forked by a fork server deaf to these (``hangup_ignored``), a worker inherits that;
     # but the agent stops the workers with the signal it got itself, and a worker that
     # ignored SIGHUP lived until the SIGKILL after ``shutdown_timeout_s`` (10-12 s late).
-    # The same for Ctrl-C: the fork server starts deaf to it and with it blocked.
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGINT, signal.SIGTERM})
         return entrypoint(*args)
     except KeyboardInterrupt as err:
         raise WorkerInterrupted("got SIGINT and stopped") from err
+
+
+def _interrupt_once(signal_number: int, frame) -> None:
+    """A worker's first SIGINT raises KeyboardInterrupt; later ones are ignored. A terminal's
+    Ctrl-C reaches every worker twice, from the terminal and forwarded by the agent: one
+    request to stop, and a second KeyboardInterrupt landed in torch's wrapper while it wrote
+    the first one's traceback to its error file, which then printed its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def die_with_launcher() -> None:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Iterator, Optional, Sequence
 
 from launch.launchers.agent_scope import restored_environ
@@ -24,6 +25,9 @@ WORKER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hybrid.model.m
 TorchDynamo is among them because torch's ``Optimizer`` imports it when the first one is built
 (about 1 s): once here rather than in every worker; Inductor's compiler is not
 (``hybrid.megatron_import``)."""
+REAP_TIMEOUT_S = 5.0
+"""How long the launcher waits for a helper it ended (the fork server, the resource tracker)
+to be gone before it leaves it to init."""
 MEGATRON_IMPORT_WARNING = "ignore:Transformer Engine and Apex are not installed"
 """PYTHONWARNINGS for the fork server: megatron-core warns on import that Transformer Engine
 and Apex are absent, expected on CPU and noise on a console."""
@@ -45,14 +49,17 @@ def start_fork_server(preload: Sequence[str], omp_threads: Optional[int] = None)
         forkserver.ensure_running()
 
 
-DEAF_TO = ("SIGHUP", "SIGINT")
-"""What multiprocessing's helpers (the fork server, its resource tracker) start deaf to."""
+DEAF_TO = ("SIGHUP", "SIGINT", "SIGTERM")
+"""What multiprocessing's helpers (the fork server, its resource tracker) start deaf to. A
+SIGTERM to the whole process group (``kill -TERM -PGID``, a scheduler) would otherwise end the
+fork server before it reaped the workers it forked, leaving them as zombies for init; the
+launcher ends it once its workers are gone (``stop_fork_server``)."""
 
 
 @contextlib.contextmanager
 def hangup_ignored() -> Iterator[None]:
-    """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP
-    and SIGINT. A closed terminal sends SIGHUP, and Ctrl-C SIGINT, to the whole process group:
+    """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP,
+    SIGINT and SIGTERM. A closed terminal sends SIGHUP, and Ctrl-C SIGINT, to the whole process group:
     a tracker that dies of it while workers still unregister their shared memory prints a
     traceback per segment, and a fork server that gets Ctrl-C while it imports torch prints
     one of the import machinery. Only the launcher decides what a signal means (it stops
@@ -81,16 +88,72 @@ def hangup_ignored() -> Iterator[None]:
 
 
 def stop_fork_server() -> None:
-    """End this process's fork server, if one runs, without waiting for its imports: a
-    launcher that exits before starting workers (a refused config) leaves none behind. Forked
-    workers are not its children's children to kill: they live on their own."""
+    """End this process's fork server, if one runs, without waiting for its imports, and reap
+    it: a launcher that exits before starting workers (a refused config) leaves none behind.
+    SIGKILL, since the server is deaf to SIGTERM (``DEAF_TO``). By now the agent has stopped
+    the workers and the server has reaped them; one that is somehow still alive is not killed
+    here: it watches the launcher and ends with it (``agent_worker.die_with_launcher``)."""
     from multiprocessing import forkserver
 
-    # multiprocessing offers no call for this; the server's pid is the module's own record.
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None:
+    # multiprocessing's own stop (closing the "alive" pipe) waits for every worker holding
+    # that pipe; the server's pid is the module's own record.
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass  # already gone
+    _reap(pid)
+    # As multiprocessing forgets a server it found dead: a later start starts a new one.
+    os.close(server._forkserver_alive_fd)
+    if isinstance(server._forkserver_address, str) and os.path.exists(server._forkserver_address):
+        os.unlink(server._forkserver_address)
+    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+
+
+def stop_helpers() -> None:
+    """The last thing before this process exits, after an interrupt too (``os._exit`` runs
+    no exit hook): multiprocessing's finalizers (they release the semaphores of the agent's
+    worker queues, which the resource tracker would otherwise report as leaked, and remove
+    its temporary directory), then the fork server and the resource tracker, reaped."""
+    import multiprocessing.util
+
+    multiprocessing.util._run_finalizers(0)
+    multiprocessing.util._run_finalizers()
+    stop_fork_server()
+    stop_resource_tracker()
+
+
+def stop_resource_tracker() -> None:
+    """End multiprocessing's resource tracker and reap it: closing its pipe is its stop
+    signal. It ends once every process holding that pipe (the fork server, the workers) has,
+    after unlinking what they left registered; so this is the last thing before exit."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if fd is None or pid is None:
+        return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    tracker._fd = tracker._pid = None
+    _reap(pid)
+
+
+def _reap(pid: int, timeout_s: float = REAP_TIMEOUT_S) -> None:
+    """Wait for this process's child ``pid`` to end (``REAP_TIMEOUT_S`` at most), so that it
+    leaves no zombie behind."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass  # already gone
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # reaped already (or not ours)
+        if done or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
 
