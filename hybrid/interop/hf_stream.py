@@ -139,14 +139,24 @@ def _check_tied_copy(headers: dict, inputs: dict, model) -> None:
 
 class _StreamPlanner(DefaultSavePlanner):
     """DCP's default planner over meta tensors: each tensor's data is made when the writer
-    asks for it (``resolve_data``), written, and dropped before the next is made."""
+    asks for it (``resolve_data``), written, and dropped before the next is made.
+
+    Dropped by hand: DCP's writer (torch 2.13, ``_write_files_from_queue``) keeps every tensor
+    it wrote in a dict until the file is done (for its safetensors format), which would hold
+    the model. Its serial loader (``per_thread_copy_ahead=0``) asks for the next tensor only
+    once the last is written in the default format (``torch.save``), so the last one's storage
+    is freed then. ``tests/test_hf_stream.py`` reads every tensor back: a writer that read
+    ahead, or read a tensor again, would fail it."""
 
     def __init__(self, make: Callable[[str], torch.Tensor]) -> None:
         super().__init__()
-        self._make = make
+        self._make, self._last = make, None
 
     def resolve_data(self, write_item):
-        return self._make(write_item.index.fqn.removeprefix("model."))
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+        self._last = self._make(write_item.index.fqn.removeprefix("model."))
+        return self._last
 
 
 def _dtype(name: str) -> torch.dtype:
