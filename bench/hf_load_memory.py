@@ -1,4 +1,5 @@
-"""Peak host memory of ``model.from_hf``'s loading, per rank, beside a plain load of the files.
+"""Peak host memory of ``model.from_hf``'s loading, per rank, beside a plain load of the files;
+and of ``hybrid-ckpt import`` and ``export --format hf``, beside ``transformers``.
 
 A random Llama of about ``--gb`` GB (fp32) is saved as the hub ships it (shards of
 ``--shard-mb`` MB and an index). Then, each in a fresh process: every rank of tp2 x pp2 loads
@@ -112,6 +113,86 @@ def load_whole(folder: str) -> dict:
     return {"share_mb": size, "peak_growth_mb": peak_mb() - before}
 
 
+def _import_conversion_modules() -> None:
+    """What a conversion imports, imported before the measure (no conversion's memory)."""
+    import tokenizers  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import hybrid.checkpoint.weights  # noqa: F401
+    import hybrid.interop.convert  # noqa: F401
+    import hybrid.interop.hf_stream  # noqa: F401
+    import hybrid.interop.llama_family  # noqa: F401
+    import hybrid.planning.models.moe  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
+
+def import_streamed(folder: str, out: str) -> dict:
+    """``hybrid-ckpt import``'s conversion (streamed), into ``out``."""
+    from hybrid.interop.convert import import_hf
+
+    _import_conversion_modules()
+    reset_peak()
+    before = rss_mb()
+    import_hf(folder, out)
+    return {"peak_growth_mb": peak_mb() - before}
+
+
+def export_streamed(checkpoint: str, out: str, shard_mb: str) -> dict:
+    """``hybrid-ckpt export --format hf --max-shard-size``'s conversion (streamed)."""
+    from hybrid.checkpoint.store import read_manifest
+    from hybrid.interop.convert import export_hf
+
+    _import_conversion_modules()
+    manifest = read_manifest(Path(checkpoint))
+    reset_peak()
+    before = rss_mb()
+    export_hf(Path(checkpoint), manifest, out, int(float(shard_mb) * MB))
+    return {"peak_growth_mb": peak_mb() - before}
+
+
+def transformers_peer(folder: str, out: str, shard_mb: str) -> dict:
+    """The peer: ``from_pretrained`` (import's), then ``save_pretrained`` (export's: both, as
+    a user converting with transformers runs them)."""
+    from transformers import AutoModelForCausalLM
+
+    reset_peak()
+    before = rss_mb()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    for param in model.parameters():  # mapped from the files: read every page, as a
+        param.sum()                  # conversion (or the first forward) does
+    loaded = peak_mb() - before
+    model.save_pretrained(out, max_shard_size=int(float(shard_mb) * MB))
+    return {"load_mb": loaded, "load_save_mb": peak_mb() - before}
+
+
+def largest_tensor_mb(folder: Path) -> float:
+    from hybrid.interop.hf_stream import hf_headers
+
+    return max(t.numel() * t.element_size() for _, t in hf_headers(folder).values()) / MB
+
+
+def conversions(folder: Path, shard: float, shard_mb: float) -> None:
+    """The import and export rows: each against (largest shard + largest tensor), and
+    ``ratio=`` over transformers'."""
+    bound = shard + largest_tensor_mb(folder)
+    work = folder.parent
+    peer = in_child("transformers", str(folder), str(work / "peer"), str(shard_mb))
+    got = in_child("import", str(folder), str(work / "imported"))
+    checkpoint = str(work / "imported" / "step_00000000")
+    put = in_child("export", checkpoint, str(work / "exported"), str(shard_mb))
+    print(f"one shard + one tensor: {bound:.0f} MB")
+    for what, mine, theirs, name in (
+            ("import", got, peer["load_mb"], "from_pretrained"),
+            ("export", put, peer["load_save_mb"], "from_pretrained + save_pretrained")):
+        print(f"{what} (streamed): peak growth {mine['peak_growth_mb']:.0f} MB = "
+              f"{mine['peak_growth_mb'] / bound:.2f} x (shard + tensor); peer {name} "
+              f"{theirs:.0f} MB; ratio={mine['peak_growth_mb'] / max(theirs, 1e-3):.3f}")
+
+
+CHILDREN = {"whole": load_whole, "import": import_streamed, "export": export_streamed,
+            "transformers": transformers_peer}
+
+
 def in_child(*args: str) -> dict:
     done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
                           text=True, check=True)
@@ -128,7 +209,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, folder, *rest = args.child
-        result = load_whole(folder) if kind == "whole" else load_rank(folder, *map(int, rest))
+        result = CHILDREN[kind](folder, *rest) if kind in CHILDREN else \
+            load_rank(folder, *map(int, rest))
         print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +233,7 @@ def main() -> None:
                       f"{got['peak_growth_mb'] / got['share_mb']:.2f} x share, "
                       f"{got['peak_growth_mb'] / shard:.2f} x largest shard, "
                       f"ratio={got['peak_growth_mb'] / max(peer['peak_growth_mb'], 1e-3):.3f}")
+        conversions(folder, shard, 0.05 if args.smoke else args.shard_mb)
 
 
 if __name__ == "__main__":

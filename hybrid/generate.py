@@ -55,14 +55,16 @@ class Source:
     eod: Optional[int] = None
 
 
-def load_source(source: str) -> Source:
-    """An HF GPT-2 directory (it holds ``config.json``) or a hybrid checkpoint / run dir."""
+def load_source(source: str, context: Optional[int] = None) -> Source:
+    """An HF GPT-2 directory (it holds ``config.json``) or a hybrid checkpoint / run dir, at
+    ``context`` positions (``with_context``)."""
     path = Path(source).expanduser()
     if _is_hf_dir(path):
         from hybrid.interop.convert import hf_model
 
         model, weights, record, tokenizer_json = hf_model(str(path))
-        return Source(model, weights, record, tokenizer_json, str(path), _hf_eos(path))
+        return with_context(Source(model, weights, record, tokenizer_json, str(path),
+                                   _hf_eos(path)), model.seq_len, context)
     from hybrid.checkpoint.dcp_io import verify_files_here
     from hybrid.checkpoint.store import check_files, read_manifest, resolve_resume
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
@@ -73,8 +75,37 @@ def load_source(source: str) -> Source:
     check_files(checkpoint, manifest)
     verify_files_here(checkpoint, manifest)  # as resume and export: no text from damaged weights
     record, tokenizer_json = checkpoint_tokenizer(checkpoint, manifest)
-    return Source(model_config_of(manifest), read_model_weights(checkpoint), record,
-                  tokenizer_json, str(checkpoint))
+    model = model_config_of(manifest)
+    return with_context(Source(model, read_model_weights(checkpoint), record, tokenizer_json,
+                               str(checkpoint)), _positions_of(manifest, model), context)
+
+
+def _positions_of(manifest: dict, model: ModelConfig) -> int:
+    """The context a checkpoint's model was made for: a rotary model's source's (the HF
+    folder or checkpoint its run started from, as export writes it back), else its own."""
+    from hybrid.interop.convert import source_positions
+    from hybrid.planning.models import model_spec
+
+    if model_spec(model).learned_positions:
+        return model.seq_len
+    return source_positions(manifest, model.seq_len)
+
+
+def with_context(source: Source, positions: int, context: Optional[int]) -> Source:
+    """``source`` generating over ``context`` positions (None: ``positions``, what the model
+    was made for). A rotary model takes any; a learned-positions table (GPT-2) has
+    ``positions`` rows and is refused beyond them."""
+    from dataclasses import replace
+
+    from hybrid.checkpoint.weights import fit_positions
+    from hybrid.planning.models import model_spec
+
+    context = positions if context is None else context
+    if model_spec(source.model).learned_positions and context > positions:
+        raise GenerateError(f"context={context}: {source.where} has learned positions for "
+                            f"{positions} tokens; choose context <= {positions}")
+    return replace(source, model=replace(source.model, seq_len=context),
+                   weights=fit_positions(source.weights, context))
 
 
 def _hf_eos(path: Path) -> Optional[int]:

@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from hybrid.checkpoint.dcp_io import SafeReader, file_checksums, read_metadata
 from hybrid.checkpoint.store import (FORMAT_VERSION, TOKENIZER_FILE, WEIGHTS_KIND,
@@ -34,7 +35,7 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     metadata = read_metadata(path)
     state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
              for key, item in metadata.state_dict_metadata.items() if key.startswith("model.")}
-    with _single_process():
+    with single_process():
         dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
@@ -75,16 +76,20 @@ def checkpoint_tokenizer(path: Path, manifest: dict) -> tuple[Optional[dict], Op
 def write_weights_checkpoint(directory: Path, weights: dict[str, torch.Tensor], *,
                              model_shape: dict, config: Optional[dict], source: str,
                              tokenizer: Optional[dict] = None,
-                             tokenizer_json: Optional[str] = None) -> Path:
-    """``directory/step_00000000``: the weights as a complete model-only checkpoint."""
+                             tokenizer_json: Optional[str] = None,
+                             planner: Optional[SavePlanner] = None) -> Path:
+    """``directory/step_00000000``: the weights as a complete model-only checkpoint.
+    ``planner``: one that makes each tensor as DCP writes it (``weights`` are then meta
+    tensors, ``hybrid.interop.hf_stream``); DCP's serial loader then asks for one at a time."""
     directory = Path(directory)
     partial, final = directory / partial_name(0), directory / checkpoint_name(0)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
         state = {f"model.{name}": tensor.contiguous() for name, tensor in weights.items()}
-        with _single_process():
-            dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=True)
+        with single_process():
+            writer = FileSystemWriter(partial, per_thread_copy_ahead=0)  # no read-ahead
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         if tokenizer_json is not None:
             (partial / TOKENIZER_FILE).write_text(tokenizer_json)
         write_manifest(partial, _manifest(partial, weights, model_shape, config, source,
@@ -110,7 +115,7 @@ def _manifest(partial: Path, weights: dict, model_shape: dict, config: Optional[
 
 
 @contextlib.contextmanager
-def _single_process() -> Iterator[None]:
+def single_process() -> Iterator[None]:
     """DCP warns that it assumes one process when asked for exactly that (``no_dist``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

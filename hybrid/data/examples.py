@@ -37,23 +37,30 @@ def python_docs_text() -> str:
     return "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
 
 
-def example_prefix(name: str, folder: Path, text: str) -> Path:
-    """Where example ``name`` with ``text`` lies in ``folder`` (named by its content)."""
+def example_prefix(name: str, folder: Path, text: str,
+                   tokenizer: str = "bytes") -> Path:
+    """Where example ``name`` with ``text`` lies in ``folder`` (named by its content and, for
+    another tokenizer than bytes, the SHA-256 of its JSON)."""
     digest = hashlib.sha256(f"{BUILD_VERSION}\0{text}".encode("utf-8")).hexdigest()[:12]
-    return Path(folder) / EXAMPLES_FOLDER / f"{name}-{digest}"
+    return Path(folder) / EXAMPLES_FOLDER / (f"{name}-{digest}" if tokenizer == "bytes" else
+                                             f"{name}-{digest}-{tokenizer[:12]}")
 
 
-def write_example(name: str, folder: Path) -> tuple[str, bool]:
+def write_example(name: str, folder: Path, tokenizer=None) -> tuple[str, bool]:
     """The prefix of example ``name`` in ``folder``, and whether this call wrote it (it is
-    written unless it is there already)."""
+    written unless it is there already). ``tokenizer``: (the ``--tokenizer`` spec, its
+    ``--eod`` or None, the SHA-256 of its JSON) to tokenize with instead of bytes
+    (``model.from_hf``'s)."""
     text = python_docs_text()
-    prefix = example_prefix(name, folder, text)
+    spec, eod, key = tokenizer or ("bytes", None, "bytes")
+    prefix = example_prefix(name, folder, text, key)
     if read_meta(str(prefix)) is None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".build-") as tmp:
             source = Path(tmp) / f"{name}.txt"
             source.write_text(text, encoding="utf-8")
             prepare_data(Request(inputs=[str(source)], output=str(prefix), format="indexed",
+                                 tokenizer=spec, eod=eod,
                                  read=ReadOptions(documents="blank-lines"), progress=False,
                                  force=True))
         return str(prefix), True

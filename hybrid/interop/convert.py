@@ -1,7 +1,8 @@
 """Checkpoints to HF directories and back (``hybrid-ckpt export --format hf`` and ``import``).
 
-Export reads the model of a checkpoint of any layout whole and writes ``model.safetensors``,
-``config.json`` (a ``GPT2Config``) and, when the run's data recorded an HF tokenizer, its
+Both go one tensor at a time (``hybrid.interop.hf_stream``). Export reads the model of a
+checkpoint of any layout and writes ``model.safetensors`` (or shards and their index),
+``config.json`` and, when the run's data recorded an HF tokenizer, its
 ``tokenizer.json`` with a ``tokenizer_config.json``. Import writes a model-only checkpoint
 (``OUT/step_00000000``, ``hybrid.checkpoint.weights``) holding the real vocabulary, with the HF
 directory's tokenizer; ``checkpoint.init_from=OUT`` starts a run from it on any layout.
@@ -38,13 +39,18 @@ def model_config_of(manifest: dict) -> ModelConfig:
 def export_hf(path: Path, manifest: dict, out: str, max_shard_bytes: Optional[int] = None
               ) -> dict:
     """Write checkpoint ``path`` as an HF directory ``out`` (shards of at most
-    ``max_shard_bytes``); what was written."""
-    from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
+    ``max_shard_bytes``), one tensor at a time (``hybrid.interop.hf_stream``); what was
+    written."""
+    from hybrid.checkpoint.weights import checkpoint_tokenizer
+    from hybrid.interop.hf_stream import streamed_export
+    from hybrid.planning.models.moe import is_expert_bias
 
     require_safetensors()  # before the weights are read: a base install is told at once
     model = model_config_of(manifest)
     interop = name_map(model_spec(model))
-    tensors = interop.to_hf(read_model_weights(path), model)
+    biases = [name[len("model."):] for name in manifest["tensors"]
+              if is_expert_bias(name[len("model."):])]
+    tensors, write = streamed_export(path, model, interop, biases)
     record, tokenizer_json = checkpoint_tokenizer(path, manifest)
     eod = None if record is None else record.get("eod")
     eod_token = None
@@ -56,7 +62,7 @@ def export_hf(path: Path, manifest: dict, out: str, max_shard_bytes: Optional[in
     if not model_spec(model).learned_positions:  # the context the source was made for
         config["max_position_embeddings"] = source_positions(manifest, model.seq_len)
     write_hf_dir(out, tensors, config, tokenizer_json, eod_token, model.seq_len,
-                 max_shard_bytes)
+                 max_shard_bytes, write_weights=write)
     return {"parameters": sum(t.numel() for t in tensors.values()),
             "architecture": interop.hf_config(model)["architectures"][0],
             "tokenizer": None if tokenizer_json is None else record.get("source"),
@@ -89,10 +95,9 @@ def source_positions(manifest: dict, seq_len: int) -> int:
     return max(found, seq_len)
 
 
-def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[str]]:
-    """(model config, hybrid weights with the real vocabulary, tokenizer record, tokenizer
-    JSON) of an HF GPT-2 directory (its config checked before any tensor is read, every
-    tensor's shape against the config, then the tokenizer against the model)."""
+def hf_source(hf_dir: str) -> tuple[ModelConfig, object, dict]:
+    """(model config, the family's HF map, config.json) of an HF directory, checked before
+    any tensor is read."""
     config = read_config(hf_dir)
     # An unknown model_type goes to GPT-2's map, whose refusal names it.
     spec = family_for_hf(config.get("model_type")) or MODELS["gpt2"]
@@ -103,28 +108,56 @@ def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[s
         raise ConversionError(f"{hf_dir}: config.json has no {err.args[0]!r}, which a "
                               f"{config.get('model_type')} config needs; use the config.json "
                               f"saved with the model") from None
-    model = ModelConfig(**fields, family=spec.name, vocab_pad_multiple=1)
-    weights = interop.from_hf(read_hf_weights(hf_dir), model)
+    return ModelConfig(**fields, family=spec.name, vocab_pad_multiple=1), interop, config
+
+
+def hf_tokenizer_record(hf_dir: str, model: ModelConfig, config: dict
+                        ) -> tuple[Optional[dict], Optional[str]]:
+    """(tokenizer record, tokenizer JSON) of an HF directory; (None, None) without one."""
     found = hf_tokenizer(hf_dir, model.vocab)
     if found is None:
-        return model, weights, None, None
+        return None, None
     tokenizer, tokenizer_json, eos = found
-    return model, weights, _record(tokenizer, tokenizer_json, eos, hf_dir, config), \
-        tokenizer_json
+    return _record(tokenizer, tokenizer_json, eos, hf_dir, config), tokenizer_json
+
+
+def hf_model(hf_dir: str) -> tuple[ModelConfig, dict, Optional[dict], Optional[str]]:
+    """(model config, hybrid weights with the real vocabulary, tokenizer record, tokenizer
+    JSON) of an HF directory, read whole (its config checked before any tensor is read,
+    every tensor's shape against the config, then the tokenizer against the model)."""
+    model, interop, config = hf_source(hf_dir)
+    weights = interop.from_hf(read_hf_weights(hf_dir), model)
+    return model, weights, *hf_tokenizer_record(hf_dir, model, config)
 
 
 def import_hf(hf_dir: str, out: str) -> Path:
-    """``hf_dir`` as a model-only hybrid checkpoint under ``out``; its path."""
+    """``hf_dir`` as a model-only hybrid checkpoint under ``out``; its path. Safetensors are
+    converted one tensor at a time (``hybrid.interop.hf_stream``); a ``pytorch_model.bin``,
+    which loads only whole, whole."""
     target = Path(out)
     if target.exists() and any(target.iterdir()):
         raise ConversionError(f"{out} exists and is not empty; choose another folder")
-    model, weights, record, tokenizer_json = hf_model(hf_dir)
+    model, interop, config = hf_source(hf_dir)
+    record, tokenizer_json = hf_tokenizer_record(hf_dir, model, config)
     from hybrid.checkpoint.weights import write_weights_checkpoint  # torch: once data is read
+    from hybrid.interop.hf_stream import streamed_import
 
     fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
-    return write_weights_checkpoint(target, weights, model_shape=model_shape(model),
-                                    config={"model": fields}, source=str(Path(hf_dir).resolve()),
-                                    tokenizer=record, tokenizer_json=tokenizer_json)
+    manifest = dict(model_shape=model_shape(model), config={"model": fields},
+                    source=str(Path(hf_dir).resolve()), tokenizer=record,
+                    tokenizer_json=tokenizer_json)
+    if not has_safetensors(hf_dir):
+        weights = interop.from_hf(read_hf_weights(hf_dir), model)
+        return write_weights_checkpoint(target, weights, **manifest)
+    require_safetensors()
+    return streamed_import(hf_dir, model, interop, target, **manifest)
+
+
+def has_safetensors(hf_dir: str) -> bool:
+    from hybrid.interop.shards import INDEX
+
+    folder = Path(hf_dir).expanduser()
+    return (folder / "model.safetensors").is_file() or (folder / INDEX).is_file()
 
 
 SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",

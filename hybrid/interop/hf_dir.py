@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -95,11 +96,13 @@ def read_hf_weights(path: str) -> dict:
 
 def write_hf_dir(out: str, tensors: dict, config: dict,
                  tokenizer_json: Optional[str] = None, eod_token: Optional[str] = None,
-                 max_length: Optional[int] = None, max_shard_bytes: Optional[int] = None
-                 ) -> None:
+                 max_length: Optional[int] = None, max_shard_bytes: Optional[int] = None,
+                 write_weights=None) -> None:
     """Write ``out`` whole or not at all: a temporary folder beside it, renamed at the end.
     The folder and its files get the modes ``mkdir`` and ``open`` give (0777 and 0666 less
-    the umask). ``max_shard_bytes``: HF's shards and index, each file at most that."""
+    the umask). ``max_shard_bytes``: HF's shards and index, each file at most that.
+    ``write_weights(folder, max_bytes)``: writes them instead of ``save_sharded`` (``tensors``
+    are then meta: ``hybrid.interop.hf_stream``)."""
     from hybrid.interop.shards import save_sharded
 
     require_safetensors()
@@ -113,8 +116,8 @@ def write_hf_dir(out: str, tensors: dict, config: dict,
     shutil.rmtree(staging, ignore_errors=True)  # a killed export of this pid's
     try:
         staging.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the renamed folder
-        save_sharded(tensors, staging, max_shard_bytes or sum(
-            t.numel() * t.element_size() for t in tensors.values()))
+        limit = max_shard_bytes or sum(t.numel() * t.element_size() for t in tensors.values())
+        (write_weights or partial(save_sharded, tensors))(staging, limit)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / TOKENIZER_FILE).write_text(tokenizer_json)

@@ -3,7 +3,7 @@
 ::
 
     hybrid-generate SOURCE prompt="..." [max_new_tokens=32] [temperature=0.8] [top_k=50]
-                    [seed=1234] [stop_at_eod=true] [show_ids=false]
+                    [seed=1234] [stop_at_eod=true] [show_ids=false] [context=N]
     hybrid-generate SOURCE prompt_ids=1,2,3 ...
 
 ``SOURCE``: a checkpoint directory (``step_*``), a run directory (its newest checkpoint) or a
@@ -14,7 +14,11 @@ tokenizer exists. Overrides are ``key=value`` as in the other commands; an unkno
 a value of the wrong type or out of range is one line and exit status 2. ``temperature=0`` is
 greedy. The text is printed as it comes (the prompt once the model is ready, then each new
 piece, flushed); Ctrl-C stops it in one line with exit status 130, the text so far kept on
-stdout. The generation itself is ``hybrid.generate``.
+stdout. ``context=N``: the positions the model sees (the key/value cache's length, the window
+that slides beyond it); by default those the source model was made for (an HF folder's
+``max_position_embeddings``, or that of the folder or checkpoint a run started from, not the
+``seq_len`` it was fine-tuned at). A rotary model takes any; GPT-2's learned positions are
+refused beyond their table in one line. The generation itself is ``hybrid.generate``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from hybrid.generate import GenerateError
 from launch.commands.console import INTERRUPTED_EXIT
 
 USAGE = ('usage: hybrid-generate SOURCE prompt="..."|prompt_ids=1,2,3 [max_new_tokens=N] '
-         '[temperature=T] [top_k=K] [seed=S] [stop_at_eod=true|false] [show_ids=true|false]')
+         '[temperature=T] [top_k=K] [seed=S] [stop_at_eod=true|false] [show_ids=true|false] '
+         '[context=N]')
 MAX_NEW_TOKENS = 10_000
 """Past ``model.seq_len`` every new token recomputes the window (the key/value cache holds
 only what fits): a typo such as ``max_new_tokens=1000000000`` would run for days, so it is
@@ -60,6 +65,8 @@ class GenerateConfig:
     """Stop at the end-of-document token."""
     show_ids: bool = False
     """Also print the prompt's and the new tokens' ids."""
+    context: Optional[int] = None
+    """Positions the model sees; None: those the source model was made for."""
 
 
 SETTINGS_HELP = {
@@ -71,6 +78,8 @@ SETTINGS_HELP = {
     "seed": "the sampling seed, 0..2**64-1",
     "stop_at_eod": "stop at the end-of-document token",
     "show_ids": "also print the prompt's and the new tokens' ids",
+    "context": "positions the model sees (default: the source model's own; any for a rotary "
+               "model, at most its table for GPT-2)",
 }
 
 
@@ -83,7 +92,7 @@ def help_text() -> str:
     for name, text in SETTINGS_HELP.items():
         value = getattr(defaults, name)
         value = str(value).lower() if isinstance(value, bool) else value  # as typed: true
-        default = "" if name in ("prompt", "prompt_ids") else f" (default {value})"
+        default = "" if name in ("prompt", "prompt_ids", "context") else f" (default {value})"
         lines.append(f"  {name:<15} {text}{default}")
     lines += ["", "A setting out of range is one line and exit status 2; Ctrl-C stops in one "
               f"line (status {INTERRUPTED_EXIT}),", "keeping the text so far."]
@@ -108,6 +117,7 @@ def parse(argv: Sequence[str]) -> GenerateConfig:
 
 
 def _typed(key: str, value: str, kind: str):
+    kind = kind.removeprefix("Optional[").removesuffix("]")  # context: None is the default
     if kind == "str":
         return value
     if kind == "bool":
@@ -152,6 +162,8 @@ def _checked(cfg: GenerateConfig) -> GenerateConfig:
                             f"(0: greedy)")
     if cfg.top_k < 0:
         raise GenerateError(f"top_k={cfg.top_k} must be >= 0 (0: every token)")
+    if cfg.context is not None and cfg.context < 1:
+        raise GenerateError(f"context={cfg.context} must be >= 1 (positions the model sees)")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise GenerateError(f"seed={cfg.seed} must be an integer in 0..{MAX_SEED:,} (torch's "
                             f"64-bit generator seed); choose one in that range")
@@ -175,7 +187,7 @@ def run(cfg: GenerateConfig, shown: Shown) -> list[int]:
     from hybrid.generate import (TextPieces, load_source, new_tokens, one_process_model,
                                  text_tokenizer)
 
-    source = load_source(cfg.source)
+    source = load_source(cfg.source, cfg.context)
     if cfg.prompt_ids is None:
         tokenizer = text_tokenizer(source)
         prompt = _encoded(cfg.prompt, tokenizer, source)

@@ -1,8 +1,11 @@
 """A run's data, settled before any rank starts: an indexed source's prefixes resolved to
 absolute paths in the plan and megatron-core's index caches built once, here
 (``hybrid.data.megatron``); and the data's tokenizer recorded in the plan and copied into the
-run directory, for the checkpoints to carry. Used by ``hybrid-train`` and by ``hybrid-plan
-out=DIR`` (a run a launcher of the user's starts).
+run directory, for the checkpoints to carry. A run of ``model.from_hf=HF_DIR`` whose folder
+holds a ``tokenizer.json`` takes that tokenizer: the built-in corpus is tokenized with it, data
+that records another is refused in one line, and data that records none (synthetic, Megatron's
+own files) gets it recorded, so ``hybrid-generate`` and export decode with it. Used by
+``hybrid-train`` and by ``hybrid-plan out=DIR`` (a run a launcher of the user's starts).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from hybrid.data.eval_split import check_eval_split
 from hybrid.data.examples import user_cache_dir, write_example
 from hybrid.data.megatron import build_caches
 from hybrid.data.metadata import read_meta, tokenizer_path
+from hybrid.data.tokenizer import HFTokenizer, load_tokenizer
+from hybrid.interop.hf_dir import hf_config, hf_tokenizer
 from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes
 from hybrid.files import write_text
 from hybrid.planning.data_sources import blend_of
@@ -27,10 +32,11 @@ from hybrid.planning.job import JobPlan
 def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
     """``plan`` with its data placed and its tokenizer recorded (see the module doc)."""
     data = plan.cfg.data
+    hf = hf_folder_tokenizer(plan.cfg.model)
     if data.source == "indexed":
         chosen = Path(data.cache_dir).expanduser().resolve() if data.cache_dir else None
         cache = chosen or (Path(run_dir) / DATA_CACHE).resolve()
-        prefixes = (_built_example(data.example, chosen or user_cache_dir()),) \
+        prefixes = (_built_example(data.example, chosen or user_cache_dir(), hf),) \
             if data.example else resolve_prefixes(data)
         plan = plan.with_data(prefixes, str(cache))
         check_eval_split(plan.cfg, prefixes)  # before megatron builds its indices
@@ -39,18 +45,47 @@ def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
             print(f"data: built megatron-core's sample indices in {plan.data_cache_dir} "
                   f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
     recorded = _recorded_data(plan)
+    if recorded is None and hf is not None:  # no tokenizer of the data's: the model's
+        write_text(Path(run_dir) / TOKENIZER_FILE, hf.to_json())
+        return plan.with_tokenizer(hf.info.to_dict())
     if recorded is None:
         return plan
     meta = read_meta(recorded)
+    if hf is not None and meta["tokenizer"]["sha256"] != hf.info.sha256:
+        raise DataError(f"{recorded} was tokenized with {meta['tokenizer']['source']}, not the "
+                        f"tokenizer of model.from_hf={plan.cfg.model.from_hf}; tokenize it "
+                        f"with hybrid-data --tokenizer {plan.cfg.model.from_hf}")
     if tokenizer_path(recorded).is_file():
         write_text(Path(run_dir) / TOKENIZER_FILE, tokenizer_path(recorded).read_text())
     return plan.with_tokenizer(meta["tokenizer"])
 
 
-def _built_example(name: str, folder: Path) -> str:
-    """A built-in corpus's prefix, built once per machine into ``folder``."""
+def hf_folder_tokenizer(model) -> Optional[HFTokenizer]:
+    """The tokenizer of ``model.from_hf``'s folder, as ``hybrid-data --tokenizer HF_DIR``
+    builds it (end of document: tokenizer_config.json's eos_token, else config.json's
+    eos_token_id); None without a folder or its ``tokenizer.json``. Its ids are checked
+    against the model's vocabulary first, in one line."""
+    if model.from_hf is None:
+        return None
+    folder = Path(model.from_hf).expanduser().resolve()
+    found = hf_tokenizer(str(folder), model.vocab)
+    if found is None:
+        return None
+    tokenizer, _, eos = found
+    if eos is None:
+        eos_id = hf_config(str(folder)).get("eos_token_id")
+        eos = tokenizer.id_to_token(eos_id) if isinstance(eos_id, int) else None
+    return load_tokenizer(str(folder), eos)
+
+
+def _built_example(name: str, folder: Path, tokenizer: Optional[HFTokenizer]) -> str:
+    """A built-in corpus's prefix, built once per machine into ``folder`` (with the
+    tokenizer of ``model.from_hf``'s folder, where it has one, else byte by byte)."""
+    spec = None if tokenizer is None else (
+        tokenizer.info.source, tokenizer.tokenizer.id_to_token(tokenizer.info.eod),
+        tokenizer.info.sha256)
     try:
-        prefix, built = write_example(name, folder)
+        prefix, built = write_example(name, folder, spec)
     except OSError as err:
         raise DataError(f"cannot build the built-in corpus {name} into {folder}: "
                         f"{err.strerror or err}; choose a writable folder with "
