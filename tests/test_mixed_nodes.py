@@ -156,3 +156,18 @@ def test_the_search_on_a_mixed_cluster_ranks_layouts_apart_from_either_uniform_c
     text = mixed_search_lines(result)
     assert "against the best uniform cluster (all h100-80gb" in text
     assert text.count("on the mix") == 2
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_one_cost_list_for_every_stage_splits_as_the_balanced_partitioner(pp):
+    """``partition_per_stage`` is the balanced partitioner with a list per stage: given the
+    same list for every stage it gives ``partition(mode="balanced")``'s split; a stage twice
+    as fast (its costs halved) takes more layers."""
+    from hybrid.planning.schedules.partition import PartitionError, partition, partition_per_stage
+
+    costs = [3.0] + [float(5 + (i * 7) % 4) for i in range(12)] + [11.0]
+    assert partition_per_stage([costs] * pp) == partition(costs, pp, mode="balanced")
+    fast_last = [costs] * (pp - 1) + [[c / 2 for c in costs]]
+    assert len(partition_per_stage(fast_last)[-1]) > len(partition(costs, pp, mode="balanced")[-1])
+    with pytest.raises(PartitionError, match="same model"):
+        partition_per_stage([costs, costs[:-1]])

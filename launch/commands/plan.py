@@ -151,7 +151,8 @@ def format_dp_options(rows: list[dict]) -> str:
 def prediction_line(p: dict) -> str:
     beside = p["dp_contention_s"]  # compute slowed by the SMs a hidden reduction holds
     lost = f", compute lost beside it {beside:.3g} s" if beside else ""
-    return (f"predicted on {p['device']} ({p.get('device_from', 'cost.device')}) running {p['software']} "
+    named = p.get("device_from", "cost.device")
+    return (f"predicted on {p['device']} ({named}) running {p['software']} "
             f"(cost.software): step {p['step_time_s']:.4g} s "
             f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
             f"{p['dp_exposed_s']:.3g} s{lost}), {p['tflops_per_device']:.4g} TFLOP/s per device\n"

@@ -84,7 +84,8 @@ def layer_seconds(plan: JobPlan, device: Device) -> float:
 
 
 def slowest(plan: JobPlan, devices: Sequence[Device]) -> Device:
-    return max(devices, key=lambda d: (layer_seconds(plan, d), d.name))
+    distinct = {d.name: d for d in devices}.values()
+    return max(distinct, key=lambda d: (layer_seconds(plan, d), d.name))
 
 
 def cell_devices(plan: JobPlan, nodes: Sequence[Device]) -> list[list[Device]]:
@@ -93,8 +94,19 @@ def cell_devices(plan: JobPlan, nodes: Sequence[Device]) -> list[list[Device]]:
     held: dict = {}
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        held.setdefault((c["dp"], c["pp"]), []).append(nodes[rank // per_node])
-    return [[slowest(plan, held[(r, p)]) for p in range(layout.pp)] for r in range(layout.dp)]
+        held.setdefault((c["dp"], c["pp"]), {})[nodes[rank // per_node].name] = \
+            nodes[rank // per_node]
+    known: dict = {}  # the slowest of each set of devices, priced once
+    grid = []
+    for r in range(layout.dp):
+        row = []
+        for p in range(layout.pp):
+            names = tuple(sorted(held[(r, p)]))
+            if names not in known:
+                known[names] = slowest(plan, list(held[(r, p)].values()))
+            row.append(known[names])
+        grid.append(row)
+    return grid
 
 
 def block_seconds(plan: JobPlan, device: Device) -> list[float]:
