@@ -14,7 +14,8 @@ stage). The split is the same in every replica, so a pipeline rank whose replica
 different devices is split for its slowest. Replicas whose pipelines differ in speed get the
 micro-batch shares ``parallel.dp_balance=dynamic`` would choose (``balance.best_shares``, as
 ``cost.replica_speed`` is priced). Links (pipeline sends, the DP reduction) are priced on the
-slowest node's device, as is the memory check: a ring or a send runs at its slowest member.
+slowest node's device: a ring or a send runs at its slowest member. A split that would not
+fit the smallest node's memory follows the speeds less far (``PULLS``).
 """
 
 from __future__ import annotations
