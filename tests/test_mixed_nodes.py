@@ -16,7 +16,9 @@ from hybrid.planning.cost.devices import DeviceError
 from hybrid.planning.cost.mixed import (
     cluster, mixed_step, node_devices_problem, plan_mixed,
 )
-from hybrid.planning.cost.mixed_report import mixed_search, mixed_search_lines
+from hybrid.planning.cost.mixed_report import (
+    mixed_lines, mixed_prediction, mixed_search, mixed_search_lines,
+)
 from hybrid.planning.cost.search_limits import search_limits
 from hybrid.planning.cost.software import software_named
 from hybrid.planning.cost.stage_time import stage_times
@@ -90,6 +92,8 @@ def test_replicas_on_different_devices_get_the_balancers_shares():
     per_mb = [(per_device[row[0].name].compute_s + per_device[row[0].name].bubble_s) / m
               for row in mix.grid]
     assert step["shares"] == list(best_shares(per_mb, m * 16))
+    said = mixed_lines(mixed_prediction(mix))
+    assert f"dp_balance=dynamic's shares {step['shares']} (even shares: " in said
     rest = max(p.step_time_s - p.compute_s - p.bubble_s for p in per_device.values())
     assert step["step_time_s"] == pytest.approx(
         predicted_step_s(per_mb, step["shares"], pipeline_bubble(1, 1)) + rest, rel=1e-12)

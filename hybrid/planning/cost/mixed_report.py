@@ -87,7 +87,9 @@ def mixed_lines(p: dict) -> str:
         held = ", ".join(f"pp rank {r}: {n} layers" for r, n in zip(row["pp_ranks"],
                                                                      row["layers"]))
         lines.append(f"  node {row['node']}: {row['device']:<10} {held}")
-    shares = "" if len(set(p["shares"])) <= 1 else f" with DP shares {p['shares']}"
+    shares = "" if len(set(p["shares"])) <= 1 else (
+        f" with parallel.dp_balance=dynamic's shares {p['shares']} (even shares: "
+        f"{p['even_step_s']:.4g} s)")
     lines.append(f"mixed cluster: step {p['step_time_s']:.4g} s{shares}; the same layout "
                  f"split as parallel.partition={p['partition']} says: "
                  f"{p['config_split_step_s']:.4g} s "
