@@ -260,6 +260,13 @@ class CostConfig:
     """Each DP replica's compute speed relative to the device (e.g. [1, 0.5]: the second at
     half speed): hybrid-plan then predicts the step under even shares and under
     parallel.dp_balance=dynamic's; None: every replica at the device's speed."""
+    node_devices: Optional[List[str]] = None
+    """One device per node, each as cost.device takes it (e.g. [a100-80gb, h100-80gb]): a
+    cluster of mixed devices. The nodes are launcher.nnodes when the launcher places them, else
+    the ranks in nodes of cost.gpus_per_node. hybrid-plan splits the layers by each stage's
+    device (a slower stage gets fewer), gives replicas of unequal speed
+    parallel.dp_balance=dynamic's shares, and prices the step against each uniform cluster;
+    None: every node is cost.device."""
 
 
 @dataclass(kw_only=True)

@@ -166,15 +166,18 @@ class JobPlan:
 
 
 def plan_job(cfg: Config, simulated: bool = True,
-             block_costs: Optional[list[float]] = None) -> JobPlan:
+             block_costs: Optional[list[float]] = None,
+             stage_ranges: Optional[list[range]] = None) -> JobPlan:
     """Validate ``cfg`` (``LayoutError`` with one line) and plan it; ``simulated=False``
     takes the schedule's shape and the ranks' state bytes from closed forms instead of
     simulating the schedule and laying out the gradient buckets (what searches need).
     ``block_costs``: partition=measured's measured costs (a calibration file's, or the
-    ranks'), else ``parallel.block_costs``, else predicted FLOPs until the ranks measure."""
+    ranks'), else ``parallel.block_costs``, else predicted FLOPs until the ranks measure.
+    ``stage_ranges``: the blocks of each virtual stage, split elsewhere (``cost.node_devices``:
+    by each stage's device, ``hybrid.planning.cost.mixed``)."""
     layout = validate_config(cfg)
     costs, measured = partition_costs(cfg, block_costs)
-    ranges = partition_for_config(cfg, costs)
+    ranges = partition_for_config(cfg, costs) if stage_ranges is None else list(stage_ranges)
     pp = layout.pp
     stages = tuple(Stage(index=s, pp_rank=stage_rank(s, pp, layout.stage_placement),
                          chunk=stage_chunk(s, pp, layout.stage_placement),

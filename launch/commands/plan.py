@@ -36,6 +36,10 @@ from hybrid.planning.cost.search import format_search, no_layout_line, overrides
 from hybrid.planning.cost.search_limits import search_limits
 from hybrid.planning.cost.software import software_named
 from hybrid.planning.cost.replicas import replica_line, replica_prediction
+from hybrid.planning.cost.mixed import cluster, node_devices_problem, plan_mixed
+from hybrid.planning.cost.mixed_report import (
+    mixed_lines, mixed_search, mixed_search_lines, with_mixed,
+)
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.cost.trust import assumption_line
 from hybrid.planning.validate import config_problems
@@ -56,7 +60,10 @@ def _plan(dict_cfg: DictConfig) -> None:
         exit_user_error(f"format={cfg.format!r} is unknown; choose text or json")
     # A plan may be for another machine than a launcher could start here (launcher.nnodes=2
     # without launcher=torchrun's endpoint): only an unknown launcher is refused.
-    problems = config_problems(cfg) + [p for p in [unknown_launcher(cfg)] if p]
+    par = cfg.parallel
+    world = cfg.search.world or par.dp * par.cp * par.tp * par.pp
+    problems = config_problems(cfg) + [p for p in [unknown_launcher(cfg),
+                                                   node_devices_problem(cfg, world)] if p]
     if problems:  # all of them, one line each
         for problem in problems[:-1]:
             print(f"error: {problem}", file=sys.stderr)
@@ -69,21 +76,31 @@ def _plan(dict_cfg: DictConfig) -> None:
         # partition=measured: plan with an existing calibration file's costs
         job = plan_job(cfg.job(), block_costs=known_block_costs(cfg))
         device = software.device(device, job.layout.pp)
-        if cfg.out is not None:
+        if cfg.out is not None:  # the config's split: the runtime does not take a mixed one
             write_run_files(job, Path(cfg.out))
+        mixed = None
+        if cfg.cost.node_devices is not None:  # the layers split by each node's device
+            mixed = plan_mixed(cfg.job(), cluster(cfg, software, job.layout.pp),
+                               block_costs=known_block_costs(cfg))
+            job, device = mixed.plan.placed(mixed.plan.priced_ranks_per_node), mixed.link
     except UserError as err:
         exit_user_error(err)
     plan = plan_dict(job)  # one plan, printed and priced
-    plan["predicted"] = predict_step(job, device).to_dict() | {
-        "device": device.name, "device_file": source_dict(device.file, device.file_time),
+    if mixed is not None:
+        plan = with_mixed(plan, mixed)
+    predicted = plan["mixed_nodes"].pop("slowest") if mixed else predict_step(job, device)
+    plan["predicted"] = predicted.to_dict() | {
+        "device": "+".join(dict.fromkeys(d.name for d in mixed.nodes)) if mixed
+        else device.name, "device_file": source_dict(device.file, device.file_time),
         "software": software.name, "software_does": software.summary,
-        "assumes": assumption_line(device, cfg)}
-    if job.layout.dp > 1:
+        "assumes": assumption_line(device, cfg),
+        "device_from": "cost.node_devices" if mixed else "cost.device"}
+    if job.layout.dp > 1 and mixed is None:  # the options are priced on one device
         plan["dp_options"] = compare_dp_options(cfg, device)
     if cfg.cost.replica_speed is not None:
         plan["replica_balance"] = replica_prediction(job, device, cfg.cost.replica_speed)
     limit, memory_kind = memory_limit(cfg, device)
-    if limit is not None:
+    if limit is not None and mixed is None:
         plan["memory_check"] = memory_verdict(cfg, limit, memory_kind)
     if cfg.format == "json":
         print(json.dumps(plan, indent=1))
@@ -96,6 +113,8 @@ def _plan(dict_cfg: DictConfig) -> None:
             print("\n" + format_dp_options(plan["dp_options"]))
         if "replica_balance" in plan:
             print("\n" + replica_line(plan["replica_balance"]))
+        if "mixed_nodes" in plan:
+            print("\n" + mixed_lines(plan["mixed_nodes"]))
 
 
 def write_run_files(job, run_dir: Path) -> None:
@@ -132,7 +151,8 @@ def format_dp_options(rows: list[dict]) -> str:
 def prediction_line(p: dict) -> str:
     beside = p["dp_contention_s"]  # compute slowed by the SMs a hidden reduction holds
     lost = f", compute lost beside it {beside:.3g} s" if beside else ""
-    return (f"predicted on {p['device']} (cost.device) running {p['software']} "
+    named = p.get("device_from", "cost.device")
+    return (f"predicted on {p['device']} ({named}) running {p['software']} "
             f"(cost.software): step {p['step_time_s']:.4g} s "
             f"(bubble {p['bubble_s']:.3g} s, TP {p['tp_s']:.3g} s, DP exposed "
             f"{p['dp_exposed_s']:.3g} s{lost}), {p['tflops_per_device']:.4g} TFLOP/s per device\n"
@@ -153,6 +173,11 @@ def _search(cfg: PlanConfig, device, software) -> None:
         raise LayoutError(f"search.world={cfg.search.world} and search.top={cfg.search.top} "
                           f"must be integers >= 1")
     limits = search_limits(cfg, software, cfg.search.keep, cfg.search.schedules)
+    if cfg.cost.node_devices is not None:
+        result = mixed_search(cfg, cfg.search.world, software, cfg.search.top, limits)
+        print(json.dumps(result, indent=1) if cfg.format == "json"
+              else mixed_search_lines(result))
+        return
     result = search(cfg, cfg.search.world, device, top=cfg.search.top, limits=limits)
     if not result["candidates"]:
         raise LayoutError(no_layout_line(result))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from dataclasses import replace as dc_replace
+from typing import Optional, Sequence
 
 from hybrid.planning.cost.collectives import ring_gather
 from hybrid.planning.cost.devices import Device
@@ -124,18 +125,21 @@ class _Parts:
     optimizer: list[float]
 
 
-def _parts(plan: JobPlan, device: Device) -> _Parts:
+def _parts(plan: JobPlan, device: Device, rank_devices: Optional[Sequence[Device]] = None
+           ) -> _Parts:
     # Zero-bubble schedules split every stage's backward but the first's (it has no input
     # gradient to hurry: its I is empty and its W the whole backward).
     splits = schedule_splits_backward(plan.schedule.name)
     edges = (0, plan.cfg.model.layers + 1)
+    on = rank_devices or [device] * plan.layout.pp  # each pipeline rank's device
     known: dict = {}  # stages alike in layers, edges and split cost alike (searches: 128)
     keys = []
     for stage in plan.stages:
         split = splits and stage.index > 0
-        key = (len(stage.blocks), *(edge in stage.blocks for edge in edges), split)
+        key = (len(stage.blocks), *(edge in stage.blocks for edge in edges), split,
+               on[stage.pp_rank].name)
         if key not in known:
-            known[key] = stage_times(plan, device, stage.blocks, split=split)
+            known[key] = stage_times(plan, on[stage.pp_rank], stage.blocks, split=split)
         keys.append(key)
     message, gather = _p2p_time(plan, device)
     link_p2p = message
@@ -160,8 +164,8 @@ def _parts(plan: JobPlan, device: Device) -> _Parts:
         times=times, p2p=link_p2p, message=message, ranks=ranks,
         busy=[r.busy - s for r, s in zip(ranks, saved)], cpu_busy=[r.cpu_busy for r in ranks],
         wire=[r.wire for r in ranks],
-        optimizer=[est.optimizer_bytes / 8 * device.optimizer_s_per_param
-                   for est in plan.memory])
+        optimizer=[est.optimizer_bytes / 8 * d.optimizer_s_per_param
+                   for est, d in zip(plan.memory, on)])
 
 
 def simulates(plan: JobPlan) -> bool:
@@ -169,12 +173,15 @@ def simulates(plan: JobPlan) -> bool:
     return plan.layout.pp * plan.layout.vpp * plan.schedule.microbatches <= SIMULATE_UP_TO
 
 
-def predict_step(plan: JobPlan, device: Device, simulated: bool = True) -> StepPrediction:
+def predict_step(plan: JobPlan, device: Device, simulated: bool = True,
+                 rank_devices: Optional[Sequence[Device]] = None) -> StepPrediction:
     """The step time of ``plan`` on ``device``: the simulated pipeline (above
     ``SIMULATE_UP_TO``, or with ``simulated=False`` for ranking many layouts fast, its
     closed-form bubble) plus the DP reduction that the backward does not hide and the
-    optimizer step; on shared CPU cores, at least the node's work over its cores."""
-    parts = _parts(plan, device)
+    optimizer step; on shared CPU cores, at least the node's work over its cores.
+    ``rank_devices``: one device per pipeline rank whose stages compute on it
+    (``cost.node_devices``); the links stay ``device``'s."""
+    parts = _parts(plan, device, rank_devices)
     if simulated and simulates(plan):
         makespan = simulated_makespan(plan, parts.times, parts.p2p, overlap=not device.host)
     else:

@@ -48,6 +48,44 @@ def partition(costs: Sequence[float], pp: int, vpp: int = 1, mode: str = "unifor
     return _ranges_from_layer_counts(layer_counts, n_leading, len(costs))
 
 
+def partition_per_stage(stage_costs: Sequence[Sequence[float]],
+                        n_special: tuple[int, int] = (1, 1)) -> list[range]:
+    """Contiguous block ranges for stages that run at different speeds: ``stage_costs[s]``
+    holds every block's cost (seconds) on virtual stage ``s``'s device, so a block costs less
+    on a faster stage. The split minimises the largest stage's cost, as ``mode="balanced"``
+    does with one cost list (``cost.node_devices``: a stage on a slower node gets fewer
+    layers)."""
+    n_stages = len(stage_costs)
+    lengths = {len(costs) for costs in stage_costs}
+    if n_stages < 1 or len(lengths) != 1:
+        raise PartitionError(f"{n_stages} stages with block counts {sorted(lengths)}: give "
+                             f"every stage one cost per block of the same model")
+    n_leading, n_trailing = _check_arguments(stage_costs[0], n_stages, 1, "measured",
+                                             n_special)
+    for costs in stage_costs[1:]:
+        _check_arguments(costs, n_stages, 1, "measured", n_special)
+    n_blocks = len(stage_costs[0])
+    n_layers = n_blocks - n_leading - n_trailing
+    prefixes = []
+    for costs in stage_costs:
+        prefix = [0.0]
+        for cost in costs[n_leading:n_leading + n_layers]:
+            prefix.append(prefix[-1] + cost)
+        prefixes.append(prefix)
+
+    def group_cost(stage: int, first: int, stop: int) -> float:
+        costs = stage_costs[stage]
+        extra = (sum(costs[:n_leading]) if stage == 0 else 0) + (
+            sum(costs[n_leading + n_layers:]) if stage == n_stages - 1 else 0)
+        return prefixes[stage][stop] - prefixes[stage][first] + extra
+
+    smallest_max, _ = _split_layers(n_layers, n_stages, group_cost, max, lambda c: c)
+    limit = smallest_max * (1 + 1e-9) + 1e-12
+    _, counts = _split_layers(n_layers, n_stages, group_cost, lambda a, b: a + b,
+                              lambda c: c * c, limit)
+    return _ranges_from_layer_counts(counts, n_leading, n_blocks)
+
+
 def stage_costs(stages: list[range], costs: Sequence[float]) -> list[float]:
     """The total block cost of each stage."""
     return [sum(costs[block] for block in stage) for stage in stages]
