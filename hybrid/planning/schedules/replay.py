@@ -119,9 +119,9 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
     Returns the timed actions, per rank in list order. A RECV starts when its rank reaches it
     and ends when the data arrives, so its length is the time spent waiting. ZeRO-3's gathers
     and releases are left out (local to a rank, they wait on no other; the cost model prices
-    their time).
+    their time), and so are the actions of registered kinds (``actions.register_action_kind``).
     """
-    lists = strip_gathers(lists)
+    lists = [[a for a in actions if not a.is_extra] for actions in strip_gathers(lists)]
     n_stages = pp * vpp
     lowered = any(action.is_comm for actions in lists for action in actions)
     finished: dict[ResultKey, float] = {}
