@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hybrid.planning.schedules.gathers import strip_gathers
 from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
@@ -121,7 +120,7 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
     and releases are left out (local to a rank, they wait on no other; the cost model prices
     their time), and so are the actions of registered kinds (``actions.register_action_kind``).
     """
-    lists = [[a for a in actions if not a.is_extra] for actions in strip_gathers(lists)]
+    lists = [[a for a in actions if not (a.is_shard or a.is_extra)] for actions in lists]
     n_stages = pp * vpp
     lowered = any(action.is_comm for actions in lists for action in actions)
     finished: dict[ResultKey, float] = {}
