@@ -10,7 +10,7 @@ from hybrid.planning.schedules.actions import (
     V_SHAPE, Action, Composite, ScheduleError, from_text, to_text,
 )
 from hybrid.planning.schedules.dualpipev import dualpipev_steps
-from hybrid.planning.schedules.simulate import simulate
+from hybrid.planning.schedules.simulate import Costs, simulate
 from hybrid.planning.schedules.check import check_schedule
 from hybrid.planning.schedules.shapes import closed_form_schedule, simulate_unit_costs
 
@@ -98,6 +98,39 @@ def test_dualpipev_bubble_and_peak_inflight_equal_their_closed_forms(pp, per_pp)
     assert sim.peak_inflight == (2 * pp + 1,) * pp
     bubble, peak = closed_form_schedule("dualpipev", pp, m, 2)
     assert bubble == pytest.approx(sim.bubble_fraction) and peak == sim.peak_inflight
+
+
+def _pairs_waiting_for_both_inputs(pp: int, m: int) -> list[list]:
+    """DualPipeV's lowered lists with each composite's second RECV moved in front of its first
+    part: the pair starts only once both parts' inputs are in, as DeepSeek's reference and
+    torch's ``OVERLAP_F_B`` run it (hybrid's runtime lets each part wait for its own)."""
+    steps = dualpipev_steps(pp, m)
+    lowered = add_communication(steps, pp, 2, V_SHAPE)
+    for rank, rank_steps in enumerate(steps):
+        actions = lowered[rank]
+        for forward, backward in (s.parts for s in rank_steps if isinstance(s, Composite)):
+            recv = Action(backward.stage, "RECV_B", backward.mb)
+            if recv in actions:
+                actions.remove(recv)
+                own = Action(forward.stage, "RECV_F", forward.mb)
+                actions.insert(actions.index(own if own in actions else forward), recv)
+    return lowered
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_dualpipev_idles_the_papers_bubble_when_a_pair_waits_for_both_inputs(pp, m):
+    """DeepSeek-V3's Table 2 (and DeepSeek's DualPipe README for the V form) gives DualPipeV's
+    bubble as (PP/2 - 1)(F&B + B - 3W) on PP/2 devices of two chunks: here (pp - 1) times
+    that, with chunk costs F=1, B=2, W=1 and F&B = F + B (parts in order): 2(pp - 1) idle a
+    rank. Held so, the simulation gives exactly that; hybrid's order (each part waits only for
+    its own input, so a pair's F runs while its B's input is on the way) idles half, ZB-V's
+    (pp - 1)F, which is what the cost model and the closed form price."""
+    unit = Costs(F=1, B=2, I=1, W=1)
+    paper = (pp - 1) * ((unit.F + unit.B) + unit.B - 3 * unit.W)
+    atomic = simulate(_pairs_waiting_for_both_inputs(pp, m), pp, m, 2, unit, V_SHAPE)
+    assert atomic.bubble_time == (paper,) * pp
+    ours = simulate(build_schedule("dualpipev", pp, m, 2), pp, m, 2, unit, V_SHAPE)
+    assert ours.bubble_time == ((pp - 1) * unit.F,) * pp == (paper / 2,) * pp
 
 
 def _table_rows() -> list[list[str]]:

@@ -153,6 +153,46 @@ def _assert_expert_groups(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pipelined_layout_at_micro_batch_1_equals_the_1_process_run_at_micro_batch_1(
+        moe_reference_run, tmp_path):
+    """The aux loss is computed per micro-batch (docs/moe.md), so the micro-batch is part
+    of an MoE run's maths: a layout equals the 1-process run at its own
+    ``train.micro_batch``. pp2 DualPipeV (2pp micro-batches at least: 8 of 1 here) against
+    the 1-process run at micro_batch=1: the same losses and gradient norms every step, and
+    the same final weights and expert biases (every step's gradients went into them). The
+    micro_batch=2 reference's first step, on the same weights, has another aux loss (1.00158
+    against 1.00282 at micro_batch=1); at moe-tiny's coefficient 0.01 that moves the losses
+    by about 2e-6 in 6 steps, below the tolerance, so the aux loss is what tells them apart."""
+    runs = {"single": ["parallel=single"],
+            "pp2-dualpipev": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
+                              "parallel.schedule=dualpipev"]}
+    records = {}
+    for name, layout in runs.items():
+        done = run_train(tmp_path / name, *MOE, *layout, "train.micro_batch=1", *LAST)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records[name] = checked_records(tmp_path / name)
+    single, piped = records["single"], records["pp2-dualpipev"]
+    assert_same_losses([r["loss"] for r in piped], [r["loss"] for r in single])
+    assert [r["grad_norm"] for r in piped] == pytest.approx([r["grad_norm"] for r in single],
+                                                           rel=1e-4)
+    ours, theirs = (final_weights(tmp_path / name) for name in runs)
+    assert sorted(ours) == sorted(theirs)
+    for name, weight in ours.items():
+        torch.testing.assert_close(weight, theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    reference_losses, _, reference_moe = moe_reference_run
+    assert single[0]["loss"] == pytest.approx(reference_losses[0], rel=1e-5)
+    assert single[0]["moe"]["aux_loss"] != pytest.approx(reference_moe[0]["aux_loss"], rel=1e-4)
+
+
+def final_weights(run_dir) -> dict:
+    """Every weight and buffer of a run's step-6 checkpoint, by global name."""
+    from hybrid.checkpoint.weights import read_model_weights
+
+    return read_model_weights(run_dir / "checkpoints" / "step_00000006")
+
+
 def test_the_aux_loss_changes_the_training(moe_reference, tmp_path):
     done = run_train(tmp_path, *MOE, "parallel=single", "model.moe_aux_loss=0")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -6,12 +6,19 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from hybrid.planning.config import PlanConfig
+from hybrid.planning.cost.search import (
+    MICRO_BATCHES, candidates, searched_cps, searched_schedules, searched_shardings,
+)
 from hybrid.planning.cost.sizes import published_param_count
+from hybrid.planning.layout import valid_sizes
+from hybrid.planning.validate import RECOMPUTE, valid_tp_sizes
 from tests.test_param_count import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,13 +88,72 @@ def test_gpt3_175b_searched_at_its_published_batch_keeps_most_layouts():
     assert result["candidates"][0]["predicted"]["tflops_per_device"] > 60  # was 15 at 16
 
 
+def searched_by_schedule(world: int, *overrides: str) -> Counter:
+    """The layouts ``hybrid-plan search.world=world`` enumerates, by schedule, before any
+    check (``search.candidates``)."""
+    cfg = to_plan_config(composed(*overrides))
+    return Counter(c.parallel.schedule for c in candidates(cfg, world))
+
+
+def to_plan_config(dict_cfg) -> PlanConfig:
+    from launch.commands.app import to_dataclass
+
+    return to_dataclass(dict_cfg, PlanConfig)
+
+
+def layouts_by_pipelining(model, world: int, gpus_per_node: int = 8) -> tuple[int, int]:
+    """(one-stage layouts, pipelined layouts of one (schedule, vpp)) of the searched axes,
+    counted from the axes alone: each (tp, cp, pp) split times micro-batches, ZeRO stages
+    (dp x cp > 1 only), sequence parallelism (tp > 1 only) and recompute modes."""
+    counts = [0, 0]
+    for tp in [t for t in valid_tp_sizes(model) if world % t == 0 and t <= gpus_per_node]:
+        for cp in searched_cps(model.seq_len, world // tp):
+            for pp in [p for p in valid_sizes(world // (tp * cp)) if p <= model.layers]:
+                width = world // (tp * pp)  # dp x cp
+                zeros = len(searched_shardings()) if width > 1 else 1
+                counts[pp > 1] += (len(MICRO_BATCHES) * zeros * (2 if tp > 1 else 1)
+                                   * len(RECOMPUTE))
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("name, world, total", [("gpt3-175b", 1024, 10416),
+                                                ("llama3-70b", 64, 16308)])
+def test_the_search_counts_are_its_layouts_times_its_schedules(name, world, total):
+    """The counts the two tests below print, taken apart: a pipelined layout is tried once per
+    searched (schedule, vpp) pair (1f1b, interleaved-1f1b at 2 and 4 chunks, zb-h1, and since
+    #54 dualpipev: 5), a one-stage layout once (every schedule runs it alike). dualpipev
+    added one pipelined share: gpt3-175b 336 + 4 x 2016 = 8400 became 336 + 5 x 2016, and
+    llama3-70b 1008 + 4 x 3060 = 13248 became 1008 + 5 x 3060."""
+    one_stage, pipelined = layouts_by_pipelining(load_preset(name), world)
+    pairs = searched_schedules(pp=2)
+    assert [s for s, _ in pairs] == ["1f1b", "interleaved-1f1b", "interleaved-1f1b", "zb-h1",
+                                     "dualpipev"]
+    by_schedule = searched_by_schedule(world, f"model={name}")
+    assert by_schedule == {"1f1b": one_stage + pipelined, "interleaved-1f1b": 2 * pipelined,
+                           "zb-h1": pipelined, "dualpipev": pipelined}
+    assert sum(by_schedule.values()) == one_stage + len(pairs) * pipelined == total
+
+
 def test_a_batch_that_rules_out_most_layouts_is_said_with_the_override_to_try():
+    """7560 of 10416: the search's own count of layouts refused for the batch (before #54's
+    dualpipev, 6120 of 8400; dualpipev's 2016 layouts add 1440, as many as zb-h1's, since the
+    batch rule reads dp and micro_batch only). Layouts refused first for another reason (the
+    pp, the schedule, a lower ZeRO stage that fits) are not in it, so it stays below the
+    arithmetic count of (dp, micro_batch) that do not divide 16."""
     done = subprocess.run([PLAN, "model=gpt3-175b", "search.world=1024", "search.top=1",
                            "cost.device=a100-80gb", "train.global_batch=16"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert ("train.global_batch=16 rules out 6120 of 8400 layouts (dp x micro_batch must divide "
-            "it): try train.global_batch=1024, or the model's published batch") in done.stdout
+    considered = sum(searched_by_schedule(1024, "model=gpt3-175b").values())
+    assert considered == 10416
+    assert (f"train.global_batch=16 rules out 7560 of {considered} layouts (dp x micro_batch "
+            "must divide it): try train.global_batch=1024, or the model's published batch"
+            ) in done.stdout
+    assert "rejected: 7560 invalid train.global_batch," in done.stdout
+    cfg = to_plan_config(composed("model=gpt3-175b", "train.global_batch=16"))
+    indivisible = sum(1 for c in candidates(cfg, 1024)
+                      if 16 % (c.parallel.dp * c.train.micro_batch))
+    assert considered / 2 < 7560 <= indivisible
 
 
 def test_a_model_too_large_for_the_default_device_points_to_cost_device():
@@ -105,4 +171,4 @@ def test_a_model_too_large_for_the_default_device_points_to_cost_device():
     done = subprocess.run([PLAN, "model=llama3-70b", "search.world=64", "search.top=1",
                            "cost.device=h100-80gb"], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 0 and "1 best of 13248 layouts for 64 devices" in done.stdout
+    assert done.returncode == 0 and "1 best of 16308 layouts for 64 devices" in done.stdout

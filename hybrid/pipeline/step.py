@@ -28,7 +28,7 @@ from hybrid.pipeline import p2p
 from hybrid.pipeline.backward import full_backward, input_backward
 from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
-    UNSHARD, Action, ScheduleError, stage_rank,
+    EXTRA_KINDS, UNSHARD, Action, ScheduleError, stage_rank,
 )
 from hybrid.planning.schedules.gathers import needs_weights
 from hybrid.planning.schedules.rank_check import RankPlan
@@ -72,6 +72,8 @@ class Step:
                     self.communicate(posts)
                 if action is not None and action.is_shard:
                     self._shard(action)
+                elif action is not None and action.is_extra:
+                    self._extra(action)
                 elif action is not None:
                     self.sends.release_finished()
                     if self.weights is not None and needs_weights(action):
@@ -109,6 +111,13 @@ class Step:
             self.weights.unshard(action.stage, next(self.directions))
         else:
             self.weights.reshard(action.stage)
+
+    @staticmethod
+    def _extra(action: Action) -> None:
+        """A registered kind's action (``actions.register_action_kind``): its ``run``."""
+        run = EXTRA_KINDS[action.kind].run
+        if run is not None:
+            run(action.stage, action.mb)
 
     def _now(self) -> float:
         """Wall-clock time; when recording, after the transport's queued work has finished

@@ -216,13 +216,25 @@ SCHEDULES_LLAMA3 = ("1f1b", "interleaved-1f1b")
 zero-bubble schedules hybrid also searches came after."""
 
 
-def llama3_405b_choice(top: int = 40) -> tuple[dict, dict]:
-    """(the search's best layout, its best among ``SCHEDULES_LLAMA3``) for Llama 3 405B on
-    8,192 H100s, each a candidate of ``search.search`` (settings and predicted)."""
-    from hybrid.planning.cost.search import search
-
+def llama3_405b_config() -> Config:
+    """Llama 3 405B's run as Dubey et al. give it: 2,048 sequences a step, bf16, planned for
+    the ``h100-80gb`` preset (the layout fields are what the search sets)."""
     cfg = Config(model=LLAMA3_405B, train=TrainConfig(global_batch=2048, micro_batch=1,
                                                       precision="bf16"))
     cfg.cost = replace(cfg.cost, device="h100-80gb")
-    found = search(cfg, 8192, load_device("h100-80gb"), top=top)["candidates"]
-    return found[0], next(c for c in found if c["settings"]["schedule"] in SCHEDULES_LLAMA3)
+    return cfg
+
+
+def llama3_405b_choice(top: int = 40, schedules: Optional[tuple[str, ...]] = None
+                       ) -> tuple[dict, dict]:
+    """(the search's best layout, its best among ``SCHEDULES_LLAMA3``) for Llama 3 405B on
+    8,192 H100s, each a candidate of ``search.search`` (settings and predicted);
+    ``schedules``: the search limited to those (``search.schedules``)."""
+    from hybrid.planning.cost.search import search
+    from hybrid.planning.cost.search_limits import search_limits
+
+    cfg = llama3_405b_config()
+    found = search(cfg, 8192, load_device("h100-80gb"), top=top,
+                   limits=search_limits(cfg, schedules=schedules))["candidates"]
+    return found[0], next((c for c in found if c["settings"]["schedule"] in SCHEDULES_LLAMA3),
+                          None)

@@ -7,7 +7,8 @@ the device's memory, and priced (``hybrid.planning.cost.steptime``); the best ar
 schedule simulated where that is cheap, and returned best first. Rejections are counted by
 reason. Tensor parallelism stays inside a node (``cost.gpus_per_node``), as every production
 recipe keeps it; the schedules and chunk counts tried are each spec's ``search_vpps`` (gpipe,
-1F1B's time with more memory, and zb-v, gloo only, are left out). Context parallelism is tried
+1F1B's time with more memory, and zb-v, gloo only, are left out; dualpipev, gloo only too, is
+tried, and refused by validation for ``train.device=cuda``). Context parallelism is tried
 in powers of two while each rank keeps at least ``MIN_CP_TOKENS`` tokens of a sequence: below
 that attention is too small a share of the work to hide the ring behind.
 """

@@ -14,9 +14,11 @@ and so do ``to_text``/``from_text`` and ``dump_csv``/``load_csv`` for whole sche
 from __future__ import annotations
 
 import csv
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 from hybrid.planning.schedules.errors import ScheduleError
 from hybrid.planning.schedules.stage_map import (  # noqa: F401  (importable from here too)
     LOOP, V_SHAPE, rank_stages, stage_chunk, stage_rank,
@@ -34,10 +36,56 @@ COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 SHARD_KINDS = (UNSHARD, RESHARD)
 ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + SHARD_KINDS
 
-# Longest kinds first, so that "SEND_F" is never read as "S" + ...; anchored on both ends.
-_ACTION_PATTERN = re.compile(
-    r"^(\d+)(" + "|".join(sorted(ALL_KINDS, key=len, reverse=True)) + r")(\d+)$"
-)
+
+
+@dataclass(frozen=True)
+class ActionKind:
+    """A kind of action a user adds to the IR (``register_action_kind``): a step of its own
+    rank, run in list order, that moves no data between ranks and takes no pipeline time (a
+    marker, a hook: a per-stage optimizer step, a memory snapshot). The checker holds it to
+    its stage's rank, once per (stage, micro-batch), after ``after`` of the same pair; the
+    simulator and the lowering pass over it; the runtime calls ``run(stage, mb)``."""
+
+    name: str
+    after: Optional[str] = None
+    """The built-in compute kind (F, B, I or W) of the same stage and micro-batch it must
+    follow on its rank; None: anywhere in the rank's list."""
+    run: Optional[Callable[[int, int], None]] = None
+    """What the runtime calls for it, with the action's stage and micro-batch (None: nothing,
+    a marker only)."""
+    doc: str = ""
+
+
+EXTRA_KINDS: dict[str, ActionKind] = {}
+"""The kinds registered beside the built-in ones (``ALL_KINDS``), by name."""
+
+
+def register_action_kind(name: str, *, after: Optional[str] = None,
+                         run: Optional[Callable[[int, int], None]] = None,
+                         doc: str = "") -> ActionKind:
+    """Add action kind ``name`` to the schedule IR (see ``ActionKind``); a second
+    registration of a name replaces the first. Its text form is ``<stage><name><mb>``."""
+    if not re.fullmatch(r"[A-Z][A-Z_]*", name) or name in ALL_KINDS:
+        raise ScheduleError(f"action kind {name!r} must be upper-case letters and _ and not "
+                            f"a built-in kind ({', '.join(ALL_KINDS)}); e.g. STEP_OPT")
+    if after is not None and after not in COMPUTE_KINDS:
+        raise ScheduleError(f"action kind {name!r}: after={after!r} must be one of "
+                            f"{COMPUTE_KINDS} or None")
+    EXTRA_KINDS[name] = ActionKind(name, after, run, doc)
+    _action_pattern.cache_clear()
+    return EXTRA_KINDS[name]
+
+
+def action_kinds() -> tuple[str, ...]:
+    """Every kind an action may have: the built-in ones, then the registered ones."""
+    return ALL_KINDS + tuple(EXTRA_KINDS)
+
+
+@functools.lru_cache(maxsize=None)
+def _action_pattern() -> re.Pattern:
+    # Longest kinds first, so that "SEND_F" is never read as "S" + ...; anchored on both ends.
+    kinds = sorted(action_kinds(), key=len, reverse=True)
+    return re.compile(r"^(\d+)(" + "|".join(map(re.escape, kinds)) + r")(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -49,8 +97,9 @@ class Action:
     mb: int
 
     def __post_init__(self) -> None:
-        if self.kind not in ALL_KINDS:
-            raise ScheduleError(f"unknown action kind {self.kind!r}; use one of {ALL_KINDS}")
+        if self.kind not in ALL_KINDS and self.kind not in EXTRA_KINDS:
+            raise ScheduleError(f"unknown action kind {self.kind!r}; use one of "
+                                f"{action_kinds()} or register it (register_action_kind)")
         if self.stage < 0 or self.mb < 0:
             raise ScheduleError(f"action {self} has a negative stage or micro-batch")
 
@@ -60,11 +109,11 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """``"2F0"`` -> ``Action(stage=2, kind="F", mb=0)``."""
-        match = _ACTION_PATTERN.match(text.strip())
+        match = _action_pattern().match(text.strip())
         if match is None:
             raise ScheduleError(
                 f"cannot read action {text!r}; write <stage><kind><micro-batch> like 2F0 or "
-                f"3RECV_B1, with kind in {ALL_KINDS}"
+                f"3RECV_B1, with kind in {action_kinds()}"
             )
         stage, kind, mb = match.groups()
         return cls(int(stage), kind, int(mb))
@@ -81,6 +130,11 @@ class Action:
     def is_shard(self) -> bool:
         """A ZeRO-3 gather or release of the stage's weights (``gathers``)."""
         return self.kind in SHARD_KINDS
+
+    @property
+    def is_extra(self) -> bool:
+        """A registered kind's action (``register_action_kind``): local, run in list order."""
+        return self.kind in EXTRA_KINDS
 
     @property
     def is_backward_input(self) -> bool:
@@ -111,7 +165,7 @@ class Composite:
     def __str__(self) -> str:
         return "+".join(map(str, self.parts))
 
-    is_compute, is_comm, is_shard = True, False, False
+    is_compute, is_comm, is_shard, is_extra = True, False, False, False
 
 
 def parse_step(text: str) -> Action | Composite:
@@ -128,6 +182,28 @@ def flatten(lists: list[list]) -> list[list[Action]]:
     return [[part for step in steps
              for part in (step.parts if isinstance(step, Composite) else (step,))]
             for steps in lists]
+
+
+def check_and_strip_extras(lists: list[list[Action]]) -> list[list[Action]]:
+    """The lists without their registered kinds' actions (``register_action_kind``), after
+    checking that each appears once and after its ``after`` action of its rank; what is left
+    is checked and replayed as before (they move no data and take no time)."""
+    if not EXTRA_KINDS or not any(a.is_extra for actions in lists for a in actions):
+        return lists
+    for rank, actions in enumerate(lists):
+        seen: set[Action] = set()
+        for action in actions:
+            spec = EXTRA_KINDS.get(action.kind)
+            if spec is not None and action in seen:
+                raise ScheduleError(f"rank {rank} runs {action} twice; a {spec.name} runs "
+                                    f"once per stage and micro-batch")
+            if spec is not None and spec.after is not None:
+                needed = Action(action.stage, spec.after, action.mb)
+                if needed not in seen:
+                    raise ScheduleError(f"rank {rank}: {action} runs before {needed}; move it "
+                                        f"after (a {spec.name} follows its {spec.after})")
+            seen.add(action)
+    return [[a for a in actions if not a.is_extra] for actions in lists]
 
 
 # ----- whole schedules as text and CSV -------------------------------------------------------

@@ -13,7 +13,7 @@ from collections import Counter
 from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
-    LOOP, ScheduleError, flatten, stage_rank,
+    LOOP, ScheduleError, check_and_strip_extras, flatten, stage_rank,
 )
 from hybrid.planning.schedules.gathers import check_gathers, strip_gathers
 from hybrid.planning.schedules.replay import Deadlock, OrderViolation, describe_key, replay
@@ -58,6 +58,7 @@ def check_schedule(lists: list[list[Action]], pp: int, m: int, vpp: int = 1,
                             f"give one list per pipeline rank")
     lists = flatten(lists)  # a composite runs its parts in order (``actions.Composite``)
     _check_placement(lists, pp, m, vpp, placement)
+    lists = check_and_strip_extras(lists)  # registered kinds: local, no data, no time
     if any(action.is_shard for actions in lists for action in actions):
         for rank, actions in enumerate(lists):
             check_gathers(actions, rank)

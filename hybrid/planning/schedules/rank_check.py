@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
-    flatten,
+    check_and_strip_extras, flatten,
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, LOOP, RECV_B, RECV_F, Action,
     ScheduleError, rank_stages,
 )
@@ -107,8 +107,9 @@ def posting_plan(actions: Sequence[Action], recv_lookahead: int = 0
 
 
 def _runs(action: Action) -> bool:
-    """Run by the rank itself in list order: computes, and ZeRO-3's gathers and releases."""
-    return action.is_compute or action.is_shard
+    """Run by the rank itself in list order: computes, ZeRO-3's gathers and releases, and the
+    actions of registered kinds (``actions.register_action_kind``)."""
+    return action.is_compute or action.is_shard or action.is_extra
 
 
 def lower_rank_actions(actions: Sequence[Action], rank: int, pp: int, vpp: int,
@@ -135,6 +136,7 @@ def check_rank_actions(actions: Sequence[Action], stages: Sequence[int], *, rank
         if action.mb >= m:
             raise ScheduleError(f"{action} names micro-batch {action.mb} but the step has {m} "
                                 f"micro-batches; build the schedule with m={m}")
+    actions = check_and_strip_extras([list(actions)])[0]
     if any(action.is_shard for action in actions):
         check_gathers(actions, rank)
         actions = strip_gathers([list(actions)])[0]

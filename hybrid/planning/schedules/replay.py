@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hybrid.planning.schedules.gathers import strip_gathers
 from hybrid.planning.schedules.stage_map import Placement
 from hybrid.planning.schedules.actions import (
     BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action,
@@ -119,9 +118,9 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
     Returns the timed actions, per rank in list order. A RECV starts when its rank reaches it
     and ends when the data arrives, so its length is the time spent waiting. ZeRO-3's gathers
     and releases are left out (local to a rank, they wait on no other; the cost model prices
-    their time).
+    their time), and so are the actions of registered kinds (``actions.register_action_kind``).
     """
-    lists = strip_gathers(lists)
+    lists = [[a for a in actions if not (a.is_shard or a.is_extra)] for actions in lists]
     n_stages = pp * vpp
     lowered = any(action.is_comm for actions in lists for action in actions)
     finished: dict[ResultKey, float] = {}
