@@ -92,6 +92,12 @@ CASES = [("gpt2", 2, 1, 64), ("llama", 2, 1, 4), ("qwen2", 2, 1, 64), ("qwen3", 
 
 @pytest.mark.parametrize("family,tp,ep,pad", CASES, ids=[c[0] for c in CASES])
 def test_each_rank_reads_its_share_and_nothing_else(folders, family, tp, ep, pad):
+    _read_each_rank_checked(folders, family, tp, ep, pad)
+
+
+def _read_each_rank_checked(folders, family, tp, ep, pad) -> list[int]:
+    """Loads every (stage, tp, ep) rank's slices through a counting reader, checks each rank
+    read exactly its share and got the whole-model values; the size of every block read."""
     from hybrid.interop.hf_source import load_hf_weights, source_model
 
     folder = folders[family]
@@ -131,7 +137,7 @@ def test_bands_of_a_few_elements_read_the_same(folders, family, tp, ep, pad, mon
     from hybrid.interop import hf_slices
 
     monkeypatch.setattr(hf_slices, "BAND", 5)
-    blocks = test_each_rank_reads_its_share_and_nothing_else(folders, family, tp, ep, pad)
+    blocks = _read_each_rank_checked(folders, family, tp, ep, pad)
     assert max(blocks) <= 4 * 128
 
 
