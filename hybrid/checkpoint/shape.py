@@ -82,9 +82,21 @@ def shape_mismatches(saved: dict, wanted: dict, padding: bool = True) -> list[st
     """The manifest names of the fields that differ (``padding``: the padded vocabulary too;
     weights alone load into any padding)."""
     both_moe = bool(saved.get("experts")) and bool(wanted.get("experts"))
-    return [name for name, spec in SHAPE_FIELDS.items()
-            if (padding or name != "padded_vocab") and (both_moe or not spec.moe_only)
-            and saved.get(name) != wanted[name]]
+    differ = [name for name, spec in SHAPE_FIELDS.items()
+              if (padding or name != "padded_vocab") and (both_moe or not spec.moe_only)
+              and saved.get(name) != wanted[name]]
+    if _head_follows_the_width(saved) and _head_follows_the_width(wanted) and \
+            ("hidden" in differ or "heads" in differ):
+        # Neither side sets head_dim: the head size differs because hidden or heads does,
+        # and setting those (the fix the line gives) brings it along.
+        differ = [name for name in differ if name != "head_size"]
+    return differ
+
+
+def _head_follows_the_width(shape: dict) -> bool:
+    """Whether the head size is hidden / heads (no explicit ``model.head_dim``)."""
+    hidden, heads = shape.get("hidden"), shape.get("heads")
+    return bool(hidden and heads) and shape.get("head_size") == hidden // heads
 
 
 def mismatch_line(differ: list[str], saved: dict, wanted: dict, path: Path) -> str:
