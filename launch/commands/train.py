@@ -43,7 +43,7 @@ from hybrid.planning.memory import check_memory
 from hybrid.planning.validate import config_warnings
 from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass)
-from launch.commands.console import work_done
+from launch.commands.console import raise_if_interrupted, work_done
 from launch.launchers.launcher import Launcher
 from launch.launchers.registered import launcher_for, launcher_problem
 from launch.launchers.run import (WORKER_FAILED_EXIT, failure_line, launch, report_results,
@@ -247,6 +247,7 @@ def run(plan: JobPlan, launcher: Launcher, run_dir: Path, last: bool = True) -> 
     from launch.launchers.failures import LaunchFailed, LaunchInterrupted, WorkerFailure
 
     started = time.time()
+    raise_if_interrupted()
     try:
         if plan.cfg.launcher.min_nodes is not None:
             from launch.launchers.elastic import run_elastic
