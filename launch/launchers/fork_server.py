@@ -59,17 +59,19 @@ launcher ends it once its workers are gone (``stop_fork_server``)."""
 @contextlib.contextmanager
 def hangup_ignored() -> Iterator[None]:
     """Start multiprocessing's helpers (the resource tracker, the fork server) deaf to SIGHUP,
-    SIGINT and SIGTERM. A closed terminal sends SIGHUP, and Ctrl-C SIGINT, to the whole process group:
-    a tracker that dies of it while workers still unregister their shared memory prints a
+    SIGINT and SIGTERM. A closed terminal sends SIGHUP, and Ctrl-C SIGINT, to the whole process
+    group: a tracker that dies of it while workers still unregister their shared memory prints a
     traceback per segment, and a fork server that gets Ctrl-C while it imports torch prints
     one of the import machinery. Only the launcher decides what a signal means (it stops
-    the workers and says so in one line). An ignored signal stays ignored in the helpers and
-    the workers they fork, so each worker takes both back (``call_entrypoint``).
+    the workers and says so in one line).
 
-    While a helper starts, the signals are blocked here as well as ignored: on Linux a
-    blocked signal stays pending even when ignored, and reaches the launcher's own handler
-    once it is back; the helpers inherit the block (the resource tracker lifts it itself,
-    a worker in ``call_entrypoint``)."""
+    The signals are blocked here while a helper starts, and the helpers inherit the block: the
+    fork server keeps it (deaf until ``stop_fork_server``'s SIGKILL), the resource tracker
+    ignores SIGINT and SIGTERM itself, a worker takes all three back in ``call_entrypoint``.
+    They are blocked, never set to SIG_IGN here: setting SIG_IGN discards a signal already
+    pending, so a Ctrl-C that arrived as the helpers started was lost and the run went on
+    (``test_a_signal_during_start_up_is_one_line[0.5-SIGINT-2]``, once in each of two full
+    runs). Blocked, it waits and reaches the launcher's own handler once the helpers run."""
     from multiprocessing import resource_tracker
 
     if threading.current_thread() is not threading.main_thread():
@@ -77,13 +79,12 @@ def hangup_ignored() -> Iterator[None]:
         return
     signals = {getattr(signal, name) for name in DEAF_TO}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
         resource_tracker.ensure_running()
+        # The tracker's own start unblocks SIGINT and SIGTERM when it is done: block again.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         yield
     finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
