@@ -29,8 +29,9 @@ def worker_environ(omp_threads: Optional[int]) -> dict[str, str]:
 
 def call_entrypoint(entrypoint: Callable[..., Any], *args: Any) -> Any:
     """Worker side: run ``entrypoint``; a SIGINT aimed at this worker alone is a failure; a
-    SIGHUP or SIGTERM ends it. All three are taken back from the fork server, which ignores
-    them (``fork_server.hangup_ignored``); one that came meanwhile was held and comes now.
+    SIGHUP or SIGTERM ends it. All three are taken back from the fork server, which starts
+    with them blocked (``fork_server.hangup_ignored``) and ignores SIGINT; one that came
+    meanwhile was held and comes now.
 
     torch.multiprocessing treats KeyboardInterrupt in a worker as a clean exit (code 0, no
     return value), after which the agent would wait forever for that worker's result.
