@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.planning.config import ParallelConfig
+from hybrid.planning.config import ParallelConfig, from_dict
 from hybrid.planning.layout import COORD_ORDER
 from hybrid.planning.strategies import DpOptions, reduction_of
 
@@ -24,7 +24,7 @@ MATCHING = (*COORD_ORDER, "vpp", "bucket_mb", "zero")
 
 
 def _tag(sync) -> str:
-    return f"{PREFIX}tp{sync.groups.tp_rank}.dp{sync.dp_rank}."
+    return f"{PREFIX}tp{sync.groups.tp_rank}.dp{sync.groups.sharding.rank()}."
 
 
 def _name_of(sync):
@@ -52,8 +52,7 @@ def load_option_state(sync, targets: dict[str, torch.Tensor]) -> None:
 
 def same_option_layout(saved_config: dict, cfg) -> bool:
     """Whether a checkpoint's reduction state fits this run (same layout and settings)."""
-    saved = saved_config["parallel"]
+    saved = from_dict(saved_config["parallel"], ParallelConfig)  # flat keys of before too
     spec = reduction_of(DpOptions.of(cfg.parallel))
     fields = MATCHING + spec.checkpoint_fields
-    defaults = ParallelConfig()
-    return all(saved.get(k, getattr(defaults, k)) == getattr(cfg.parallel, k) for k in fields)
+    return all(getattr(saved, k) == getattr(cfg.parallel, k) for k in fields)

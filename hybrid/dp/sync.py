@@ -89,16 +89,12 @@ class GradSync:
         """``wait(work)`` waits for each asynchronous DP collective (default ``work.wait()``;
         the trainer's ``RankWatch.wait_async`` times it and says what it was)."""
         options = DpOptions(zero=zero) if options is None else replace(options, zero=zero)
-        _check_settings(options, groups.gradient.size(), bucket_mb)
+        _check_settings(options, groups.layout.role_size("gradient"), bucket_mb)
         modules = [model] if isinstance(model, nn.Module) else list(model)
         named = unique_parameters(modules)
         _check_fp32(named)
         self.groups, self.options = groups, options
         self.wait = wait or _plain_wait
-        self.gradient, self.shard_group = groups.gradient, groups.sharding
-        """The ranks gradients are averaged over, and those a ZeRO stage shards over (the same
-        ranks: ZeRO reduce-scatters the gradient mean into the shards)."""
-        self.dp_size, self.dp_rank = self.gradient.size(), self.shard_group.rank()
         self.specs = {id(p): spec for spec, p in named}
         """Every parameter's spec, by ``id``: a plain module's gets one named by its place."""
         self.uses = {id(p): sum(any(p is q for q in m.parameters()) for m in modules)
@@ -233,8 +229,9 @@ class GradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        """Start the bucket's DP mean (unless this step does not average gradients)."""
-        if self.dp_size == 1 or not self.reducer.averages_each_step:
+        """Start the bucket's mean over its placement's group (unless this step does not
+        average gradients, or the group is this rank alone: an expert held by one rank)."""
+        if bucket.group.size() == 1 or not self.reducer.averages_each_step:
             return
         self.reducer.launch(bucket, self.sharding.shard_of(bucket))
 

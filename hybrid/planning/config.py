@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from hybrid.planning.dp_config import FLAT_KEYS, DpStrategyConfig, flat_keys
 from hybrid.planning.model_config import ModelConfig
 from hybrid.planning.run_config import CheckpointConfig, LauncherConfig
 
@@ -48,6 +49,7 @@ MAX_TRAIN_SAMPLES = 2**32
 about 16 bytes a sample). Llama 3 405B's whole training is about 1.9e9 sequences; 2**32
 (4.3e9) is twice that."""
 
+@flat_keys
 @dataclass(kw_only=True)
 class ParallelConfig:
     dp: int = 1
@@ -77,14 +79,6 @@ class ParallelConfig:
     """Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v | dualpipev (the last
     two: V placement, rank r holds stages r and 2*pp-1-r, so rank 0 computes the loss; gloo
     only; dualpipev needs >= 2*pp micro-batches)."""
-    zero: int = 0
-    """ZeRO stage: 0 = replicated optimizer state, 1 = optimizer state sharded over DP,
-    2 = gradients sharded too (reduce-scattered every micro-batch, only the shard kept),
-    3 = weights sharded too (each stage's gathered for its computes, released after)."""
-    zero3_reshard: str = "after_forward"
-    """zero=3: when a stage's gathered weights are released: after_forward (after every
-    forward and backward: 2m gathers a step, least memory) | after_step (after the stage's
-    last use in the step: one gather a step, the stage held whole through it)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (Megatron's sequence parallel)."""
     partition: str = "uniform"
@@ -98,32 +92,10 @@ class ParallelConfig:
     block_costs: Optional[List[float]] = None
     """partition=measured: seconds of forward + backward per block (embedding, each layer,
     head), filled in from the measurement or partition_file; set by hand to pin a partition."""
-    bucket_mb: float = 25.0
-    """Size of a gradient all-reduce bucket in MiB (torch DDP's default is 25)."""
-    dp_compress: str = "none"
-    """DP gradient compression: none (exact fp32) | bf16 (reduce bf16 copies) | powersgd
-    (rank-r factors with error feedback, Vogels et al. 2019). Lossy: docs/data-parallel.md."""
-    powersgd_rank: int = 2
-    """PowerSGD's approximation rank r (torch's matrix_approximation_rank)."""
-    powersgd_warmup: int = 10
-    """Steps reduced exactly before PowerSGD starts (torch's start_powerSGD_iter)."""
-    dp_sync_every: int = 1
-    """Local SGD: replicas step on their own gradients and average parameters every this
-    many steps; 1 = exact data parallelism."""
-    dp_sync_moments: bool = False
-    """With dp_sync_every > 1: average AdamW's moments at each sync too."""
-    dp_delay: int = 0
-    """1 = apply each step's DP gradient mean one step late, its all-reduce overlapping the
-    next step's compute (the first step takes no optimizer step); 0 = exact."""
-    dp_balance: str = "even"
-    """How the step's micro-batches are shared among the DP replicas: even (the same count
-    each) | dynamic (by each replica's measured compute rate, re-decided every dp_balance_every
-    steps; the global batch and the losses stay the same: docs/data-parallel.md)."""
-    dp_balance_every: int = 5
-    """dp_balance=dynamic: steps measured between two decisions of the shares."""
-    dp_balance_min_saving: float = 0.1
-    """dp_balance=dynamic: new shares are taken only when predicted to save at least this
-    share of the step (hysteresis: scheduling noise moves nothing)."""
+    dp_strategy: DpStrategyConfig = field(default_factory=DpStrategyConfig)
+    """The DP strategies' settings, one group each (``parallel/dp=zero3``, several at once:
+    ``parallel/dp=[zero1,bf16]``; ``hybrid.planning.dp_config``). The flat keys of before
+    (``parallel.zero``, ``parallel.dp_compress``, ...) still work: see below."""
 
 
 @dataclass(kw_only=True)
@@ -330,6 +302,9 @@ def from_dict(data: dict, cls: type = Config) -> Any:
     types = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
+        if cls is ParallelConfig and key in FLAT_KEYS:  # a config.json of before
+            kwargs[key] = value
+            continue
         if key not in types:
             raise ValueError(f"unknown config key {cls.__name__}.{key}")
         nested = types[key]

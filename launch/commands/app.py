@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybrid.errors import USER_ERROR_EXIT
 from hybrid.planning.config import Config, PlanConfig
+from hybrid.planning.dp_config import FLAT_KEYS, new_key
 from hybrid.files import RunDirError
 from launch.launchers.failures import interrupted_by
 
@@ -34,6 +35,21 @@ def register_schemas() -> None:
     store.store(name="plan_schema", node=PlanConfig)
 
 
+def new_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` with the DP strategies' flat keys of before in their new places
+    (``parallel.zero=3`` -> ``parallel.dp_strategy.zero.stage=3``; ``hybrid.planning.dp_config``),
+    so every command line written for them still runs."""
+    out = []
+    for text in overrides:
+        sign = text[:len(text) - len(text.lstrip("+~"))]
+        key, eq, value = text[len(sign):].partition("=")
+        flat = key.removeprefix("parallel.")
+        if key.startswith("parallel.") and flat in FLAT_KEYS:
+            text = f"{sign}parallel.{new_key(flat)}{eq}{value}"
+        out.append(text)
+    return out
+
+
 def to_dataclass(cfg: DictConfig, cls: type[T]) -> T:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, cls), f"composed config is {type(obj).__name__}, expected {cls.__name__}"
@@ -47,7 +63,8 @@ def compose_plan_config(overrides: list[str]) -> PlanConfig:
 
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_dataclass(compose(config_name="plan", overrides=overrides), PlanConfig)
+        return to_dataclass(compose(config_name="plan", overrides=new_overrides(overrides)),
+                            PlanConfig)
 
 
 def compose_train_config(overrides: list[str]) -> Config:
@@ -58,7 +75,8 @@ def compose_train_config(overrides: list[str]) -> Config:
 
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_dataclass(compose(config_name="config", overrides=overrides), Config)
+        return to_dataclass(compose(config_name="config", overrides=new_overrides(overrides)),
+                            Config)
 
 
 def run_hydra_app(app: Callable[[], None]) -> None:
@@ -66,6 +84,7 @@ def run_hydra_app(app: Callable[[], None]) -> None:
     unknown preset) follow the user-error contract too: one line, exit status 2. Errors raised
     inside the app itself keep their traceback: they are bugs, not user errors."""
     register_schemas()
+    sys.argv[1:] = new_overrides(sys.argv[1:])
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra re-raise instead of printing and exiting
     try:
         app()
@@ -93,8 +112,18 @@ def composition_error(err: BaseException) -> str:
             parts.append(first)
         options = options or getattr(err, "options", None)
         err = err.__cause__
-    line = " ".join(parts)
+    line = " ".join(parts) + _moved_key(parts[0] if parts else "")
     return f"{line}; choose one of: {', '.join(sorted(options))}" if options else line
+
+
+def _moved_key(message: str) -> str:
+    """For a flat DP key in a YAML file (``Key 'zero' not in 'ParallelConfig'``): where it
+    lives now (the command line's are rewritten: ``new_overrides``)."""
+    for flat in FLAT_KEYS:
+        if f"Key '{flat}' not in 'ParallelConfig'" in message:
+            return (f"; parallel.{flat} is now parallel.{new_key(flat)} (or choose a file of "
+                    f"conf/parallel/dp: parallel/dp=NAME)")
+    return ""
 
 
 def integer_error(err: Optional[BaseException]) -> Optional[str]:

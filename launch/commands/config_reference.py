@@ -14,6 +14,7 @@ import inspect
 from pathlib import Path
 
 from hybrid.planning import config as schema
+from hybrid.planning.dp_config import FLAT_KEYS, SECTION, new_key
 from launch.commands.app import CONF_DIR
 
 SECTIONS = [("parallel", schema.ParallelConfig), ("model", schema.ModelConfig),
@@ -71,11 +72,34 @@ def render() -> str:
         if (Path(CONF_DIR) / name).is_dir():  # a section without presets has no group files
             lines += [f"Group files: `conf/{name}/*.yaml`.", ""]
         lines += ["| key | default | meaning |", "| --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            value = _show(defaults[name][f.name])
-            lines.append(f"| `{name}.{f.name}` | {value} | {docs.get(f.name, '')} |")
+        lines += _rows(name, cls, defaults[name])
         lines.append("")
+        if cls is schema.ParallelConfig:
+            lines += _flat_dp_keys()
     return "\n".join(lines + _plan_only())
+
+
+def _rows(prefix: str, cls: type, defaults: dict) -> list[str]:
+    """One row a key; a nested section's keys (``parallel.dp_strategy.zero.stage``) follow
+    its own row."""
+    docs, rows = field_docs(cls), []
+    for f in dataclasses.fields(cls):
+        nested = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+        value = "(section)" if nested else _show(defaults[f.name])
+        rows.append(f"| `{prefix}.{f.name}` | {value} | {docs.get(f.name, '')} |")
+        if nested:
+            rows += _rows(f"{prefix}.{f.name}", nested, defaults[f.name])
+    return rows
+
+
+def _flat_dp_keys() -> list[str]:
+    """The DP strategies' flat keys of before, each with its new place."""
+    lines = [f"Group files: `conf/parallel/dp/*.yaml` (package `parallel.{SECTION}`): one "
+             f"(`parallel/dp=zero3`) or several (`parallel/dp=[zero1,bf16]`).", "",
+             "The flat keys of before still work, on the command line and in Python; in a "
+             "YAML file, write the new key.", "", "| flat key | now |", "| --- | --- |"]
+    lines += [f"| `parallel.{flat}` | `parallel.{new_key(flat)}` |" for flat in FLAT_KEYS]
+    return lines + [""]
 
 
 def _plan_only() -> list[str]:

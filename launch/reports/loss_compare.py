@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 from hybrid.errors import UserError
+from hybrid.planning.dp_config import FLAT_KEYS, SECTION
 
 RTOL = 1e-4  # DESIGN: fp32 layouts agree to 1e-5 at step 1 and to 1e-4 over 20 steps
 JUMP = 10.0
@@ -47,9 +48,20 @@ compares their cells with the 1-process run, to show how far they drift)."""
 def lossy_differences(base: dict, run: dict) -> list[str]:
     """The lossy DP options in which two resolved configs differ (``parallel.dp_delay: 0 vs
     1``)."""
-    a, b = _flat(base), _flat(run)
+    a, b = (_flat({**config, "parallel": _flat_dp(config.get("parallel", {}))})
+            for config in (base, run))
     return [f"{key}: {a.get(key, '(unset)')} vs {b.get(key, '(unset)')}"
             for key in LOSSY_DP if a.get(key) != b.get(key)]
+
+
+def _flat_dp(parallel: dict) -> dict:
+    """A resolved ``parallel`` section with the DP strategies under their flat names (as
+    ``LOSSY_DP`` says them); a flat key written beside them wins, as ``ParallelConfig``
+    takes it."""
+    dp = parallel.get(SECTION)
+    moved = _flat(dp) if isinstance(dp, dict) else {}
+    return {**{flat: moved[path] for flat, path in FLAT_KEYS.items() if path in moved},
+            **parallel}
 
 
 def resumed_from(config: Optional[dict]) -> Optional[str]:

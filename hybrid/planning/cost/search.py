@@ -80,6 +80,8 @@ def candidates(cfg: Config, world: int, limits: SearchLimits = NONE) -> Iterator
                              if world % tp == 0 and tp <= cfg.cost.gpus_per_node])
     # one model and train section per setting, shared by candidates (none mutates its config)
     models = {mode: replace(m, recompute=mode) for mode in RECOMPUTE}
+    dp = cfg.parallel.dp_strategy
+    stages = {stage: replace(dp, zero=replace(dp.zero, stage=stage)) for stage in SHARDINGS}
     trains = {mb: replace(cfg.train, micro_batch=mb) for mb in MICRO_BATCHES}
     for tp in tps:
         for cp in limits.only("cp", searched_cps(m.seq_len, world // tp)):
@@ -93,7 +95,8 @@ def candidates(cfg: Config, world: int, limits: SearchLimits = NONE) -> Iterator
                         yield _copied(
                             cfg, launcher=launcher,
                             parallel=_copied(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp,
-                                             vpp=vpp, schedule=schedule, zero=zero,
+                                             vpp=vpp, schedule=schedule,
+                                             dp_strategy=stages[zero],
                                              sequence_parallel=sp, ep=ep),
                             train=trains[mb], model=models[recompute])
 

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from hybrid.planning.cost.sizes import human_bytes
+from hybrid.planning.dp_config import FLAT_KEYS, new_key
 
 
 def overrides_of(settings: dict) -> list[str]:
     """The command-line overrides that select a candidate."""
-    names = {"micro_batch": "train.micro_batch", "recompute": "model.recompute"}
+    names = {"micro_batch": "train.micro_batch", "recompute": "model.recompute",
+             **{flat: f"parallel.{new_key(flat)}" for flat in FLAT_KEYS}}
     return [f"{names.get(key, 'parallel.' + key)}={str(value).lower()}"
             for key, value in settings.items()]
 

@@ -36,11 +36,11 @@ class DpOptions:
 
     @classmethod
     def of(cls, parallel) -> "DpOptions":
-        return cls(zero=parallel.zero, compress=parallel.dp_compress,
-                   powersgd_rank=parallel.powersgd_rank,
-                   powersgd_warmup=parallel.powersgd_warmup,
-                   sync_every=parallel.dp_sync_every, sync_moments=parallel.dp_sync_moments,
-                   delay=parallel.dp_delay, reshard=parallel.zero3_reshard)
+        """From ``parallel.dp_strategy`` (``hybrid.planning.dp_config``)."""
+        dp = parallel.dp_strategy
+        return cls(zero=dp.zero.stage, compress=dp.compress, powersgd_rank=dp.powersgd.rank,
+                   powersgd_warmup=dp.powersgd.warmup, sync_every=dp.local_sgd.every,
+                   sync_moments=dp.local_sgd.moments, delay=dp.delay, reshard=dp.zero.reshard)
 
     def uncompressed(self) -> "DpOptions":
         """The exact options with the same ZeRO stage (what the bytes are compared with)."""
