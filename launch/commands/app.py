@@ -112,7 +112,8 @@ def composition_error(err: BaseException) -> str:
             parts.append(first)
         options = options or getattr(err, "options", None)
         err = err.__cause__
-    line = " ".join(parts) + _moved_key(parts[0] if parts else "")
+    line = " ".join(parts)
+    line += _moved_key(line)
     return f"{line}; choose one of: {', '.join(sorted(options))}" if options else line
 
 
