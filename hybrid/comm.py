@@ -224,6 +224,9 @@ class CommCounter:
     def __init__(self, groups: Optional[Any] = None, watch: Optional[Any] = None):
         self.watch, self.active = watch, False
         self._counts = self._empty()
+        self.group_bytes: dict[str, float] = {}
+        """Wire bytes per group label (``cp-dp`` and ``edp`` are both DP traffic: the dense
+        and the expert gradient groups); ``reset`` empties it."""
         if groups is not None:
             groups.observe(self)
 
@@ -236,6 +239,12 @@ class CommCounter:
 
     def reset(self) -> None:
         self._counts = self._empty()
+        self.group_bytes = {}
+
+    def axis_group_bytes(self, axis: str) -> dict[str, float]:
+        """Bytes per group label of the groups reported under ``axis``."""
+        return {label: sent for label, sent in self.group_bytes.items()
+                if reported_axis(label) == axis}
 
     @contextlib.contextmanager
     def track(self) -> Iterator["CommCounter"]:
@@ -254,7 +263,9 @@ class CommCounter:
         entry = self._counts[reported_axis(label)]
         entry["calls"] += 1
         entry["payload"] += payload
-        entry["bytes"] += wire_bytes(kind, payload, group_size, sent)
+        wire = wire_bytes(kind, payload, group_size, sent)
+        entry["bytes"] += wire
+        self.group_bytes[label] = self.group_bytes.get(label, 0.0) + wire
 
     # ----- called by Group -------------------------------------------------------------------
     def collective(self, group: Group, op: str, kind: str, payload: int,

@@ -43,6 +43,8 @@ class StepReport:
     """Micro-batches each DP replica ran (``parallel.dp_balance=dynamic``; else None)."""
     moe: Optional[dict] = None
     """Rank 0's MoE layers in the step (``hybrid.model.moe.moe_step_stats``); None without."""
+    dp_group_bytes: Optional[dict] = None
+    """Rank 0's DP bytes per group label (``CommCounter.axis_group_bytes("dp")``)."""
 
 
 def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) -> dict:
@@ -61,6 +63,8 @@ def metrics_record(plan: JobPlan, step: int, report: StepReport, summary: dict) 
         **utilisation(plan, report.step_time_s),
         **({"dp_shares": report.dp_shares} if report.dp_shares is not None else {}),
         **({"moe": report.moe} if report.moe is not None else {}),
+        **({"comm_bytes_dp_groups": report.dp_group_bytes}
+           if plan.layout.ep > 1 and report.dp_group_bytes is not None else {}),
     }
 
 

@@ -154,6 +154,7 @@ class Trainer:
             raise self._stall_error(error) from error
         return StepReport(loss=global_loss[0], grad_norm=float(grad_norm), lr=lr,
                           step_time_s=max(t[0] for t in times), comm=self.counter.snapshot(),
+                          dp_group_bytes=self.counter.axis_group_bytes("dp"),
                           cpu_s=sum(t[2] for t in times),
                           peak_mem_bytes=int(max(t[1] for t in times)),
                           compute_s=[t[3] for t in times],

@@ -44,7 +44,14 @@ LAYOUTS = {
                       "parallel.bucket_mb=0.02"],
     "dp2-ep2-dynamic": ["parallel=single", "parallel.dp=2", "parallel.ep=2",
                         "parallel.dp_balance=dynamic", "parallel.dp_balance_every=2"],
+    # all four axes on 8 ranks: experts over dp, their weights TP-split, two stages
+    "dp2-ep2-tp2-pp2": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
+                        "parallel.pp=2", "parallel.schedule=1f1b"],
 }
+WEIGHTS_CHECKED = ("dp2-ep2-zero3", "dp2-ep2-dynamic", "dp4-ep4-zero2", "dp2-ep2-tp2-pp2")
+"""The layouts whose final weights (every step's gradients went into them) are compared with
+the 1-process run's too: each DP strategy that issue 53 opened to expert weights, and the four
+axes together."""
 
 
 LAST = ["checkpoint.every=6"]
@@ -52,10 +59,16 @@ LAST = ["checkpoint.every=6"]
 
 
 @pytest.fixture(scope="module")
-def moe_reference_run(tmp_path_factory):
+def moe_reference_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe-reference")
     done = run_train(run_dir, *MOE, "parallel=single", *LAST)
     assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def moe_reference_run(moe_reference_dir):
+    run_dir = moe_reference_dir
     biases = final_biases(run_dir)
     assert len(biases) == preset("moe-tiny").layers
     assert any(bias.abs().max() > 0 for bias in biases.values())  # they moved
@@ -90,7 +103,7 @@ def assert_same_biases(run_dir, reference: dict) -> None:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_reference_run,
-                                                              tmp_path):
+                                                              moe_reference_dir, tmp_path):
     done = run_train(tmp_path, *MOE, *LAYOUTS[name], *LAST)
     assert done.returncode == 0, done.stderr[-3000:]
     # checked: every rank's state bytes, and DP bytes (the experts' buckets over their own
@@ -100,6 +113,8 @@ def test_moe_losses_with_the_aux_loss_equal_the_1_process_run(name, moe_referenc
     assert_same_losses([r["loss"] for r in records], moe_reference_run[0])
     assert_same_norms([r["grad_norm"] for r in records], moe_reference_run[3])
     assert_same_biases(tmp_path, moe_reference_run[1])  # every stage's layers, on any layout
+    if name in WEIGHTS_CHECKED:
+        assert_same_weights(final_weights(tmp_path), final_weights(moe_reference_dir))
     if "-ep" in name:
         assert all(r["comm_bytes"]["ep"] > 0 for r in records)  # tokens travelled
         _assert_expert_groups(tmp_path)
@@ -177,13 +192,16 @@ def test_a_pipelined_layout_at_micro_batch_1_equals_the_1_process_run_at_micro_b
     assert_same_losses([r["loss"] for r in piped], [r["loss"] for r in single])
     assert [r["grad_norm"] for r in piped] == pytest.approx([r["grad_norm"] for r in single],
                                                            rel=1e-4)
-    ours, theirs = (final_weights(tmp_path / name) for name in runs)
-    assert sorted(ours) == sorted(theirs)
-    for name, weight in ours.items():
-        torch.testing.assert_close(weight, theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_weights(*(final_weights(tmp_path / name) for name in runs))
     reference_losses, _, reference_moe, _ = moe_reference_run
     assert single[0]["loss"] == pytest.approx(reference_losses[0], rel=1e-5)
     assert single[0]["moe"]["aux_loss"] != pytest.approx(reference_moe[0]["aux_loss"], rel=1e-4)
+
+
+def assert_same_weights(ours: dict, theirs: dict) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for name, weight in ours.items():
+        torch.testing.assert_close(weight, theirs[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def final_weights(run_dir) -> dict:

@@ -28,7 +28,7 @@ from hybrid.planning.cost.dp_traffic import gradient_bytes, step_bytes
 from hybrid.planning.cost.state_bytes import by_tag_placement, rank_shapes
 from hybrid.planning.models.moe import expert_bias_payload
 from hybrid.planning.param_spec import DENSE, EXPERT
-from hybrid.planning.layout import EMBEDDING, ROLES, Layout
+from hybrid.planning.layout import EMBEDDING, ROLES, Layout, role_key
 from hybrid.planning.rank_memory import ranks_memory, with_gathered
 from hybrid.planning.rank_lists import lowered_lists
 from hybrid.planning.schedules.actions import Action, stage_chunk, stage_rank
@@ -235,6 +235,15 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
     ``options`` (default: the config's), as ``hybrid.comm.CommCounter`` counts them.
     ``rounds``: the most micro-batches a replica ran in the step (``dp_balance=dynamic``:
     ZeRO-2 reduce-scatters that many times on every replica; default the even count)."""
+    return sum(rank_dp_group_bytes(cfg, plan, pp_rank, step, options, rounds).values())
+
+
+def rank_dp_group_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
+                        options: Optional[DpOptions] = None,
+                        rounds: Optional[int] = None) -> dict[str, float]:
+    """``rank_dp_bytes`` per group, by the label ``CommCounter.group_bytes`` counts it under:
+    the dense gradient group's (``cp-dp``) and, at ``ep > 1``, the expert gradient group's
+    (``edp``), each placement's buckets over its own group."""
     blocks = [b for stage in plan.stages_of(pp_rank) for b in stage.blocks]
     shapes = rank_shapes(cfg.model, blocks, tp=plan.layout.tp,
                          sp=cfg.parallel.sequence_parallel, pp=plan.layout.pp)
@@ -247,32 +256,35 @@ def rank_dp_bytes(cfg: Config, plan: JobPlan, pp_rank: int, step: int,
     # the aux-loss-free expert bias's routed slots, summed over the ranks with other tokens
     bias = all_reduce_bytes(expert_bias_payload(cfg.model, blocks),
                             plan.layout.role_size("loss"))
+    dense = role_key(DENSE.reduce_role)
+    assert role_key("loss") == dense  # the bias's sum is counted with the dense buckets
     if plan.layout.ep > 1:
         by_placement = gathers and gathers_by_placement(cfg, plan.layout, gathers, stages)
-        return bias + _expert_parallel_dp_bytes(cfg, plan.layout, blocks, step, options,
-                                                rounds or microbatches(cfg), by_placement)
-    return bias + step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
-                             microbatches=rounds or microbatches(cfg), options=options,
-                             bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)
+        groups = _expert_parallel_dp_bytes(cfg, plan.layout, blocks, step, options,
+                                           rounds or microbatches(cfg), by_placement)
+        return {**groups, dense: bias + groups[dense]}
+    return {dense: bias + step_bytes(shapes, dp=plan.layout.role_size("gradient"), step=step,
+                                     microbatches=rounds or microbatches(cfg), options=options,
+                                     bucket_mb=cfg.parallel.bucket_mb, gathers=gathers)}
 
 
 def _expert_parallel_dp_bytes(cfg: Config, layout: Layout, blocks: list[int], step: int,
                               options: DpOptions, rounds: int,
-                              gathers: Optional[dict] = None) -> float:
-    """``rank_dp_bytes`` at ``ep > 1``: the dense buckets over dp x cp (with the step's loss
-    and norm scalars), the experts' over their expert data-parallel group (with, when the
-    state is sharded, the norm's sum over it), both reported as DP traffic; ``gathers``:
-    ZeRO-3's gathers per bucket of each placement."""
+                              gathers: Optional[dict] = None) -> dict[str, float]:
+    """``rank_dp_group_bytes`` at ``ep > 1`` (the bias's aside): the dense buckets over
+    dp x cp (with the step's loss and norm scalars), the experts' over their expert
+    data-parallel group (with, when the state is sharded, the norm's sum over it);
+    ``gathers``: ZeRO-3's gathers per bucket of each placement."""
     gathers = gathers or {}
     shapes = rank_shapes(cfg.model, blocks, tp=layout.tp, sp=cfg.parallel.sequence_parallel,
                          pp=layout.pp, ep=layout.ep)
     parts = by_tag_placement(shapes)
-    total = step_bytes(parts.get(DENSE, []), dp=layout.role_size("gradient"), step=step,
+    dense = step_bytes(parts.get(DENSE, []), dp=layout.role_size("gradient"), step=step,
                        microbatches=rounds, options=options, bucket_mb=cfg.parallel.bucket_mb,
                        gathers=gathers.get(DENSE))
     edp = layout.role_size(EXPERT.reduce_role)
-    if sharding_of(options).shards_optimizer:
-        total += all_reduce_bytes(SCALAR, edp)
-    return total + gradient_bytes(parts.get(EXPERT, []), dp=edp, step=step,
-                                  microbatches=rounds, options=options,
-                                  bucket_mb=cfg.parallel.bucket_mb, gathers=gathers.get(EXPERT))
+    norm = all_reduce_bytes(SCALAR, edp) if sharding_of(options).shards_optimizer else 0.0
+    experts = gradient_bytes(parts.get(EXPERT, []), dp=edp, step=step, microbatches=rounds,
+                             options=options, bucket_mb=cfg.parallel.bucket_mb,
+                             gathers=gathers.get(EXPERT))
+    return {role_key(DENSE.reduce_role): dense, role_key(EXPERT.reduce_role): norm + experts}

@@ -28,7 +28,8 @@ def checked_records(run_dir) -> list[dict]:
     held exactly the weight, gradient, optimizer and DP-option bytes the plan predicts, and
     under ZeRO-3 at its peak exactly the gathered weights it predicts (``memory_check.json``),
     and rank 0 sent over DP in each step exactly the bytes
-    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options, and over its
+    ``hybrid.planning.job.rank_dp_bytes`` predicts for its layout and DP options (at ``ep > 1``
+    each group's apart: ``rank_dp_group_bytes``), and over its
     context group what ``hybrid.planning.cost.context_time.cp_step_bytes`` predicts; and the run
     directory's ``plan.json`` is the plan of its ``config.json`` (nothing written back)."""
     import json
@@ -37,7 +38,7 @@ def checked_records(run_dir) -> list[dict]:
     from hybrid.metrics import read_metrics
     from hybrid.planning.config import from_dict
     from hybrid.planning.cost.context_time import cp_step_bytes
-    from hybrid.planning.job import plan_job, rank_dp_bytes
+    from hybrid.planning.job import plan_job, rank_dp_bytes, rank_dp_group_bytes
     from hybrid.planning.plan_file import load_plan
 
     run_dir = Path(run_dir)
@@ -59,5 +60,12 @@ def checked_records(run_dir) -> list[dict]:
                                   rounds=max(record.get("dp_shares", [0])) or None)
         assert abs(record["comm_bytes"]["dp"] - predicted) <= 1e-9 * predicted, \
             (record["step"], record["comm_bytes"]["dp"], predicted)
+        if plan.layout.ep > 1:  # each group's: the dense buckets' and the experts' apart
+            groups = rank_dp_group_bytes(cfg, plan, 0, record["step"],
+                                         rounds=max(record.get("dp_shares", [0])) or None)
+            counted = record["comm_bytes_dp_groups"]
+            assert counted.keys() <= groups.keys() and all(
+                abs(counted.get(label, 0.0) - want) <= 1e-9 * want
+                for label, want in groups.items()), (record["step"], counted, groups)
         assert record["comm_bytes"]["cp"] == ring, (record["step"], record["comm_bytes"], ring)
     return records
