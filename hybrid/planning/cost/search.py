@@ -103,8 +103,8 @@ def candidates(cfg: Config, world: int, limits: SearchLimits = NONE) -> Iterator
 
 def searched_eps(experts: int, width: int, zero: int) -> list[int]:
     """The expert-parallel sizes tried: 1, and for a model with experts every size dividing
-    both its experts and ``dp * cp`` (not with ZeRO-3, which ep does not run with)."""
-    if not experts or zero == 3:
+    both its experts and ``dp * cp`` (every ZeRO stage runs on the expert placement)."""
+    if not experts:
         return [1]
     return [ep for ep in valid_sizes(width) if experts % ep == 0]
 
