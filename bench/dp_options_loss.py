@@ -21,7 +21,8 @@ after another:
 ``parallel.ep`` 1 and 2, for the exact mean and the options that keep their own state or
 steps (PowerSGD rank 2, local SGD every 4, a delay of 1): each gap is to exact's at the same
 ``ep``, so the ep2 rows show whether the options lose more on expert weights, which at ep2 are
-averaged over their expert group (one rank here) instead of the whole DP group.
+averaged over their expert group (one rank at dp 2; ``--dp 4``: two) instead of the whole DP
+group.
 
 Per option: the final loss (mean of the last 5 steps' losses, each the mean over DP), its gap
 to exact's in percent (positive = worse), the DP bytes rank 0 sent per step (mean over all
@@ -89,7 +90,8 @@ def train(name: str, overrides: list[str], steps: int, out: Path) -> dict:
     if any(abs(c - p) > 1e-9 * max(p, 1.0) for c, p in zip(counted, predicted)):
         sys.exit(f"{name}: counted DP bytes {counted[:12]}... differ from the predicted "
                  f"{predicted[:12]}...")
-    return {"name": name, "ep": cfg.parallel.ep, "loss": statistics.mean(r["loss"] for r in records[-LAST:]),
+    return {"name": name, "ep": cfg.parallel.ep,
+            "loss": statistics.mean(r["loss"] for r in records[-LAST:]),
             "counted": statistics.mean(counted), "predicted": statistics.mean(predicted),
             "seconds": time.monotonic() - started}
 
@@ -125,6 +127,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the smallest run (the test "
                         "suite's): exact and bf16 only, 2 steps of the tiny model on "
                         "generated data; its figures mean nothing")
+    parser.add_argument("--dp", type=int, default=2, help="DP replicas (2 by default)")
     parser.add_argument("--moe", action="store_true", help="moe-tiny at ep 1 and 2 (exact, "
                         "PowerSGD, local SGD, delayed)")
     args = parser.parse_args()
@@ -138,11 +141,13 @@ def main() -> None:
         for name in options:
             expert = [f"parallel.ep={ep}"] if args.moe else []
             rows.append(train(f"{name} ep{ep}" if args.moe else name,
-                              [*OPTIONS[name], *job, *expert], args.steps, out))
+                              [*OPTIONS[name], *job, *expert, f"parallel.dp={args.dp}"],
+                              args.steps, out))
             rows[-1]["name"] = name
             print(f"{name} ep{ep}: loss {rows[-1]['loss']:.4f}, {rows[-1]['counted'] / 2**20:.3f} "
                   f"MiB DP/step, {rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
-    print(f"{' '.join(job) or 'model=small'} dp=2 steps={args.steps}: final loss = mean of "
+    print(f"{' '.join(job) or 'model=small'} dp={args.dp} steps={args.steps}: final loss = "
+          f"mean of "
           f"the last {LAST} steps; "
           f"bytes = mean per step that rank 0 sent over DP (counted = predicted, asserted); "
           f"runs in {out}")
