@@ -106,6 +106,15 @@ class Device:
     tied_after_backward: bool = False
     """The tied embedding's gradient is all-reduced between the first and last stage after
     the last backward, nothing beside it (DeepSpeed's ``_exec_reduce_tied_grads``)."""
+    p2p_exchanges_in_series: bool = False
+    """A rank's two exchanges with one neighbour run one after the other, not together
+    (DeepSpeed's blocking ``p2p.send`` and ``p2p.recv``, one pair communicator each)."""
+    grad_accumulate_bytes: float = 0.0
+    """Bytes a parameter each micro-batch's gradient accumulation moves (0: fp32 main
+    gradients, ``memory_bound.ACCUMULATE_BYTES_PER_PARAM``; 16-bit ``.grad``s added in place: 6)."""
+    p2p_gather_passes: int = 0
+    """Memory passes over the whole activation each gather of a partitioned message makes
+    beside the gather itself (DeepSpeed's ``PartitionedTensor.full``: 5)."""
     collective_sm_share: float = 0.0
     """The share of the SMs a running collective holds, that the multiplies beside a
     reduction the backward hides lose while it runs (``COLLECTIVE_SMS``); 0: not priced."""

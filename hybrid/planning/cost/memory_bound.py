@@ -134,6 +134,6 @@ def stage_memory_bound(cfg: Config, tp: int, cp: int, device: Device, blocks: ra
         forward += head_forward / bw
         backward += head_backward / bw
         params += m.hidden * m.padded_vocab / tp
-    backward += params * ACCUMULATE_BYTES_PER_PARAM / bw
+    backward += params * (device.grad_accumulate_bytes or ACCUMULATE_BYTES_PER_PARAM) / bw
     return StageBound(forward=forward, backward=backward,
                   scores=layers * (traffic.scores_forward / bw + roofline_forward))

@@ -2,9 +2,10 @@
 GPT-NeoX), priced term by term from its code (pure: no torch).
 
 What it does beside Megatron-LM's own runs (``published.megatron_lm``), each with its source
-in ``deepspeed/runtime/pipe/`` and its size on MT-NLG 530B at 2,240 GPUs (Smith et al. 2022:
-t 8 x p 35 x d 8, 240 micro-batches of 1 x 2048 tokens a pipeline and step; ``docs/sweeps.md``
-has the table):
+in DeepSpeed 0.5.10 (January 2022, the engine MT-NLG's 2021 code grew into; the BF16
+optimizer read in 0.7.0) and its size on MT-NLG 530B at 2,240 GPUs (Smith et al. 2022: t 8 x
+p 35 x d 8, 240 micro-batches of 1 x 2048 tokens a pipeline and step; ``docs/sweeps.md`` has
+the table):
 
 - *The same lock-step 1F1B.* ``schedule.TrainSchedule`` alternates forward and backward
   steps, even and odd stages out of phase, each exchange a blocking ``p2p.send``/``recv``
@@ -37,13 +38,41 @@ has the table):
   (priced in ``parallel.bucket_mb``'s buckets; its 5e8 elements would save 20 ms of ring
   latency on MT-NLG).
 
+- *A step's two exchanges with a neighbour in series* (``TrainSchedule``: ``SendGrad`` then
+  ``RecvActivation``, ``RecvGrad`` then ``SendActivation``; each a blocking ``dist.send`` or
+  ``recv`` on the pair's one communicator and stream), where Megatron-LM batches them
+  (``batch_isend_irecv``): a message's wire time more on each forward and backward
+  (``p2p_exchanges_in_series``): 0.53 ms, the step 0.30 s longer.
+- *The gathers' memory passes* (``PartitionedTensor.full``: ``GATHER_PASSES``) on each
+  tensor gathered, three a micro-batch (``p2p_gather_passes``): 0.23 ms each, +0.19 s.
+- *16-bit gradients accumulated in place* (``ACCUMULATE_16BIT_BYTES``): 6 bytes a parameter a
+  micro-batch where the model prices 12: -6.6 ms a micro-batch on the last stage, the step
+  1.8 s shorter. (The BF16 optimizer of 2022, ``bf16_optimizer.update_hp_grads``, adds each
+  micro-batch's gradient to a 32-bit copy, 18 bytes, and reduces that copy in 32 bits; not
+  this profile's.)
+- *The fp16 step and the DP all-reduce's copies* (``FP16_STEP_BYTES``,
+  ``ALLREDUCE_FALLBACK_BYTES``): 82 bytes a parameter where Megatron-LM's step and ``local``
+  DDP move 50: +0.04 s.
+
+Read and not priced, each bounded on MT-NLG: the GPU's queue is empty at every step
+boundary (``ThroughputTimer.start``, called by ``_exec_forward_pass``, runs
+``torch.cuda.synchronize()`` before every forward; ``to_meta`` copies its host list to the
+device with a blocking copy before every send; ``from_meta`` reads the received meta back),
+so each boundary exposes the host's path to the next kernel, a few launches of ~3 us
+(``devices.KERNEL_S``) and their Python: at 0.2 ms a boundary (assumed, not measured here),
+0.1 s a step at two boundaries a slot; the per-parameter overflow check's host reads
+(``has_overflow_serial``), a few dozen a step.
+
 ZeRO with a pipeline: the engine asserts stage < 2 (``PipelineEngine.__init__``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hybrid.planning.cost.collectives import ring_all_reduce
 from hybrid.planning.cost.devices import Device
+from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.cost.stage_time import link_for
 
 TIED_GRAD_BYTES = 2
@@ -51,10 +80,41 @@ TIED_GRAD_BYTES = 2
 32-bit ``_hp_grad``."""
 
 
+GATHER_PASSES = 5
+"""Memory passes over the whole activation in ``PartitionedTensor.full`` beside the NCCL
+gather: the flat buffer zeroed (``torch.zeros``: write), ``dist.all_gather`` into a list
+copying its flat result out to each slice (torch <= 1.10's ``ProcessGroupNCCL::allgather``:
+read, write), and the result cloned (``.clone()``: read, write)."""
+
+ACCUMULATE_16BIT_BYTES = 6
+"""Each micro-batch's weight gradient added in place into the parameter's 16-bit ``.grad``
+(read both, write one: 2 bytes each): DeepSpeed casts the module to 16 bits and keeps no
+32-bit gradient buffer until the step (``FP16_Optimizer``; ZeRO-1's hooks reduce nothing
+before ``_exec_reduce_grads``), where Megatron-LM adds it to a 32-bit ``main_grad`` (12)."""
+FP16_STEP_BYTES = 70
+"""Bytes a parameter ``FP16_Optimizer.step`` (``fp16/fused_optimizer.py``) moves: the
+overflow check (``has_overflow_serial``: ``x.float().sum()``, read 2, write 4, read 4), the
+gradients made 32-bit and flattened (read 2, write 4, read 4, write 4), their norm (read 4),
+``unscale_and_clip_grads`` (read 4, write 4), Adam on the 32-bit master (28) and the master
+copied back to the 16-bit model (read 4, write 2)."""
+ALLREDUCE_FALLBACK_BYTES = 12
+"""Bytes a parameter ``allreduce_bucket`` moves around the all-reduce: the bucket flattened
+(read 2, write 2), divided by the group's size (read 2, write 2) and copied back (read 2,
+write 2)."""
+
 ENGINE_TERMS = dict(p2p_scatter_gather=True, dp_one_collective=False, p2p_meta_messages=1,
-                    p2p_restore_gather=True, tied_after_backward=True)
+                    p2p_restore_gather=True, tied_after_backward=True,
+                    p2p_exchanges_in_series=True, p2p_gather_passes=GATHER_PASSES,
+                    grad_accumulate_bytes=ACCUMULATE_16BIT_BYTES)
 """The ``Device`` fields above, as the engine sets them on Megatron-DeepSpeed's layers
-(Megatron-LM's attention and mixed-precision step: ``software.deepspeed_pipe``)."""
+(Megatron-LM's attention: ``software.deepspeed_pipe``)."""
+
+
+def engine_device(device: Device) -> Device:
+    """``device`` (Megatron-LM's layers on it) as DeepSpeed's engine drives it: ``ENGINE_TERMS``
+    and its optimizer step with the DP all-reduce's passes."""
+    step = (FP16_STEP_BYTES + ALLREDUCE_FALLBACK_BYTES) / device.memory_bandwidth
+    return replace(device, **ENGINE_TERMS, optimizer_s_per_param=step)
 
 
 def tied_grads_s(plan, device: Device) -> float:
@@ -65,3 +125,24 @@ def tied_grads_s(plan, device: Device) -> float:
         return 0.0
     nbytes = m.padded_vocab // layout.tp * m.hidden * TIED_GRAD_BYTES
     return ring_all_reduce(nbytes, 2, link_for(plan, device, "pp"))
+
+
+def blocking_exchanges_s(plan, device: Device, message: float, gather: float
+                         ) -> tuple[float, float]:
+    """What a stage's forward and its backward each wait for at their exchanges when the
+    software blocks on them (``Device.blocking_p2p``): the message (``gather`` of it the
+    receiver's gather over the node), its wire time once more when the two exchanges with a
+    neighbour run in series (``p2p_exchanges_in_series``), the gather's memory passes for each
+    gathered tensor (``p2p_gather_passes``), and the backward's gather of what it sent
+    (``p2p_restore_gather``)."""
+    restore = gather if device.p2p_restore_gather else 0.0
+    serial = message - gather if device.p2p_exchanges_in_series else 0.0
+    copies = 0.0
+    if gather and device.p2p_gather_passes and device.memory_bandwidth:
+        cfg = plan.cfg
+        whole = (cfg.train.micro_batch * cfg.model.seq_len // plan.layout.cp
+                 * cfg.model.hidden * BYTES[cfg.train.precision])
+        copies = device.p2p_gather_passes * whole / device.memory_bandwidth
+    gathers_back = 2 if restore else 1  # the gradient received, and the output restored
+    return (message + serial + copies,
+            message + serial + restore + gathers_back * copies)

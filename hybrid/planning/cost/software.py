@@ -11,12 +11,12 @@ sources; none is fitted to a training run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from hybrid.errors import UserError
 from hybrid.planning.cost.devices import Device
-from hybrid.planning.cost.pipe_engine import ENGINE_TERMS
+from hybrid.planning.cost.pipe_engine import engine_device
 from hybrid.planning.cost.published import megatron_lm
 
 
@@ -103,7 +103,7 @@ Korthikanti et al. 2022); no context parallelism (2023)."""
 def deepspeed_pipe(device: Device) -> Device:
     """``device`` as DeepSpeed's pipeline engine drives it (``pipe_engine.ENGINE_TERMS``) on
     Megatron-DeepSpeed's layers (Megatron-LM's attention and mixed-precision step)."""
-    return replace(megatron_lm(device), **ENGINE_TERMS)
+    return engine_device(megatron_lm(device))
 
 
 def _deepspeed_pipe(device: Device, pp: int) -> Device:
@@ -115,9 +115,10 @@ DEEPSPEED_PIPE = Software(
     schedules=("1f1b",), zero_stages_pipelined=(0, 1), recompute=("none", "full"),
     sequence_parallel=False, context_parallel=False,
     summary="DeepSpeed's pipeline engine under Megatron-DeepSpeed (2021-22): lock-step 1F1B, "
-            "blocking exchanges partitioned over the TP group with their meta sent apart, the "
-            "sent output gathered back for the backward, tied embeddings and DP reduced after "
-            "the last backward, Megatron-LM's unfused attention and mixed-precision step")
+            "blocking exchanges in series, partitioned over the TP group with their meta sent "
+            "apart, each gather's copies, the sent output gathered back for the backward, "
+            "16-bit gradients accumulated in place, tied embeddings and DP reduced after the "
+            "last backward, the fp16 step, Megatron-LM's unfused attention")
 """DeepSpeed's ``PipelineEngine`` as MT-NLG, BLOOM and GPT-NeoX ran it
 (``deepspeed_pipe``; ``pipe_engine`` prices each term from its code): its ``TrainSchedule`` only
 (no interleaving, no zero-bubble split); ZeRO ≤ 1 with a pipeline (its engine asserts it);

@@ -29,7 +29,7 @@ from hybrid.planning.cost.collectives import ring_gather
 from hybrid.planning.cost.devices import Device
 from hybrid.planning.cost.dp_time import dp_times
 from hybrid.planning.cost.flops import paper_flops_per_step
-from hybrid.planning.cost.pipe_engine import tied_grads_s
+from hybrid.planning.cost.pipe_engine import blocking_exchanges_s, tied_grads_s
 from hybrid.planning.cost.sizes import BYTES
 from hybrid.planning.cost.stage_time import (
     StageTimes, link_for, stage_times,
@@ -143,11 +143,11 @@ def _parts(plan: JobPlan, device: Device, rank_devices: Optional[Sequence[Device
         keys.append(key)
     message, gather = _p2p_time(plan, device)
     link_p2p = message
-    restore = gather if device.p2p_restore_gather else 0.0
     if device.blocking_p2p and plan.layout.pp > 1:
         # the rank waits for each exchange: one after each forward and backward of a chunk
-        known = {key: dc_replace(t, forward=t.forward + message,
-                                 backward=t.backward + message + restore)
+        forward, backward = blocking_exchanges_s(plan, device, message, gather)
+        known = {key: dc_replace(t, forward=t.forward + forward,
+                                 backward=t.backward + backward)
                  for key, t in known.items()}
         link_p2p = 0.0
     m = plan.schedule.microbatches
