@@ -18,7 +18,8 @@ SHARED_GROUPS = {"test_main_job_resume.py": "main_job", "test_readme.py": "main_
 # The groups that take longest (minutes each: multi-process runs one after another, from a
 # full run's --durations), handed out first, longest first, so that no long group is left to
 # run alone at the end while the other worker idles; the others follow by their number of
-# tests, as xdist orders them. An ordering only: a stale entry costs time, never a result.
+# slow tests (seconds each; a fast one takes milliseconds), then of tests. An ordering only:
+# a stale entry costs time, never a result.
 LONGEST_FIRST = ("main_job", "test_elastic.py", "test_signals.py", "test_slurm.py",
                  "test_bench_smoke.py", "test_stall.py")
 
@@ -57,18 +58,21 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """In an xdist worker (whose collection is the order the scheduler hands groups out in):
-    the groups of ``LONGEST_FIRST`` first, then the others by their number of tests, most
-    first; each group's tests together, in their own order."""
+    the groups of ``LONGEST_FIRST`` first, then the others by their number of slow tests,
+    then of tests, most first; each group's tests together, in their own order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    slow: dict[str, int] = {}
     count: dict[str, int] = {}
     for item in items:
-        count[_group_of(item.nodeid)] = count.get(_group_of(item.nodeid), 0) + 1
+        group = _group_of(item.nodeid)
+        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
+        count[group] = count.get(group, 0) + 1
     first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
 
     def key(item) -> tuple:
         group = _group_of(item.nodeid)
-        return first.get(group, len(first)), -count[group], group
+        return first.get(group, len(first)), -slow[group], -count[group], group
 
     items.sort(key=key)  # stable: a group's tests keep their order
 
