@@ -89,14 +89,14 @@ def user_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory) -> tuple[Path, str]:
-    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 110
+    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 116
     and 120, which changes nothing in training): its run directory and console output."""
     import subprocess
     import sys
 
     run_dir = tmp_path_factory.mktemp("main-job")
     done = subprocess.run([str(Path(sys.executable).parent / "hybrid-train"),
-                           f"hydra.run.dir={run_dir}", "checkpoint.every=110"],
+                           f"hydra.run.dir={run_dir}", "checkpoint.every=116"],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout
