@@ -15,14 +15,66 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # once: the README's main job (about a minute of both cores).
 SHARED_GROUPS = {"test_main_job_resume.py": "main_job", "test_readme.py": "main_job"}
 
+# The groups that take longest (minutes each: multi-process runs one after another, from a
+# full run's --durations), handed out first, longest first, so that no long group is left to
+# run alone at the end while the other worker idles; the others follow by their number of
+# slow tests (seconds each; a fast one takes milliseconds), then of tests. An ordering only:
+# a stale entry costs time, never a result.
+LONGEST_FIRST = ("main_job", "test_elastic.py", "test_signals.py", "test_slurm.py",
+                 "test_bench_smoke.py", "test_stall.py")
 
+
+def _group_of(nodeid: str) -> str:
+    """A test's xdist group: its file's name, or the group ``SHARED_GROUPS`` gives it."""
+    name = Path(nodeid.split("::", 1)[0]).name
+    return SHARED_GROUPS.get(name, name)
+
+
+def _file_groups_scheduler():
+    """xdist's ``loadscope`` scheduler with ``_group_of`` as the scope: each file's tests go
+    to one worker, as ``--dist loadgroup`` was meant to send them (its marks never took under
+    pytest 9, which ignores the ``_nodeid`` xdist 3.8 rewrites: every test went its own way,
+    and both workers built the module and session fixtures they used)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # the order pytest_collection_modifyitems set
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return FileGroupScheduling
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return _file_groups_scheduler()(config, log)
+    return None
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """One xdist group per test file (``--dist loadgroup`` then sends each file to one worker,
-    as ``loadfile`` would, so module fixtures are built once), files in ``SHARED_GROUPS``
-    together. Runs before xdist reads the marks (its hook is ``trylast``)."""
+    """In an xdist worker (whose collection is the order the scheduler hands groups out in):
+    the groups of ``LONGEST_FIRST`` first, then the others by their number of slow tests,
+    then of tests, most first; each group's tests together, in their own order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow: dict[str, int] = {}
+    count: dict[str, int] = {}
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
+        group = _group_of(item.nodeid)
+        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
+        count[group] = count.get(group, 0) + 1
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> tuple:
+        group = _group_of(item.nodeid)
+        return first.get(group, len(first)), -slow[group], -count[group], group
+
+    items.sort(key=key)  # stable: a group's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -37,14 +89,14 @@ def user_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory) -> tuple[Path, str]:
-    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 110
+    """The README's main job as it is (its run directory chosen, and a checkpoint at steps 116
     and 120, which changes nothing in training): its run directory and console output."""
     import subprocess
     import sys
 
     run_dir = tmp_path_factory.mktemp("main-job")
     done = subprocess.run([str(Path(sys.executable).parent / "hybrid-train"),
-                           f"hydra.run.dir={run_dir}", "checkpoint.every=110"],
+                           f"hydra.run.dir={run_dir}", "checkpoint.every=116"],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout

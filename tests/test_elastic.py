@@ -18,6 +18,10 @@ from test_multinode import TRAIN, free_port, node_command, stop_all
 from test_train_cli import _alive, _descendants, _wait_for
 
 STEPS = 8
+REJOIN_STEPS = 12
+"""The rejoin test's steps; the other tests' ``STEPS`` are its first steps: all of them inside
+the learning rate's warm-up (``optim.warmup_steps``, 10), where the schedule does not depend
+on ``train.steps``, so one 1-process run of ``REJOIN_STEPS`` is every test's reference."""
 BASE = ("model=tiny", "data=synthetic", "train.timeline_step=0", "train.log_every=1000",
         "seed=3", f"train.steps={STEPS}")
 SLOW_AFTER_5 = "slow:5:4:3"
@@ -37,7 +41,9 @@ def one_process_losses(run_dir: Path, *overrides: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    return one_process_losses(tmp_path_factory.mktemp("reference"))
+    """The 1-process run's losses over ``REJOIN_STEPS`` (see there)."""
+    return one_process_losses(tmp_path_factory.mktemp("reference"),
+                              f"train.steps={REJOIN_STEPS}")
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -196,12 +202,11 @@ def test_a_stopped_node_is_counted_gone_at_the_silence_timeout_and_left_behind(r
     _wait_for(lambda: not any(_alive(pid) for pid in family), 30, "every process to be gone")
 
 
-def test_a_node_started_again_is_taken_back_at_the_next_checkpoint(tmp_path):
+def test_a_node_started_again_is_taken_back_at_the_next_checkpoint(reference, tmp_path):
     """Node 1 killed after step 5, node 0 goes on alone; node 1's hybrid-train started again
     connects, node 0's workers stop at their next checkpoint and both nodes go on as
     dp 2 x tp 2 x pp 2 again; every step's loss is the 1-process run's."""
-    steps = 12
-    reference = one_process_losses(tmp_path / "reference", f"train.steps={steps}")
+    steps = REJOIN_STEPS
     endpoint = f"127.0.0.1:{free_port()}"
     extra = ("checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "launcher.min_nodes=1",
              "train.collective_timeout_s=60", f"train.steps={steps}")

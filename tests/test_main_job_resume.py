@@ -3,8 +3,9 @@ exported as a user does: in a new run directory each, which reads the built-in c
 machine's cache, not from the saved run's directory (#43: resume compared the data's paths and
 refused every new run directory).
 
-The main job (``main_job``: 2x2x2, 1F1B, 120 steps) saves at steps 110 and 120. Each resume
-continues it from step 110 and must give the uninterrupted run's losses, validation loss
+The main job (``main_job``: 2x2x2, 1F1B, 120 steps) saves at steps 116 and 120. Each resume
+continues it from step 116 (four steps, the last with the validation loss: a resume is mostly
+its start-up) and must give the uninterrupted run's losses, validation loss
 included: bitwise on the same layout (from a data folder moved after the save), within float
 tolerance on another layout (4 ranks, dp 2 x tp 2 with ZeRO-3: another world size, no
 pipeline, sharded weights), and again from that run's ZeRO-3 checkpoint into one process.
@@ -21,9 +22,9 @@ from hybrid.testing.accounting import checked_records
 
 TRAIN = str(Path(sys.executable).parent / "hybrid-train")
 CKPT = str(Path(sys.executable).parent / "hybrid-ckpt")
-RESUMED_AT = 110  # main_job's checkpoint.every
+RESUMED_AT = 116  # main_job's checkpoint.every
 RESHARDED = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=3",
-             "checkpoint.every=5"]
+             "checkpoint.every=2"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,7 +49,7 @@ def resume(run_dir: Path, checkpoint: Path, *overrides: str) -> subprocess.Compl
 
 @pytest.fixture(scope="module")
 def resharded(main_job, tmp_path_factory) -> Path:
-    """The main job resumed from step 110 on dp 2 x tp 2 with ZeRO-3, saving at 115 and 120."""
+    """The main job resumed from step 116 on dp 2 x tp 2 with ZeRO-3, saving at 118 and 120."""
     run_dir = tmp_path_factory.mktemp("resharded")
     resume(run_dir, step_dir(main_job[0], RESUMED_AT), *RESHARDED)
     return run_dir
@@ -80,16 +81,16 @@ def test_a_resume_on_another_layout_continues_the_main_job(main_job, resharded):
 
 
 def test_a_zero3_checkpoint_of_it_resumes_in_one_process(main_job, resharded, tmp_path):
-    resume(tmp_path, step_dir(resharded, RESUMED_AT + 5), "parallel=single")
+    resume(tmp_path, step_dir(resharded, RESUMED_AT + 2), "parallel=single")
     resumed, expected = losses(tmp_path), losses(main_job[0])
-    assert sorted(resumed) == list(range(RESUMED_AT + 6, 121))
+    assert sorted(resumed) == list(range(RESUMED_AT + 3, 121))
     assert [resumed[s] for s in resumed] == pytest.approx([expected[s] for s in resumed],
                                                           rel=1e-4)
 
 
 def test_an_export_of_it_gives_the_one_process_model_its_loss(main_job, tmp_path):
-    """``hybrid-ckpt export`` of step 110, loaded into the 1-process model, gives the loss the
-    2x2x2 run had on step 111's global batch of the same data."""
+    """``hybrid-ckpt export`` of step 116, loaded into the 1-process model, gives the loss the
+    2x2x2 run had on step 117's global batch of the same data."""
     source = main_job[0]
     out = tmp_path / "model.pt"
     done = subprocess.run([CKPT, "export", str(step_dir(source, RESUMED_AT)), str(out)],
