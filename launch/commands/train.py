@@ -40,9 +40,9 @@ from hybrid.planning.cost.devices import device_for
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
-from hybrid.planning.validate import config_warnings
+from hybrid.planning.validate import config_warnings, position_warnings
 from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
-                        run_hydra_app, to_dataclass)
+                        run_hydra_app, to_dataclass, typed_overrides)
 from launch.commands.console import raise_if_interrupted, work_done
 from launch.launchers.launcher import Launcher
 from launch.launchers.registered import launcher_for, launcher_problem
@@ -187,14 +187,17 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     ``config.json`` and ``plan.json``."""
     from hybrid.interop.hf_source import with_hf_shape
 
-    cfg = with_hf_shape(cfg)
+    cfg = with_hf_shape(cfg, typed_overrides())
+    early = position_warnings(cfg.model)  # before the checks below, which may refuse
+    for warning in early:
+        print(f"warning: {warning}", file=sys.stderr)
     launcher = chosen_launcher(cfg)
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
     start_workers_fork_server(plan, launcher)
     validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
-    for warning in config_warnings(cfg):
+    for warning in [w for w in config_warnings(cfg) if w not in early]:
         print(f"warning: {warning}", file=sys.stderr)
     directory, resume, init = resolve_checkpointing(cfg, run_dir)
     peak = device_for(cfg.cost).peak_flops(cfg.train.precision)
