@@ -111,3 +111,28 @@ def test_wordings_name_what_each_command_takes(tmp_path):
     text.write_text("the quick brown fox jumps.\n\n" * 400)
     indexed = run("hybrid-data", text, tmp_path / "pair", "--format", "indexed")
     assert f"to {tmp_path}/pair.bin and {tmp_path}/pair.idx\n" in indexed.stdout, indexed.stdout
+
+
+def test_a_global_batch_beyond_its_bound_is_advised_with_evaluation_off(tmp_path):
+    done = run("hybrid-train", "train.global_batch=4000000", f"hydra.run.dir={tmp_path / 'r'}")
+    assert done.returncode == 2 and len(errors(done)) == 1, done.stderr
+    assert done.stderr.rstrip().endswith(
+        "e.g. train.global_batch=262144 eval.every=0 eval.at_end=false"), done.stderr
+
+
+def test_evaluations_reads_are_checked_before_the_plan_is_built(tmp_path, monkeypatch):
+    """The advice without its evaluation half is refused from the validation split's size
+    before ``plan_job`` builds the schedule of 131,072 micro-batches; with it, the data
+    checks before launch pass."""
+    import launch.commands.train as train
+    from launch.commands.run_data import check_eval_early
+    from tests.refusals import refusal_in_process
+
+    def planned(*args, **kwargs):
+        raise AssertionError("the plan was built before the evaluation's check")
+
+    monkeypatch.setattr(train, "plan_job", planned)
+    line = refusal_in_process(["train.global_batch=262144"], tmp_path / "r")
+    assert "samples per evaluation" in line and "would read them more than once" in line, line
+    check_eval_early(compose_train_config(["train.global_batch=262144", "eval.every=0",
+                                           "eval.at_end=false"]))

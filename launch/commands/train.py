@@ -40,7 +40,7 @@ from hybrid.planning.cost.devices import device_for
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
-from hybrid.planning.validate import config_warnings, position_warnings
+from hybrid.planning.validate import config_warnings, position_warnings, validate_config
 from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass, typed_overrides)
 from launch.commands.console import raise_if_interrupted, work_done
@@ -49,7 +49,7 @@ from launch.launchers.registered import launcher_for, launcher_problem
 from launch.launchers.run import (WORKER_FAILED_EXIT, failure_line, launch, report_results,
                                   save_run_files, start_workers_fork_server)
 from launch.commands.replace_run import replace_old_run
-from launch.commands.run_data import with_run_data
+from launch.commands.run_data import check_eval_early, with_run_data
 
 
 RUN_FILES = ("config.json", "metrics.jsonl")
@@ -192,6 +192,8 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     for warning in early:
         print(f"warning: {warning}", file=sys.stderr)
     launcher = chosen_launcher(cfg)
+    validate_config(cfg)  # every value checked before the evaluation's reads are
+    check_eval_early(cfg)  # before the plan, which grows with the global batch
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
