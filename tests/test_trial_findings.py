@@ -136,3 +136,37 @@ def test_evaluations_reads_are_checked_before_the_plan_is_built(tmp_path, monkey
     assert "samples per evaluation" in line and "would read them more than once" in line, line
     check_eval_early(compose_train_config(["train.global_batch=262144", "eval.every=0",
                                            "eval.at_end=false"]))
+
+
+def _save_hf(kind: str, folder: Path) -> Path:
+    import torch
+    import transformers as T
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+    config, cls = {
+        "mixtral": (T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                    bos_token_id=1, eos_token_id=2), T.MixtralForCausalLM),
+        "qwen3": (T.Qwen3Config(**common, head_dim=16, bos_token_id=5, eos_token_id=7,
+                                max_window_layers=28), T.Qwen3ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    cls(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind, kept", [
+    ("mixtral", {"bos_token_id": 1, "eos_token_id": 2}),
+    ("qwen3", {"bos_token_id": 5, "eos_token_id": 7, "max_window_layers": 28})])
+def test_import_then_export_keeps_the_special_token_ids_hybrid_does_not_model(tmp_path, kind,
+                                                                               kept):
+    from hybrid.checkpoint.store import read_manifest
+    from hybrid.interop.convert import export_hf, import_hf
+
+    source = _save_hf(kind, tmp_path / "hf")
+    assert {k: json.loads((source / "config.json").read_text())[k] for k in kept} == kept
+    checkpoint = import_hf(str(source), str(tmp_path / "imported"))
+    export_hf(checkpoint, read_manifest(checkpoint), str(tmp_path / "out"))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: written.get(k) for k in kept} == kept, written
