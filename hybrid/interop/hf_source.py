@@ -66,13 +66,22 @@ def typed_model_fields(overrides: Iterable[str]) -> list[str]:
 def _refuse_typed_shape(typed: list[str], wanted, shape: dict) -> None:
     """A shape field the user typed that the HF folder's config sets otherwise: training
     would silently use the folder's, so it is refused in one line."""
+    from hybrid.checkpoint.shape import LLAMA3_FACTORS, WEIGHT_FREE_FIELDS
+
     for name in typed:
-        if name in shape and getattr(wanted, name) != shape[name]:
-            raise ConversionError(
-                f"model.{name}: the HF folder {wanted.from_hf} has {name}={shape[name]}, the "
-                f"config {name}={getattr(wanted, name)}; model.from_hf takes the shape from the "
-                f"folder's config.json: drop model.{name}=... (model.seq_len, "
-                f"vocab_pad_multiple and recompute stay yours)")
+        value = getattr(wanted, name, None)
+        if name not in shape or value == shape[name]:
+            continue
+        fix = (f"drop model.{name}=... (model.seq_len, vocab_pad_multiple and recompute stay "
+               f"yours)")
+        if name in WEIGHT_FREE_FIELDS + LLAMA3_FACTORS:  # a setting a fine-tune may change
+            fix = (f"drop model.{name}=..., or import the folder (hybrid-ckpt import "
+                   f"{wanted.from_hf} OUT) and train with the use: line it prints plus "
+                   f"model.{name}={value} (no weight depends on it)")
+        raise ConversionError(
+            f"model.{name}: the HF folder {wanted.from_hf} has {name}={shape[name]}, the "
+            f"config {name}={value}; model.from_hf takes the shape from the folder's "
+            f"config.json: {fix}")
 
 
 def load_hf_weights(hf_dir: str, model_cfg, params: dict, groups, reader=None) -> None:

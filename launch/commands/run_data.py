@@ -23,7 +23,7 @@ from hybrid.data.megatron import build_caches
 from hybrid.data.metadata import read_meta, tokenizer_path
 from hybrid.data.tokenizer import HFTokenizer, load_tokenizer
 from hybrid.interop.hf_dir import hf_config, hf_tokenizer
-from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes
+from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes, validate_data
 from hybrid.files import write_text
 from hybrid.planning.data_sources import blend_of, evaluates, has_validation_split
 from hybrid.planning.job import JobPlan
@@ -65,7 +65,8 @@ def check_eval_early(cfg) -> None:
     the plan is built: a large global batch that evaluation would read the split more than
     once with is refused in a second, not after its schedule is built. A data set not yet
     on disk is left to ``validate_data``'s one line (the check runs again in
-    ``with_run_data``)."""
+    ``with_run_data``). Where it refuses, ``validate_data``'s refusal, if any, is the one
+    given, as it would be without this early check."""
     data = cfg.data
     if not (data.source == "indexed" and has_validation_split(data)
             and evaluates(cfg.eval, data)):
@@ -78,7 +79,11 @@ def check_eval_early(cfg) -> None:
         prefixes = resolve_prefixes(data)
         if not all(Path(f"{p}{suffix}").is_file() for p in prefixes for suffix in (".bin", ".idx")):
             return
-    check_eval_split(cfg, prefixes)
+    try:
+        check_eval_split(cfg, prefixes)
+    except DataError:  # a problem of the data itself (its vocabulary, its files) comes first
+        validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
+        raise
 
 
 def hf_folder_tokenizer(model) -> Optional[HFTokenizer]:
