@@ -40,7 +40,7 @@ from hybrid.planning.cost.devices import device_for
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
-from hybrid.planning.validate import config_warnings, position_warnings, validate_config
+from hybrid.planning.validate import config_warnings, validate_config
 from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
                         run_hydra_app, to_dataclass, typed_overrides)
 from launch.commands.console import raise_if_interrupted, work_done
@@ -188,19 +188,16 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     from hybrid.interop.hf_source import with_hf_shape
 
     cfg = with_hf_shape(cfg, typed_overrides())
-    early = position_warnings(cfg.model)  # before the checks below, which may refuse
-    for warning in early:
-        print(f"warning: {warning}", file=sys.stderr)
     launcher = chosen_launcher(cfg)
     validate_config(cfg)  # every value checked before the evaluation's reads are
+    for warning in config_warnings(cfg):  # before any refusal of the checks below
+        print(f"warning: {warning}", file=sys.stderr)
     check_eval_early(cfg)  # before the plan, which grows with the global batch
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
     start_workers_fork_server(plan, launcher)
     validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
-    for warning in [w for w in config_warnings(cfg) if w not in early]:
-        print(f"warning: {warning}", file=sys.stderr)
     directory, resume, init = resolve_checkpointing(cfg, run_dir)
     peak = device_for(cfg.cost).peak_flops(cfg.train.precision)
     plan = plan.for_run(checkpoint_dir=directory, resume_from=resume, init_from=init,
