@@ -70,6 +70,12 @@ def load_source(source: str, context: Optional[int] = None) -> Source:
     from hybrid.checkpoint.weights import checkpoint_tokenizer, read_model_weights
     from hybrid.interop.convert import model_config_of
 
+    if not path.exists():  # resolve_resume's wording knows only checkpoints and runs
+        from hybrid.checkpoint.store import CheckpointError
+
+        raise CheckpointError(f"source {source} does not exist; give a step_* checkpoint "
+                              f"directory, a run directory or an HF model directory (one "
+                              f"holding config.json)")
     checkpoint = resolve_resume(source, path, field="source")
     manifest = read_manifest(checkpoint)
     check_files(checkpoint, manifest)

@@ -59,6 +59,8 @@ def export_hf(path: Path, manifest: dict, out: str, max_shard_bytes: Optional[in
 
         eod_token = Tokenizer.from_str(tokenizer_json).id_to_token(eod)
     config = interop.hf_config(model, eod)
+    config.update({key: value for key, value in source_hf_values(manifest).items()
+                   if key != "eos_token_id" or eod is None})  # the tokenizer's end wins
     if not model_spec(model).learned_positions:  # the context the source was made for
         config["max_position_embeddings"] = source_positions(manifest, model.seq_len)
     write_hf_dir(out, tensors, config, tokenizer_json, eod_token, model.seq_len,
@@ -93,6 +95,39 @@ def source_positions(manifest: dict, seq_len: int) -> int:
         except CheckpointError:
             pass  # moved or removed since: the run's own context is all that is known
     return max(found, seq_len)
+
+
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_window_layers")
+"""``config.json`` values hybrid does not model (the special token ids generation reads;
+Qwen's ``max_window_layers``, which no layer uses with its window off): an import keeps the
+source's in the checkpoint (``config.hf``) and an export writes them back."""
+
+
+def carried_values(config: dict) -> dict:
+    """The ``CARRIED`` values an HF ``config.json`` sets (not null)."""
+    return {key: config[key] for key in CARRIED if config.get(key) is not None}
+
+
+def source_hf_values(manifest: dict) -> dict:
+    """The ``CARRIED`` values of the HF model a checkpoint came from: an imported one's own,
+    else those of the checkpoint its run started from (``checkpoint.init_from``) or of the HF
+    folder (``model.from_hf``), when still there; {} when none is known."""
+    from hybrid.checkpoint.store import CheckpointError, read_manifest, resolve_resume
+
+    config = manifest.get("config") or {}
+    if "hf" in config:
+        return dict(config["hf"])
+    hf_dir = (config.get("model") or {}).get("from_hf")
+    source = (config.get("checkpoint") or {}).get("init_from")
+    try:
+        if hf_dir is not None and Path(hf_dir, "config.json").is_file():
+            return carried_values(read_config(hf_dir))
+        if source is not None:
+            start = resolve_resume(source, Path(source), field="checkpoint.init_from")
+            return source_hf_values(read_manifest(start))
+    except (ConversionError, CheckpointError):
+        pass  # changed or moved since: hybrid's own values stand
+    return {}
 
 
 def hf_source(hf_dir: str) -> tuple[ModelConfig, object, dict]:
@@ -143,7 +178,8 @@ def import_hf(hf_dir: str, out: str) -> Path:
     from hybrid.interop.hf_stream import streamed_import
 
     fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
-    manifest = dict(model_shape=model_shape(model), config={"model": fields},
+    manifest = dict(model_shape=model_shape(model),
+                    config={"model": fields, "hf": carried_values(config)},
                     source=str(Path(hf_dir).resolve()), tokenizer=record,
                     tokenizer_json=tokenizer_json)
     if not has_safetensors(hf_dir):

@@ -44,6 +44,12 @@ def hf_config(path: str) -> dict:
     if family_for_hf(config.get("model_type")) is None:
         known = sorted({t for spec in MODELS.values()
                         for t in (spec.hf_model_type, *spec.hf_model_types_also) if t})
+        if {"model", "train", "parallel"} <= set(config):  # hybrid's own config.json
+            raise ConversionError(f"{path} is a hybrid run directory, not an HF model "
+                                  f"directory (hybrid-ckpt import reads HF folders); train from "
+                                  f"its checkpoint with checkpoint.init_from={path}, or write "
+                                  f"it as an HF folder with hybrid-ckpt export {path} OUT "
+                                  f"--format hf")
         if config.get("model_type") is None:
             raise ConversionError(f"{folder / 'config.json'} has no model_type, so no family "
                                   f"can read it; the registered model_types are "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Iterable
 
 from hybrid.interop.hf_dir import ConversionError, hf_config
 from hybrid.planning.models import MODELS, family_for_hf, model_spec
@@ -32,8 +33,11 @@ def source_model(hf_dir: str):
     return ModelConfig(**fields, family=spec.name, vocab_pad_multiple=1)
 
 
-def with_hf_shape(cfg):
-    """``cfg`` (a ``Config``) with ``model.from_hf``'s shape; ``cfg`` itself without one."""
+def with_hf_shape(cfg, typed: Iterable[str] = ()):
+    """``cfg`` (a ``Config``) with ``model.from_hf``'s shape; ``cfg`` itself without one.
+    ``typed``: the command line's overrides (Hydra's ``overrides.task``). A shape field the
+    user typed that differs from the folder's is refused; a preset's (``model=...``) is
+    replaced, as documented."""
     wanted = cfg.model
     if wanted.from_hf is None:
         return cfg
@@ -48,8 +52,36 @@ def with_hf_shape(cfg):
                               f"{source.seq_len}")
     shape = {f.name: getattr(source, f.name) for f in dataclasses.fields(source)
              if f.name not in KEPT}
+    _refuse_typed_shape(typed_model_fields(typed), wanted, shape)
     model = dataclasses.replace(wanted, **shape, name=f"hf:{Path(wanted.from_hf).name}")
     return dataclasses.replace(cfg, model=model)
+
+
+def typed_model_fields(overrides: Iterable[str]) -> list[str]:
+    """The ``model.FIELD`` names among command-line ``overrides`` (``+``/``++`` too)."""
+    keys = (override.lstrip("+~").split("=", 1)[0] for override in overrides)
+    return [key[len("model."):] for key in keys if key.startswith("model.")]
+
+
+def _refuse_typed_shape(typed: list[str], wanted, shape: dict) -> None:
+    """A shape field the user typed that the HF folder's config sets otherwise: training
+    would silently use the folder's, so it is refused in one line."""
+    from hybrid.checkpoint.shape import LLAMA3_FACTORS, WEIGHT_FREE_FIELDS
+
+    for name in typed:
+        value = getattr(wanted, name, None)
+        if name not in shape or value == shape[name]:
+            continue
+        fix = (f"drop model.{name}=... (model.seq_len, vocab_pad_multiple and recompute stay "
+               f"yours)")
+        if name in WEIGHT_FREE_FIELDS + LLAMA3_FACTORS:  # a setting a fine-tune may change
+            fix = (f"drop model.{name}=..., or import the folder (hybrid-ckpt import "
+                   f"{wanted.from_hf} OUT) and train with the use: line it prints plus "
+                   f"model.{name}={value} (no weight depends on it)")
+        raise ConversionError(
+            f"model.{name}: the HF folder {wanted.from_hf} has {name}={shape[name]}, the "
+            f"config {name}={value}; model.from_hf takes the shape from the folder's "
+            f"config.json: {fix}")
 
 
 def load_hf_weights(hf_dir: str, model_cfg, params: dict, groups, reader=None) -> None:

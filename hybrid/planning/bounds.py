@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hybrid.planning import config as bounds
 from hybrid.planning.config import Config
+from hybrid.planning.data_sources import evaluates, has_validation_split
 
 
 def _integer(value: object) -> bool:
@@ -46,7 +47,19 @@ def _batch_bound_problem(cfg: Config) -> str | None:
                f"micro-batches per step is beyond the bound of {bounds.MAX_MICROBATCHES:,}"
     else:
         return None
-    return f"{what} (no real run comes near it: a typo?); e.g. {_batch_within_bounds(cfg)}"
+    fix = _batch_within_bounds(cfg)
+    if fix.startswith("train.global_batch="):  # a new global batch, near the bound
+        fix += _evaluation_off(cfg)
+    return f"{what} (no real run comes near it: a typo?); e.g. {fix}"
+
+
+def _evaluation_off(cfg: Config) -> str:
+    """Evaluation reads ``eval.batches`` global batches from the validation split: a batch
+    near the bound would read it more than once, so the advice turns evaluation off with it
+    (the split's size is the data's, known only once it is read)."""
+    if not (evaluates(cfg.eval, cfg.data) and has_validation_split(cfg.data)):
+        return ""
+    return " eval.every=0 eval.at_end=false"
 
 
 def _batch_within_bounds(cfg: Config) -> str:

@@ -138,7 +138,7 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.checkpoint.dir is not None and not cfg.checkpoint.every:
         warnings.append(f"checkpoint.dir={cfg.checkpoint.dir} without checkpoint.every: "
                         f"nothing is saved there; set checkpoint.every=N to save checkpoints")
-    return warnings + _position_warnings(cfg.model) + balance_warnings(cfg)
+    return warnings + position_warnings(cfg.model) + balance_warnings(cfg)
 
 
 ROPE_SCALED_FAMILIES = ("llama3",)
@@ -146,7 +146,7 @@ ROPE_SCALED_FAMILIES = ("llama3",)
 only through Llama 3.1's ``llama3`` rope scaling (``model.rope_scaling``)."""
 
 
-def _position_warnings(m: ModelConfig) -> list[str]:
+def position_warnings(m: ModelConfig) -> list[str]:
     """A Llama 3 preset without rope scaling run past the positions it was trained at: the
     run is legitimate (a model trained from scratch at that length), one meant to match the
     published model's long context is not."""

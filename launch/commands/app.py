@@ -50,6 +50,14 @@ def new_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
+def typed_overrides() -> list[str]:
+    """The overrides typed on this command's line (Hydra's ``overrides.task``); [] outside a
+    Hydra run (a config composed in-process)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def to_dataclass(cfg: DictConfig, cls: type[T]) -> T:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, cls), f"composed config is {type(obj).__name__}, expected {cls.__name__}"

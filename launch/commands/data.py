@@ -131,8 +131,7 @@ def _print_report(report: Report, fmt: str, output: str) -> None:
     documents = f"{report.documents} document{'s' * (report.documents != 1)}"
     print(f"wrote {report.tokens} tokens of {documents} ({report.dtype}, "
           f"{info.source}, vocab {info.vocab_size}) in {report.seconds:.1f} s "
-          f"({rate:,.0f} tokens/s) to {os.path.abspath(output)}"
-          f"{'.bin/.idx' if fmt == 'indexed' else ''}")
+          f"({rate:,.0f} tokens/s) to {_written(fmt, os.path.abspath(output))}")
     if report.empty:
         print(f"skipped {report.empty} empty document{'s' * (report.empty != 1)}")
     if report.replaced:
@@ -140,18 +139,58 @@ def _print_report(report: Report, fmt: str, output: str) -> None:
         print(f"replaced {report.replaced} byte{'s' * many} that {'were' if many else 'was'} "
               f"not UTF-8 with U+FFFD")
     path = os.path.abspath(output)
-    print(f"use: {use_line(fmt, path, report.dtype, info.vocab_size)}")
+    line = use_line(fmt, path, report.dtype, info.vocab_size)
+    if line is None:
+        print(f"warning: {path} holds {report.tokens} tokens, too few for one batch of "
+              f"hybrid-train's default (train.global_batch samples of model.seq_len+1 "
+              f"tokens) even at model.seq_len={MIN_USE_SEQ_LEN}; tokenize more text",
+              file=sys.stderr)
+        return
+    if "model.seq_len=" in line:
+        print(f"warning: {path} holds {report.tokens} tokens, too few for one batch at the "
+              f"default model.seq_len; the use line sets a shorter one", file=sys.stderr)
+    print(f"use: {line}")
 
 
-def use_line(fmt: str, path: str, dtype: str, vocab: int) -> str:
+MIN_USE_SEQ_LEN = 8
+"""The shortest ``model.seq_len`` a ``use:`` line offers for a short token file."""
+
+
+def _written(fmt: str, path: str) -> str:
+    """The data files written: a token file, or an indexed prefix's two files by name."""
+    return f"{path}.bin and {path}.idx" if fmt == "indexed" else path
+
+
+def use_line(fmt: str, path: str, dtype: str, vocab: int) -> Optional[str]:
     """The settings that train on what was written: the data group's choice (``data=tokens``
     / ``data=indexed``), never ``data.source=`` alone, which keeps the default data's other
     keys (``data.example``) and clashes with them. An indexed data set whose validation part
-    (``data.split``) is too small for the default evaluation gets evaluation turned off."""
+    (``data.split``) is too small for the default evaluation gets evaluation turned off; a
+    token file too short for one default batch gets a shorter ``model.seq_len`` (None: none
+    fits)."""
     if fmt != "indexed":
-        return f"data=tokens data.path={path} data.dtype={dtype} model.vocab={vocab}"
+        return _fitting(f"data=tokens data.path={path} data.dtype={dtype} model.vocab={vocab}")
     line = f"data=indexed data.path={path} model.vocab={vocab}"
     return line if _evaluates(line.split()) else f"{line} eval.every=0 eval.at_end=false"
+
+
+def _fitting(line: str) -> Optional[str]:
+    """``line``, or with the longest halved ``model.seq_len`` whose samples fill one default
+    global batch of the token file; None when not even ``MIN_USE_SEQ_LEN`` does."""
+    from hybrid.data import validate_data
+    from launch.commands.app import compose_train_config
+
+    seq_len, suffix = compose_train_config([]).model.seq_len, ""
+    while True:
+        cfg = compose_train_config((line + suffix).split())
+        try:
+            validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
+            return line + suffix
+        except UserError:
+            seq_len //= 2
+            if seq_len < MIN_USE_SEQ_LEN:
+                return None
+            suffix = f" model.seq_len={seq_len}"
 
 
 def _evaluates(overrides: list[str]) -> bool:

@@ -42,20 +42,23 @@ from hybrid.planning.cost.mixed_report import (
 )
 from hybrid.planning.cost.steptime import predict_step
 from hybrid.planning.cost.trust import assumption_line
-from hybrid.planning.validate import config_problems
+from hybrid.planning.validate import config_problems, position_warnings
 from launch.launchers.registered import unknown_launcher
 from hybrid.interop.hf_source import with_hf_shape
 from launch.launchers.run import save_run_files
-from launch.commands.app import CONF_DIR, available_memory, exit_user_error, run_hydra_app, to_dataclass
+from launch.commands.app import (CONF_DIR, available_memory, exit_user_error, run_hydra_app,
+                                 to_dataclass, typed_overrides)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan", version_base="1.3")
 def _plan(dict_cfg: DictConfig) -> None:
     cfg = to_dataclass(dict_cfg, PlanConfig)
     try:  # model.from_hf: the shape of the HF folder's config.json
-        cfg = with_hf_shape(cfg)
+        cfg = with_hf_shape(cfg, typed_overrides())
     except UserError as err:
         exit_user_error(err)
+    for warning in position_warnings(cfg.model):
+        print(f"warning: {warning}", file=sys.stderr)
     if cfg.format not in ("text", "json"):
         exit_user_error(f"format={cfg.format!r} is unknown; choose text or json")
     # A plan may be for another machine than a launcher could start here (launcher.nnodes=2

@@ -23,9 +23,9 @@ from hybrid.data.megatron import build_caches
 from hybrid.data.metadata import read_meta, tokenizer_path
 from hybrid.data.tokenizer import HFTokenizer, load_tokenizer
 from hybrid.interop.hf_dir import hf_config, hf_tokenizer
-from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes
+from hybrid.data.sources import DATA_CACHE, indexed_spec, resolve_prefixes, validate_data
 from hybrid.files import write_text
-from hybrid.planning.data_sources import blend_of
+from hybrid.planning.data_sources import blend_of, evaluates, has_validation_split
 from hybrid.planning.job import JobPlan
 
 
@@ -58,6 +58,32 @@ def with_run_data(plan: JobPlan, run_dir: Path) -> JobPlan:
     if tokenizer_path(recorded).is_file():
         write_text(Path(run_dir) / TOKENIZER_FILE, tokenizer_path(recorded).read_text())
     return plan.with_tokenizer(meta["tokenizer"])
+
+
+def check_eval_early(cfg) -> None:
+    """The evaluation's reads against the validation split (``check_eval_split``), before
+    the plan is built: a large global batch that evaluation would read the split more than
+    once with is refused in a second, not after its schedule is built. A data set not yet
+    on disk is left to ``validate_data``'s one line (the check runs again in
+    ``with_run_data``). Where it refuses, ``validate_data``'s refusal, if any, is the one
+    given, as it would be without this early check."""
+    data = cfg.data
+    if not (data.source == "indexed" and has_validation_split(data)
+            and evaluates(cfg.eval, data)):
+        return
+    if data.example:
+        chosen = Path(data.cache_dir).expanduser().resolve() if data.cache_dir else None
+        prefixes = (_built_example(data.example, chosen or user_cache_dir(),
+                                   hf_folder_tokenizer(cfg.model)),)
+    else:
+        prefixes = resolve_prefixes(data)
+        if not all(Path(f"{p}{suffix}").is_file() for p in prefixes for suffix in (".bin", ".idx")):
+            return
+    try:
+        check_eval_split(cfg, prefixes)
+    except DataError:  # a problem of the data itself (its vocabulary, its files) comes first
+        validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
+        raise
 
 
 def hf_folder_tokenizer(model) -> Optional[HFTokenizer]:

@@ -40,17 +40,22 @@ from hybrid.planning.cost.devices import device_for
 from hybrid.planning.job import JobPlan, plan_job
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.memory import check_memory
-from hybrid.planning.validate import config_warnings
+from hybrid.planning.validate import config_warnings, microbatches, validate_config
 from launch.commands.app import (CONF_DIR, USER_ERROR_EXIT, available_memory, exit_user_error,
-                        run_hydra_app, to_dataclass)
+                        run_hydra_app, to_dataclass, typed_overrides)
 from launch.commands.console import raise_if_interrupted, work_done
 from launch.launchers.launcher import Launcher
 from launch.launchers.registered import launcher_for, launcher_problem
 from launch.launchers.run import (WORKER_FAILED_EXIT, failure_line, launch, report_results,
                                   save_run_files, start_workers_fork_server)
 from launch.commands.replace_run import replace_old_run
-from launch.commands.run_data import with_run_data
+from launch.commands.run_data import check_eval_early, with_run_data
 
+
+QUICK_PLAN_MICROBATCHES = 1024
+"""Micro-batches per step up to which the plan is built in well under a second: beyond, the
+evaluation's reads are checked before it (``check_eval_early``); within, the memory check's
+refusal, which says more, comes first and the evaluation's is checked with the data."""
 
 RUN_FILES = ("config.json", "metrics.jsonl")
 """A directory holding one of these holds a run."""
@@ -187,15 +192,18 @@ def prepare(cfg: Config, run_dir: Path) -> tuple[JobPlan, Launcher]:
     ``config.json`` and ``plan.json``."""
     from hybrid.interop.hf_source import with_hf_shape
 
-    cfg = with_hf_shape(cfg)
+    cfg = with_hf_shape(cfg, typed_overrides())
     launcher = chosen_launcher(cfg)
+    validate_config(cfg)  # every value checked before the evaluation's reads are
+    for warning in config_warnings(cfg):  # before any refusal of the checks below
+        print(f"warning: {warning}", file=sys.stderr)
+    if microbatches(cfg) > QUICK_PLAN_MICROBATCHES:  # its plan takes seconds to minutes
+        check_eval_early(cfg)
     plan = plan_job(cfg, block_costs=known_block_costs(cfg))
     check_launchable(plan, launcher)
     check_fits(plan, launcher)
     start_workers_fork_server(plan, launcher)
     validate_data(cfg.data, cfg.model, cfg.train, cfg.eval)
-    for warning in config_warnings(cfg):
-        print(f"warning: {warning}", file=sys.stderr)
     directory, resume, init = resolve_checkpointing(cfg, run_dir)
     peak = device_for(cfg.cost).peak_flops(cfg.train.precision)
     plan = plan.for_run(checkpoint_dir=directory, resume_from=resume, init_from=init,
