@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.planning.config import Config
-from hybrid.planning.cost.flops import head_forward_flops, layer_forward_flops
+from hybrid.planning.cost.flops import block_forward_flops, head_forward_flops
 from hybrid.files import write_text
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.cost.sizes import block_params
@@ -51,9 +51,11 @@ def partition_for_config(cfg: Config, costs: Optional[list[float]] = None) -> li
 
 def predicted_block_costs(cfg: Config) -> list[float]:
     """Forward + backward FLOPs per block from the cost model (``hybrid.planning.cost.steptime``): a stand-in
-    for measured seconds (the embedding's gather counts as nothing)."""
+    for measured seconds (the embedding's gather counts as nothing). Each layer its own kind's
+    (an MoE layer's differ from a dense one's), so the stages balance by them."""
     m, b = cfg.model, cfg.train.micro_batch
-    return [0.0] + [3 * layer_forward_flops(m, b)] * m.layers + [3 * head_forward_flops(m, b)]
+    layers = [3 * block_forward_flops(m, b, block) for block in range(1, m.layers + 1)]
+    return [0.0] + layers + [3 * head_forward_flops(m, b)]
 
 
 def partition_basis(partition: str, costs_measured: bool) -> str:
