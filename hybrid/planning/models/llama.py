@@ -128,7 +128,7 @@ class Llama(ModelSpec):
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
     blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama_family", \
         "llama"
-    hf_model_types_also = ("mixtral", "qwen2", "qwen3", "mistral")
+    hf_model_types_also = ("mixtral", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
     learned_positions = False  # rotary: the context is no shape of any weight
 
     def block_params(self, m, block_id, sequence_parallel):
