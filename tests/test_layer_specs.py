@@ -129,3 +129,26 @@ def _built(rank, world):
     model = GPT(QWEN_LIKE, ParallelGroups.create(Layout()), seed=1)  # checks the spec table
     kinds = [type(m.mlp).__name__ for m in model.modules() if hasattr(m, "mlp_norm")]
     return kinds, sum(p.numel() for p in model.parameters())
+
+
+def test_the_ranks_time_one_layer_of_each_kind_and_give_each_layer_its_kinds_time():
+    from hybrid.pipeline.calibrate import timed_blocks
+    from hybrid.testing import spawn
+
+    assert timed_blocks(QWEN_LIKE) == [0, 1, 5, 9]
+    assert timed_blocks(replace(QWEN_LIKE, experts=0)) == [0, 1, 9]
+    forward, backward = spawn(_agreed, 1)[0]
+    assert len(forward) == len(backward) == 10
+    for seconds in (forward, backward):
+        assert len(set(seconds[1:5])) == 1 and len(set(seconds[5:9])) == 1
+        assert seconds[1] != seconds[5]  # two kinds, timed apart
+
+
+def _agreed(rank, world):
+    from hybrid.groups import ParallelGroups
+    from hybrid.pipeline.calibrate import agreed_block_seconds
+    from hybrid.planning.layout import Layout
+
+    cfg = Config()
+    cfg.model = QWEN_LIKE
+    return agreed_block_seconds(cfg, ParallelGroups.create(Layout()), runs=1)

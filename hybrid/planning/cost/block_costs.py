@@ -21,6 +21,7 @@ from hybrid.planning.config import Config
 from hybrid.planning.cost.flops import block_forward_flops, head_forward_flops
 from hybrid.files import write_text
 from hybrid.planning.layout import LayoutError
+from hybrid.planning.models.layers import layer_specs
 from hybrid.planning.cost.sizes import block_params
 from hybrid.planning.schedules.partition import block_names, partition
 
@@ -77,7 +78,17 @@ def measured_for(cfg: Config) -> dict:
             "tie_embeddings": m.tie_embeddings, "recompute": m.recompute,
             "micro_batch": cfg.train.micro_batch, "precision": cfg.train.precision,
             "tp": cfg.parallel.tp, "sequence_parallel": cfg.parallel.sequence_parallel,
-            "device": cfg.train.device}
+            "device": cfg.train.device, **_moe_measured_for(m)}
+
+
+def _moe_measured_for(m) -> dict:
+    """With experts, what an MoE layer's time depends on too, and which layers are MoE
+    (nothing for a dense model, whose record stays as it was)."""
+    if not m.experts:
+        return {}
+    return {"experts": m.experts, "experts_topk": m.experts_topk, "moe_ffn": m.moe_ffn,
+            "moe_shared_ffn_hidden": m.moe_shared_ffn_hidden,
+            "layer_kinds": [spec.kind for spec in layer_specs(m)]}
 
 
 def calibration_record(cfg: Config, forward_s: list[float], backward_s: list[float],
