@@ -37,6 +37,7 @@ SMOKE: dict[str, list[str]] = {  # {tmp}: the test's scratch directory (where ru
     "generate_cache.py": ["--new", "8", "--repeats", "1"],
     "gpu_check.py": [],  # without CUDA: one line saying so (below)
     "moe_dispatch.py": ["--smoke"],
+    "moe_stage_balance.py": ["--smoke", "--out", "{tmp}"],
     "hf_load_memory.py": ["--smoke"],
     "llama_vs_hf.py": ["--layers", "1", "--seq", "32", "--batch", "1", "--steps", "2",
                        "--threads", "1"],

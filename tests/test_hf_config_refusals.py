@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
     ({"model_type": "llama"}, "config.json has no 'hidden_size', which a llama config needs"),
     ({"hidden_size": 32}, "config.json has no model_type, so no family can read it; the "
                           "registered model_types are gpt2, llama, mistral, mixtral, qwen2, "
-                          "qwen3"),
+                          "qwen2_moe, qwen3, qwen3_moe"),
     ({"model_type": "mixtral", "hidden_size": 32},
      "config.json has no 'num_attention_heads', which a mixtral config needs"),
     ({"model_type": "gpt2"}, "config.json has no 'n_embd', which a gpt2 config needs"),

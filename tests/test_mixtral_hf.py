@@ -129,8 +129,9 @@ def test_greedy_generation_equals_hfs(hf_dirs):
 
 
 @pytest.mark.parametrize("changes, needle", [
-    ({"model_type": "qwen2_moe"},
-     "holds a 'qwen2_moe' model; the registered model_types are gpt2, llama, mistral, mixtral"),
+    ({"model_type": "deepseek_v3"},
+     "holds a 'deepseek_v3' model; the registered model_types are gpt2, llama, mistral, "
+     "mixtral, qwen2, qwen2_moe"),
     ({"model_type": "mixtral", "router_jitter_noise": 0.1},
      "router_jitter_noise=0.1 cannot be converted: hybrid's router adds no noise"),
     ({"model_type": "mixtral", "sliding_window": 16},

@@ -39,6 +39,8 @@ SHAPE_FIELDS = {
     "experts": ShapeField("experts"),
     "moe_ffn": ShapeField("moe_ffn_hidden", moe_only=True),
     "moe_every": ShapeField("moe_every", moe_only=True),
+    "moe_dense_layers": ShapeField("moe_dense_layers", moe_only=True),
+    "moe_shared_ffn_hidden": ShapeField("moe_shared_ffn_hidden", moe_only=True),
 }
 """Manifest name -> the setting that decides it. ``kv``, ``ffn``, ``padded_vocab``,
 ``head_size`` and ``moe_ffn`` are resolved sizes. The variants' ``head_dim``, ``qkv_bias`` and
@@ -74,6 +76,8 @@ def saved_shape(manifest: dict) -> dict:
              "qk_norm": saved_model.get("qk_norm", False),
              "experts": saved_model.get("experts", 0),
              "moe_every": saved_model.get("moe_every", 1),
+             "moe_dense_layers": saved_model.get("moe_dense_layers", []),
+             "moe_shared_ffn_hidden": saved_model.get("moe_shared_ffn_hidden", 0),
              "moe_ffn": saved_model.get("moe_ffn_hidden") or recorded.get("ffn")}
     return {name: recorded.get(name, older.get(name)) for name in MODEL_SHAPE_FIELDS}
 

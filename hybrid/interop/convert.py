@@ -223,9 +223,12 @@ def shape_overrides(model: ModelConfig) -> list[str]:
 
 
 def override_text(value: object) -> str:
-    """``value`` as a Hydra override writes it (``true``, ``null``)."""
+    """``value`` as a Hydra override writes it (``true``, ``null``, ``[1,2]``: no space, so
+    that the printed command line keeps it one argument)."""
     if value is None:
         return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_text(v) for v in value) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -1,16 +1,23 @@
-"""The llama family's HF interop (its ``ModelSpec.hf_module``): a model with experts, or an
-HF ``mixtral`` config.json, goes to ``hybrid.interop.mixtral``, any other to
-``hybrid.interop.llama``. Both modules keep their own names; this one only picks."""
+"""The llama family's HF interop (its ``ModelSpec.hf_module``): a model with experts that
+Mixtral holds, or an HF ``mixtral`` config.json, goes to ``hybrid.interop.mixtral``; one with
+experts that Mixtral does not hold (a shared expert, dense layers, unnormalised top-k, q/k
+biases or norms), or a ``qwen2_moe`` / ``qwen3_moe`` config.json, to
+``hybrid.interop.qwen_moe``; any other to ``hybrid.interop.llama``. The modules keep their own
+names; this one only picks."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybrid.interop import llama, mixtral
+from hybrid.interop import llama, mixtral, qwen_moe
+
+QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
 def _of_model(model: Any):
-    return mixtral if getattr(model, "experts", 0) > 0 else llama
+    if getattr(model, "experts", 0) <= 0:
+        return llama
+    return qwen_moe if mixtral.beyond_mixtral(model) else mixtral
 
 
 def to_hf(weights: dict, model: Any) -> dict:
@@ -26,5 +33,6 @@ def hf_config(model: Any, eod: int | None = None) -> dict:
 
 
 def model_fields(config: dict, source: str) -> dict:
-    return (mixtral if config.get("model_type") == "mixtral" else llama).model_fields(config,
-                                                                                       source)
+    kind = config.get("model_type")
+    module = mixtral if kind == "mixtral" else qwen_moe if kind in QWEN_MOE_TYPES else llama
+    return module.model_fields(config, source)

@@ -45,6 +45,14 @@ def _pairs(model: Any) -> list[tuple[str, str]]:
     return pairs if model.tie_embeddings else pairs + [(llama.HEAD, "lm_head.weight")]
 
 
+def beyond_mixtral(model: Any) -> bool:
+    """Whether ``model`` (with experts) has what Mixtral has no place for, which Qwen-MoE
+    holds (``hybrid.interop.qwen_moe``): dense layers listed, a shared expert, unnormalised
+    top-k, q/k biases or norms."""
+    return bool(model.moe_dense_layers or model.moe_shared_ffn_hidden
+                or not model.moe_norm_topk_prob or model.qkv_bias or model.qk_norm)
+
+
 def check_exportable(model: Any) -> None:
     if model.moe_every != 1:
         raise ConversionError(f"model.moe_every={model.moe_every}: Mixtral has a sparse MLP in "
@@ -185,13 +193,14 @@ def model_fields(config: dict, source: str) -> dict:
     return {**fields, "name": "hf-mixtral", "experts": config["num_local_experts"],
             "experts_topk": config["num_experts_per_tok"],
             "moe_ffn_hidden": config["intermediate_size"], "moe_every": 1,
-            "moe_router": "softmax_topk", "moe_aux_loss": _aux_loss_coefficient(config, source)}
+            "moe_router": "softmax_topk", "moe_aux_loss": aux_loss_coefficient(config, source)}
 
 
-def _aux_loss_coefficient(config: dict, source: str) -> float:
-    """``router_aux_loss_coef`` as ``model.moe_aux_loss`` (HF's default, 0.001, when absent),
-    so that an import then an export writes the coefficient it read."""
-    value = config.get("router_aux_loss_coef", MIXTRAL_DEFAULT_AUX_LOSS)
+def aux_loss_coefficient(config: dict, source: str,
+                         default: float = MIXTRAL_DEFAULT_AUX_LOSS) -> float:
+    """``router_aux_loss_coef`` as ``model.moe_aux_loss`` (HF's ``default`` when absent), so
+    that an import then an export writes the coefficient it read."""
+    value = config.get("router_aux_loss_coef", default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value < 0:
         raise ConversionError(f"{source}: router_aux_loss_coef={value!r} must be a finite "

@@ -33,6 +33,7 @@ from hybrid.model.mappings import (gather_from_sequence_parallel_region,
 from hybrid.model.megatron_adapter import ColumnParallelLinear, RowParallelLinear
 from hybrid.model.moe import MoeMLP
 from hybrid.planning.config import ModelConfig
+from hybrid.planning.models.layers import layer_spec
 from hybrid.planning.models.llama import qkv_rows
 
 
@@ -180,7 +181,8 @@ class SwiGLU(nn.Module):
 
 class LlamaLayer(nn.Module):
     """Pre-norm layer: ``x + attn(rms(x))``, then ``x + mlp(rms(x))``, the MLP a SwiGLU or,
-    in an MoE layer (``cfg.is_moe_layer(block_id)``), a ``MoeMLP``."""
+    in an MoE layer, a ``MoeMLP``: as the layer's spec says (``layer_spec(cfg, block_id)``,
+    ``hybrid.planning.models.layers``)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *, generator: torch.Generator,
                  sequence_parallel: bool, context: Context = Context(), block_id: int = 1,
@@ -192,10 +194,11 @@ class LlamaLayer(nn.Module):
                                                sequence_parallel=sequence_parallel,
                                                context=context)
         self.mlp_norm = rms_norm(cfg)
-        if cfg.is_moe_layer(block_id):
+        spec = layer_spec(cfg, block_id)
+        if spec.moe:
             self.mlp = MoeMLP(cfg, tp_group, generator=generator,
                               sequence_parallel=sequence_parallel, expert_group=expert_group,
-                              context=context)
+                              context=context, shared_ffn=spec.shared_ffn)
         else:
             self.mlp = SwiGLU(cfg, tp_group, generator=generator,
                               sequence_parallel=sequence_parallel)

@@ -58,26 +58,27 @@ def _tp_slice(full: torch.Tensor, dim: int, tp_group: Group) -> torch.Tensor:
     return full.narrow(dim, tp_group.rank() * size, size).clone()
 
 
-def route(logits: torch.Tensor, k: int, router: str,
-          bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, router: str, bias: Optional[torch.Tensor] = None,
+          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[T, k]``, expert ids ``[T, k]``) from fp32 router logits ``[T, E]``:
-    ``softmax_topk`` (Mixtral: softmax, top-k, renormalised) or ``topk_softmax`` (top-k of the
-    logits, softmax over them). ``bias`` (``[E]``, the aux-loss-free expert bias) is added to
-    the softmax probabilities to choose the top k only: the weights are the chosen experts'
-    unbiased ones, renormalised (DeepSeek-V3; torchtitan's scores + bias), the same for
-    both routers in exact arithmetic."""
+    ``softmax_topk`` (Mixtral: softmax, top-k, renormalised; with ``normalize`` False the
+    chosen experts' softmax probabilities as they are: Qwen2-MoE's ``norm_topk_prob=False``)
+    or ``topk_softmax`` (top-k of the logits, softmax over them). ``bias`` (``[E]``, the
+    aux-loss-free expert bias) is added to the softmax probabilities to choose the top k
+    only: the weights are the chosen experts' unbiased ones, renormalised (DeepSeek-V3;
+    torchtitan's scores + bias), the same for both routers in exact arithmetic."""
     if bias is not None:
         probs = logits.softmax(dim=-1)
         ids = torch.topk(probs + bias, k, dim=-1).indices
         if router == "topk_softmax":
             return logits.gather(-1, ids).softmax(dim=-1), ids
         top = probs.gather(-1, ids)
-        return top / top.sum(dim=-1, keepdim=True), ids
+        return (top / top.sum(dim=-1, keepdim=True) if normalize else top), ids
     if router == "topk_softmax":
         top, ids = torch.topk(logits, k, dim=-1)
         return top.softmax(dim=-1), ids
     top, ids = torch.topk(logits.softmax(dim=-1), k, dim=-1)
-    return top / top.sum(dim=-1, keepdim=True), ids
+    return (top / top.sum(dim=-1, keepdim=True) if normalize else top), ids
 
 
 def kept_slots(ids: torch.Tensor, experts: int, capacity: Optional[int]) -> torch.Tensor:
@@ -139,12 +140,44 @@ class Experts(nn.Module):
         return hidden @ self.down[expert].t()
 
 
+class SharedGate(nn.Module):
+    """The shared expert's gate ``weight [1, h]``, replicated over TP (a module of its own so
+    that it is named, and yielded, after the shared expert: ``mlp.shared_gate.weight``)."""
+
+    def __init__(self, cfg: ModelConfig, generator: torch.Generator):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, cfg.hidden))
+        normal_init(cfg.init_std, generator)(self.weight.data)
+
+
+class SharedExpert(nn.Module):
+    """The shared expert every token goes through (Qwen2-MoE): a SwiGLU ``gate``/``up``
+    ``[S/tp, h]``, ``down [h, S/tp]`` (drawn whole, then this TP rank's slice kept). The layer
+    scales its output by ``sigmoid(x shared_gate^T)``: a partial sum over TP as the experts'
+    outputs are (so the gate's gradient is one too)."""
+
+    def __init__(self, cfg: ModelConfig, size: int, tp_group: Group,
+                 generator: torch.Generator):
+        super().__init__()
+        shapes = {"gate": ((size, cfg.hidden), 0, normal_init(cfg.init_std, generator)),
+                  "up": ((size, cfg.hidden), 0, normal_init(cfg.init_std, generator)),
+                  "down": ((cfg.hidden, size), 1, output_init(cfg, generator))}
+        for name, (shape, dim, init) in shapes.items():
+            full = torch.empty(shape)
+            init(full)
+            setattr(self, name, nn.Parameter(_tp_slice(full, dim, tp_group)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.gate.t()) * (x @ self.up.t())) @ self.down.t()
+
+
 class MoeMLP(nn.Module):
-    """The sparse MLP: ``[s(/tp), b, h]`` in and out, as ``SwiGLU``'s."""
+    """The sparse MLP: ``[s(/tp), b, h]`` in and out, as ``SwiGLU``'s; with
+    ``shared_ffn`` > 0 (the layer's spec) a gated shared expert besides the routed ones."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group, *, generator: torch.Generator,
                  sequence_parallel: bool, expert_group: Optional[Group] = None,
-                 context: Context = Context()):
+                 context: Context = Context(), shared_ffn: int = 0):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.expert_group = expert_group
@@ -158,6 +191,10 @@ class MoeMLP(nn.Module):
         ep_rank = expert_group.rank() if expert_group is not None else 0
         self.local_experts = cfg.experts // ep
         self.experts = Experts(cfg, tp_group, generator, ep_rank, ep)
+        self.normalize = cfg.moe_norm_topk_prob
+        self.shared = SharedExpert(cfg, shared_ffn, tp_group, generator) if shared_ffn \
+            else None
+        self.shared_gate = SharedGate(cfg, generator) if shared_ffn else None
         self.stats = MoeStats(cfg.experts)
         """This step's training forwards (``moe_step_stats`` reads and resets it)."""
         self.bias_rate = cfg.moe_expert_bias_rate
@@ -185,11 +222,15 @@ class MoeMLP(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])  # [T, h]
         logits = (x @ self.router.weight.t()).float()
-        weights, ids = route(logits, self.topk, self.router_kind, self.expert_bias)
+        weights, ids = route(logits, self.topk, self.router_kind, self.expert_bias,
+                             self.normalize)
         if self.routed_slots is not None and self._counts():
             self.routed_slots += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         keep = kept_slots(ids, self.num_experts, self._capacity(x.shape[0]))
-        out = self._experts_out(x, weights, ids, keep).view(shape)
+        out = self._experts_out(x, weights, ids, keep)
+        if self.shared is not None:
+            out = out + torch.sigmoid(x @ self.shared_gate.weight.t()) * self.shared(x)
+        out = out.view(shape)
         if self.aux_coeff > 0 and torch.is_grad_enabled():
             aux = load_balancing_loss(logits.softmax(dim=-1), ids, self.num_experts,
                                       self.context_group)

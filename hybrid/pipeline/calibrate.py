@@ -10,10 +10,11 @@ computes bit-identical costs and the same partition): a mean, not a maximum, bec
 hold the same hardware and a maximum would keep each block's worst burst of a shared
 machine's noise.
 
-What is timed: the embedding, one transformer layer and the head with its loss, each forward
-and backward as the runtime runs them (autocast on the forward only), the median of
-``RUNS`` after a warm-up. The layers are identical in shape and work, so one layer's time
-stands for every layer's: timing each would cost ``layers`` times as long and add only noise,
+What is timed: the embedding, one transformer layer of each kind (``layer_spec``: a dense
+layer, an MoE layer; the first of each) and the head with its loss, each forward and backward
+as the runtime runs them (autocast on the forward only), the median of ``RUNS`` after a
+warm-up. Layers of one kind are identical in shape and work, so one layer's time stands for
+every layer of its kind: timing each would cost ``layers`` times as long and add only noise,
 which would move the split from run to run for nothing. Only one block is built at a time.
 """
 
@@ -32,6 +33,7 @@ from hybrid.planning.config import Config
 from hybrid.planning.job import JobPlan
 from hybrid.groups import ParallelGroups
 from hybrid.planning.cost.block_costs import FILE_NAME, calibration_record, write_calibration
+from hybrid.planning.models.layers import layer_specs
 from hybrid.planning.schedules.partition import format_partition, partition
 
 RUNS = 5
@@ -65,9 +67,17 @@ def forward_backward_seconds(forward: Callable[[], torch.Tensor], device: torch.
     return statistics.median(forwards), statistics.median(backwards)
 
 
+def timed_blocks(m) -> list[int]:
+    """The blocks timed: the embedding, the first layer of each kind, the head."""
+    firsts: dict = {}
+    for block_id, spec in enumerate(layer_specs(m), start=1):
+        firsts.setdefault(spec, block_id)
+    return [0, *firsts.values(), m.layers + 1]
+
+
 def measure_block_kinds(cfg: Config, groups: ParallelGroups,
                         runs: int = RUNS) -> tuple[list[float], list[float]]:
-    """(forward, backward) seconds of the embedding, one layer and the head on this rank."""
+    """(forward, backward) seconds of each of ``timed_blocks`` on this rank."""
     from hybrid.model import build_blocks, lm_loss  # megatron: only where blocks are built
 
     m, b = cfg.model, cfg.train.micro_batch
@@ -79,7 +89,7 @@ def measure_block_kinds(cfg: Config, groups: ParallelGroups,
     hidden = torch.randn(seq, b, m.hidden, generator=data).to(groups.device)
     grad = torch.randn(seq, b, m.hidden, generator=data).to(groups.device)
     forwards, backwards = [], []
-    for block_id in (0, 1, m.layers + 1):
+    for block_id in timed_blocks(m):
         block = build_blocks(m, groups, seed=cfg.seed, block_ids=[block_id],
                              sequence_parallel=sp, cp_comm=cfg.parallel.cp_comm)[0]
         if block_id == 0:
@@ -108,11 +118,15 @@ def agreed_block_seconds(cfg: Config, groups: ParallelGroups,
     everyone = [torch.empty_like(mine) for _ in range(groups.world.size())]
     groups.world.all_gather(everyone, mine)
     mean = torch.stack(everyone).mean(dim=0).tolist()
+    timed = timed_blocks(cfg.model)
+    kinds = layer_specs(cfg.model)
+    # each block takes the time of the timed block of its kind
+    source = [0] + [timed.index(kinds.index(spec) + 1) for spec in kinds] + [len(timed) - 1]
 
-    def per_block(embedding: float, layer: float, head: float) -> list[float]:
-        return [embedding] + [layer] * cfg.model.layers + [head]
+    def per_block(seconds: list[float]) -> list[float]:
+        return [seconds[i] for i in source]
 
-    return per_block(*mean[:3]), per_block(*mean[3:])
+    return per_block(mean[:len(timed)]), per_block(mean[len(timed):])
 
 
 def settle_measured_partition(plan: JobPlan, groups: ParallelGroups, run_dir: Path

@@ -3,8 +3,8 @@ dataclass, a field of ``hybrid.planning.config.Config`` (``conf/model/*.yaml`` a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 
 @dataclass(kw_only=True)
@@ -86,6 +86,17 @@ class ModelConfig:
     moe_every: int = 1
     """Every this many layers is an MoE layer, starting with the first (megatron's
     moe_layer_freq); the others keep the dense MLP."""
+    moe_dense_layers: List[int] = field(default_factory=list)
+    """Layers (1..layers) that keep the dense MLP though moe_every would make them MoE layers
+    (HF's mlp_only_layers, counted from 1; DeepSeek's first_k_dense_replace=k is [1..k])."""
+    moe_shared_ffn_hidden: int = 0
+    """A shared expert in every MoE layer: a SwiGLU of this inner size that every token goes
+    through, its output scaled by a sigmoid gate (Qwen2-MoE's shared_expert_intermediate_size
+    and shared_expert_gate); 0 = none."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the chosen experts' router probabilities to sum to 1 (Mixtral; HF's
+    norm_topk_prob); false: each expert's weight is its softmax probability over all experts
+    (Qwen2-MoE). Only with moe_router=softmax_topk."""
     moe_aux_loss: float = 0.0
     """Coefficient of the Switch/GShard load-balancing loss added to each MoE layer's
     gradient (0 = off; 0.01 is common)."""
@@ -114,9 +125,17 @@ class ModelConfig:
         return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
 
     def is_moe_layer(self, block_id: int) -> bool:
-        """Whether block ``block_id`` (1..layers) has a sparse MLP: the first layer, then
-        every ``moe_every``-th."""
-        return self.experts > 0 and (block_id - 1) % self.moe_every == 0
+        """Whether block ``block_id`` (1..layers) has a sparse MLP: its layer spec's
+        (``hybrid.planning.models.layers.layer_spec``, the one rule)."""
+        from hybrid.planning.models.layers import layer_spec
+
+        return layer_spec(self, block_id).moe
+
+    def cache_key(self) -> tuple:
+        """The fields as a hashable tuple (a list made a tuple): what the planning caches key
+        a model by; ``ModelConfig(**dict(key))`` builds it back."""
+        return tuple((name, tuple(value) if isinstance(value, list) else value)
+                     for name, value in vars(self).items())
 
     @property
     def head_size(self) -> int:

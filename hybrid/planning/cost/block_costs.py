@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid.planning.config import Config
-from hybrid.planning.cost.flops import head_forward_flops, layer_forward_flops
+from hybrid.planning.cost.flops import block_forward_flops, head_forward_flops
 from hybrid.files import write_text
 from hybrid.planning.layout import LayoutError
+from hybrid.planning.models.layers import layer_specs
 from hybrid.planning.cost.sizes import block_params
 from hybrid.planning.schedules.partition import block_names, partition
 
@@ -51,9 +52,11 @@ def partition_for_config(cfg: Config, costs: Optional[list[float]] = None) -> li
 
 def predicted_block_costs(cfg: Config) -> list[float]:
     """Forward + backward FLOPs per block from the cost model (``hybrid.planning.cost.steptime``): a stand-in
-    for measured seconds (the embedding's gather counts as nothing)."""
+    for measured seconds (the embedding's gather counts as nothing). Each layer its own kind's
+    (an MoE layer's differ from a dense one's), so the stages balance by them."""
     m, b = cfg.model, cfg.train.micro_batch
-    return [0.0] + [3 * layer_forward_flops(m, b)] * m.layers + [3 * head_forward_flops(m, b)]
+    layers = [3 * block_forward_flops(m, b, block) for block in range(1, m.layers + 1)]
+    return [0.0] + layers + [3 * head_forward_flops(m, b)]
 
 
 def partition_basis(partition: str, costs_measured: bool) -> str:
@@ -75,7 +78,17 @@ def measured_for(cfg: Config) -> dict:
             "tie_embeddings": m.tie_embeddings, "recompute": m.recompute,
             "micro_batch": cfg.train.micro_batch, "precision": cfg.train.precision,
             "tp": cfg.parallel.tp, "sequence_parallel": cfg.parallel.sequence_parallel,
-            "device": cfg.train.device}
+            "device": cfg.train.device, **_moe_measured_for(m)}
+
+
+def _moe_measured_for(m) -> dict:
+    """With experts, what an MoE layer's time depends on too, and which layers are MoE
+    (nothing for a dense model, whose record stays as it was)."""
+    if not m.experts:
+        return {}
+    return {"experts": m.experts, "experts_topk": m.experts_topk, "moe_ffn": m.moe_ffn,
+            "moe_shared_ffn_hidden": m.moe_shared_ffn_hidden,
+            "layer_kinds": [spec.kind for spec in layer_specs(m)]}
 
 
 def calibration_record(cfg: Config, forward_s: list[float], backward_s: list[float],

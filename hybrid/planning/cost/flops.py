@@ -28,6 +28,12 @@ def layer_forward_flops(m: ModelConfig, b: int) -> float:
     return model_spec(m).layer_forward_flops(m, b)
 
 
+def block_forward_flops(m: ModelConfig, b: int, block_id: int) -> float:
+    """Layer ``block_id``'s forward over ``b`` sequences: its kind's (dense or MoE layers
+    differ: ``hybrid.planning.models.layers``)."""
+    return model_spec(m).block_forward_flops(m, b, block_id)
+
+
 def attention_core_flops(m: ModelConfig, b: int) -> float:
     """Scores and their use (``QK^T`` and ``softmax·V``): what selective recompute redoes."""
     return model_spec(m).attention_core_flops(m, b)

@@ -49,7 +49,7 @@ def block_params(m: ModelConfig, *, head_owns_embedding_copy: bool = False) -> l
     owns no output matrix, unless ``head_owns_embedding_copy``, as on a last pipeline stage
     without the embedding). Cached by the model's fields: a layout search asks for the same
     model's blocks thousands of times."""
-    key = tuple(vars(m).items())  # the fields, cheaply: they are plain values
+    key = m.cache_key()  # the fields, cheaply: they are plain values
     return list(_block_params(key, head_owns_embedding_copy))
 
 
@@ -141,10 +141,11 @@ def estimate_memories(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: i
     per_block = block_params(m, head_owns_embedding_copy=embedding_copy)
     params = sum(per_block[i].per_rank(tp) for chunk in chunks for i in chunk)
     layers = max((sum(1 for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
-    per_layer = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, m.recompute, cp)
+    args = (micro_batch, tp, sp, precision)
+    chunk_bytes = _chunk_activation_bytes(m, chunks, layers, args, m.recompute, cp)
     extra = 0  # added after the in-flight layers, in this order, as ever
     if m.recompute == "full" and layers:
-        extra = activation_bytes_per_layer(m, micro_batch, tp, sp, precision, cp=cp)
+        extra = max(_layer_bytes(m, chunks, args, "none", cp))
     head = None
     if any(m.layers + 1 in chunk for chunk in chunks):
         head = head_inflight * head_activation_bytes(m, micro_batch, tp, sp, precision, cp)
@@ -152,7 +153,7 @@ def estimate_memories(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: i
         state = SHARDINGS[zero].closed_form_state(params, dp)
     out = []
     for inflight in inflights:
-        act = per_layer * (layers * inflight)
+        act = chunk_bytes * inflight
         if extra:
             act += extra
         if head is not None:
@@ -162,6 +163,26 @@ def estimate_memories(m: ModelConfig, chunks: list[list[int]], *, tp: int, dp: i
             optimizer_bytes=state.optimizer_bytes, activation_bytes=int(act),
             dp_state_bytes=state.dp_state_bytes))
     return out
+
+
+def _layer_bytes(m: ModelConfig, chunks: list[list[int]], args: tuple, recompute: str,
+                 cp: int) -> list[int]:
+    """Each of ``chunks``' layers' activation bytes, its kind's (``models.layers``)."""
+    spec = model_spec(m)
+    return [spec.block_activation_bytes(m, i, *args, recompute, cp)
+            for chunk in chunks for i in chunk if 1 <= i <= m.layers]
+
+
+def _chunk_activation_bytes(m: ModelConfig, chunks: list[list[int]], layers: int,
+                            args: tuple, recompute: str, cp: int) -> int:
+    """What one (chunk, micro-batch) pair keeps: the largest chunk's layers' bytes (a dense
+    model's layers are alike: ``layers`` times one layer's; with MoE layers each counts its
+    kind's)."""
+    if not m.experts:
+        return activation_bytes_per_layer(m, *args, recompute, cp) * layers
+    spec = model_spec(m)
+    return max((sum(spec.block_activation_bytes(m, i, *args, recompute, cp)
+                    for i in chunk if 1 <= i <= m.layers) for chunk in chunks), default=0)
 
 
 def human_bytes(n: float) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hybrid.planning.cost.context_time import ring_times
 from hybrid.planning.cost.devices import Device, Link
 from hybrid.planning.cost.flops import (
-    attention_core_flops, head_forward_flops, layer_forward_flops,
+    attention_core_flops, block_forward_flops, head_forward_flops,
 )
 from hybrid.planning.cost.memory_bound import stage_memory_bound
 from hybrid.planning.cost.moe_traffic import a2a_times
@@ -80,8 +80,9 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
                                threads_per_rank(plan, device))
     act = b * m.seq_len * m.hidden * BYTES[cfg.train.precision] / cp
     layers = sum(1 for block in blocks if 1 <= block <= m.layers)
-    layer = layer_forward_flops(m, b) / tp / cp / rate * device.tp_compute_factor(tp)
-    compute = layers * layer
+    compute = sum(n * (flops / tp / cp / rate * device.tp_compute_factor(tp))
+                  for flops, n in _layer_flops(m, b, blocks).items())  # each layer its kind's
+    layers_compute = compute
     ring = ring_times(cfg, plan.layout, link_for(plan, device, "cp"),
                       attention_core_flops(m, b) / tp / cp / rate, overlaps=not device.cores)
     if m.layers + 1 in blocks:
@@ -97,7 +98,7 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
     matmul, recomputed = compute, 0.0
     compute += bound.forward
     if m.recompute == "full":
-        recomputed = layers * layer
+        recomputed = layers_compute
         extra = recomputed + bound.forward
         recompute_wire, recompute_calls = traffic.layers
     elif m.recompute == "selective" and cp == 1:  # context attention is not recomputed
@@ -121,6 +122,20 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
                        comm_backward=(tp_bwd + recompute_comm + a2a_bwd
                                       + layers * ring.backward_exposed_s),
                        backward_matmul=2 * matmul * factor + recomputed)
+
+
+def _layer_flops(m, b: int, blocks: range) -> dict[float, int]:
+    """How many of ``blocks``' layers have each forward FLOP count (dense and MoE layers
+    differ; alike layers are summed as a product, as they were before layers had kinds)."""
+    if not m.experts:  # every layer alike
+        layers = sum(1 for block in blocks if 1 <= block <= m.layers)
+        return {block_forward_flops(m, b, 1): layers} if layers else {}
+    counts: dict[float, int] = {}
+    for block in blocks:
+        if 1 <= block <= m.layers:
+            flops = block_forward_flops(m, b, block)
+            counts[flops] = counts.get(flops, 0) + 1
+    return counts
 
 
 def _a2a_times(plan: JobPlan, device: Device, blocks: range) -> tuple[float, float]:

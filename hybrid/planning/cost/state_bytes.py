@@ -91,7 +91,7 @@ def rank_shapes(m: ModelConfig, blocks: list[int], *, tp: int, sp: bool, pp: int
     """(local shape, bucket tag: ``bucket_tag``) of the distinct parameters a rank holding ``blocks``
     (in chunk order) trains: with tied embeddings on one stage the head uses the embedding's
     own weight."""
-    key = tuple(vars(m).items())
+    key = m.cache_key()
     shared_head = m.tie_embeddings and 0 in blocks and m.layers + 1 in blocks
     return [(shape, late) for block in blocks
             for shape, late, local in _block_tensors(key, block, tp, sp and tp > 1, pp, ep)

@@ -43,7 +43,8 @@ from hybrid.planning.layout import LayoutError, valid_sizes
 from hybrid.planning.models.checks import (check_common_shape, common_tp_sizes, positive,
                                            tp_divides)
 from hybrid.planning.models.gpt2 import gpt2_head_activation_bytes
-from hybrid.planning.models.moe import (check_moe_shape, moe_layers, moe_mlp_activation_bytes,
+from hybrid.planning.models.layers import LayerSpec, layer_kinds, layer_spec
+from hybrid.planning.models.moe import (check_moe_shape, moe_mlp_activation_bytes,
                                         moe_mlp_forward_flops, moe_mlp_specs)
 from hybrid.planning.models.registry import BYTES, ModelSpec, register_model
 from hybrid.planning.param_spec import (ParamSpec, column_specs, head_specs, named, norm_specs,
@@ -108,8 +109,9 @@ def llama_block_params(m, block_id: int, sp: bool) -> dict[str, ParamSpec]:
     if m.qk_norm:  # after the projections, as the attention module registers them
         local.update(head_norm_specs(m))
     local.update(norm_specs("mlp_norm", h, sp, RMS))
-    if m.is_moe_layer(block_id):
-        local.update(moe_mlp_specs(m))
+    spec = layer_spec(m, block_id)
+    if spec.moe:
+        local.update(moe_mlp_specs(m, spec.shared_ffn))
     else:
         local.update({**column_specs("mlp.gate", m.ffn, h, bias=False),
                       **column_specs("mlp.up", m.ffn, h, bias=False),
@@ -126,19 +128,24 @@ class Llama(ModelSpec):
     doc = "Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases"
     blocks_module, hf_module, hf_model_type = "hybrid.model.llama", "hybrid.interop.llama_family", \
         "llama"
-    hf_model_types_also = ("mixtral", "qwen2", "qwen3", "mistral")
+    hf_model_types_also = ("mixtral", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
     learned_positions = False  # rotary: the context is no shape of any weight
 
     def block_params(self, m, block_id, sequence_parallel):
         return llama_block_params(m, block_id, sequence_parallel)
 
     def layer_forward_flops(self, m, b):
-        """With experts, the mean over the layers (MoE and dense MLPs mixed by
-        ``moe_every``), so ``layers x`` this is the model's exact total."""
+        """The mean over the layers (their kinds mixed: ``models.layers``), so ``layers x``
+        this is the model's exact total; ``block_forward_flops`` is one layer's."""
+        return sum(n * self._kind_flops(m, b, kind)
+                   for kind, n in layer_kinds(m).items()) / m.layers
+
+    def block_forward_flops(self, m, b, block_id):
+        return self._kind_flops(m, b, layer_spec(m, block_id))
+
+    def _kind_flops(self, m, b, kind: LayerSpec) -> float:
         s, h = m.seq_len, m.hidden
-        sparse = moe_layers(m)
-        mlp = (sparse * moe_mlp_forward_flops(m, b)
-               + (m.layers - sparse) * dense_mlp_flops(m, b)) / m.layers
+        mlp = moe_mlp_forward_flops(m, b, kind.shared_ffn) if kind.moe else dense_mlp_flops(m, b)
         return (2 * b * s * h * qkv_rows(m) + 2 * b * s * h * m.heads * m.head_size
                 + self.attention_core_flops(m, b) + mlp)
 
@@ -156,7 +163,19 @@ class Llama(ModelSpec):
         positions; the rotated query and key and, with ``heads / kv_heads`` > 1, the keys and
         values repeated to every query head (with one, the QKV output holds the values);
         SwiGLU's gate, up, SiLU and product (four ``ffn``-wide tensors). With experts, the
-        mean over the layers, an MoE MLP's bytes estimated (``moe.moe_mlp_activation_bytes``)."""
+        mean over the layers (``block_activation_bytes``: one layer's), an MoE MLP's bytes
+        estimated (``moe.moe_mlp_activation_bytes``)."""
+        args = (m, micro_batch, tp, sp, precision, recompute, cp)
+        return sum(n * self._kind_bytes(kind, *args)
+                   for kind, n in layer_kinds(m).items()) // m.layers
+
+    def block_activation_bytes(self, m, block_id, micro_batch, tp, sp, precision,
+                               recompute="none", cp=1):
+        return self._kind_bytes(layer_spec(m, block_id), m, micro_batch, tp, sp, precision,
+                                recompute, cp)
+
+    def _kind_bytes(self, kind: LayerSpec, m, micro_batch, tp, sp, precision, recompute,
+                    cp) -> int:
         s, b, h = m.seq_len // cp, micro_batch, m.hidden
         seq_shard = tp if sp else 1
         stream = 4 * s * b * h // seq_shard
@@ -170,15 +189,15 @@ class Llama(ModelSpec):
         nbytes += 2 * s * m.head_size * low  # the rotary table's cos and sin
         values = 2 * h if m.heads != m.kv else h + qkv_rows(m)  # keys, values
         nbytes += (h + values + h) * s * b // tp * low  # q, k, v, output
-        sparse = moe_layers(m)
-        dense_mlp = 4 * m.ffn * s * b // tp * low
-        sparse_mlp = moe_mlp_activation_bytes(m, s * b, tp, precision) if sparse else 0
-        nbytes += (sparse * sparse_mlp + (m.layers - sparse) * dense_mlp) // m.layers
+        if kind.moe:
+            nbytes += moe_mlp_activation_bytes(m, s * b, tp, precision, kind.shared_ffn)
+        else:
+            nbytes += 4 * m.ffn * s * b // tp * low
         if recompute == "none" or cp > 1:
             nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
         if precision == "bf16":  # the bf16 weight copies autocast keeps
-            mlp = 3 * h * (m.ffn * (m.layers - sparse) + m.experts * m.moe_ffn * sparse)
-            nbytes += 2 * (qkv_rows(m) * h + h * h + mlp // m.layers) // tp
+            mlp = 3 * h * (m.experts * m.moe_ffn + kind.shared_ffn if kind.moe else m.ffn)
+            nbytes += 2 * (qkv_rows(m) * h + h * h + mlp) // tp
         return nbytes
 
     def head_activation_bytes(self, m, micro_batch, tp, sp, precision, cp=1):
@@ -208,7 +227,8 @@ class Llama(ModelSpec):
 
     def valid_tp_sizes(self, m):
         return [d for d in common_tp_sizes(m)
-                if m.kv % d == 0 and (m.experts == 0 or m.moe_ffn % d == 0)]
+                if m.kv % d == 0 and (m.experts == 0 or m.moe_ffn % d == 0)
+                and (m.experts == 0 or m.moe_shared_ffn_hidden % d == 0)]
 
 
 LLAMA = register_model(Llama())

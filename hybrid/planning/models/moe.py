@@ -11,6 +11,13 @@ Parameters of an MoE layer's MLP (``E`` experts, ``F`` = ``moe_ffn_hidden``)::
     mlp.experts.up      [E, F, h]   dim 1
     mlp.experts.down    [E, h, F]   dim 2
 
+With a shared expert (``model.moe_shared_ffn_hidden`` = ``S`` > 0: Qwen2-MoE), also::
+
+    mlp.shared.gate     [S, h]      the shared expert's SwiGLU, split over TP on dim 0
+    mlp.shared.up       [S, h]      dim 0
+    mlp.shared.down     [h, S]      dim 1
+    mlp.shared_gate.weight [1, h]   its sigmoid gate, replicated; gradient partial over TP
+
 The three expert tensors carry the ``EXPERT`` placement (``hybrid.planning.param_spec``) and
 are split over the expert-parallel group on dim 0 (``ep_dim``: each rank of it holds
 ``E / ep`` whole experts, TP-split as above); the router is dense.
@@ -58,10 +65,11 @@ def expert_bias_payload(m, blocks) -> int:
     return expert_bias_layers(m, blocks) * m.experts * BIAS_COUNT_BYTES
 
 
-def moe_mlp_specs(m) -> dict[str, ParamSpec]:
-    """An MoE layer's MLP parameters, local names under the layer (``mlp.``...)."""
+def moe_mlp_specs(m, shared_ffn: int = 0) -> dict[str, ParamSpec]:
+    """An MoE layer's MLP parameters, local names under the layer (``mlp.``...), with a
+    shared expert of inner size ``shared_ffn`` when it is > 0 (the layer's spec says)."""
     e, f, h = m.experts, m.moe_ffn, m.hidden
-    return {
+    specs = {
         "mlp.router.weight": ParamSpec(name="", shape=(e, h), weight_decay=True,
                                        sequence_partial=True),
         "mlp.experts.gate": ParamSpec(name="", shape=(e, f, h), tp_dim=1, weight_decay=True,
@@ -71,6 +79,17 @@ def moe_mlp_specs(m) -> dict[str, ParamSpec]:
         "mlp.experts.down": ParamSpec(name="", shape=(e, h, f), tp_dim=2, weight_decay=True,
                                       placement=EXPERT, ep_dim=0),
     }
+    if shared_ffn:
+        specs.update({
+            "mlp.shared.gate": ParamSpec(name="", shape=(shared_ffn, h), tp_dim=0,
+                                         weight_decay=True),
+            "mlp.shared.up": ParamSpec(name="", shape=(shared_ffn, h), tp_dim=0,
+                                       weight_decay=True),
+            "mlp.shared.down": ParamSpec(name="", shape=(h, shared_ffn), tp_dim=1,
+                                         weight_decay=True),
+            "mlp.shared_gate.weight": ParamSpec(name="", shape=(1, h), weight_decay=True,
+                                         sequence_partial=True)})
+    return specs
 
 
 def moe_layers(m) -> int:
@@ -78,23 +97,28 @@ def moe_layers(m) -> int:
     return sum(m.is_moe_layer(b) for b in range(1, m.layers + 1))
 
 
-def moe_mlp_forward_flops(m, b: int) -> float:
+def moe_mlp_forward_flops(m, b: int, shared_ffn: int = 0) -> float:
     """An MoE MLP's forward over ``b`` sequences, dropless: the router ``2Eh`` per token and
     each token's ``topk`` experts' SwiGLU, ``6hF`` each (what token dropping saves is not
-    counted)."""
-    tokens = b * m.seq_len
-    return tokens * (2 * m.experts * m.hidden + m.experts_topk * 6 * m.hidden * m.moe_ffn)
+    counted), and a shared expert's SwiGLU ``6hS`` and gate ``2h``."""
+    tokens, h = b * m.seq_len, m.hidden
+    shared = 6 * h * shared_ffn + 2 * h if shared_ffn else 0
+    return tokens * (2 * m.experts * h + m.experts_topk * 6 * h * m.moe_ffn + shared)
 
 
-def moe_mlp_activation_bytes(m, tokens: int, tp: int, precision: str) -> int:
+def moe_mlp_activation_bytes(m, tokens: int, tp: int, precision: str,
+                             shared_ffn: int = 0) -> int:
     """Bytes an MoE MLP keeps for backward over ``tokens`` tokens on one rank, an estimate
     (not checked against saved-tensor hooks as the dense layer is): the router's logits and
     probabilities (fp32), and for each of a token's ``topk`` expert slots its gathered input
-    and the expert's gate, up, SiLU and product (``F/tp`` wide each), dropless."""
+    and the expert's gate, up, SiLU and product (``F/tp`` wide each), dropless; a shared
+    expert's four ``S/tp``-wide tensors, its output and its gate's logit and sigmoid."""
     low, k = BYTES[precision], m.experts_topk
     router = 2 * 4 * tokens * m.experts
     per_slot = m.hidden * low + 4 * m.moe_ffn // tp * low
-    return router + k * tokens * per_slot
+    shared = tokens * (4 * shared_ffn // tp * low + m.hidden * low + 2 * 4) if shared_ffn \
+        else 0
+    return router + k * tokens * per_slot + shared
 
 
 def check_moe_shape(m, tp: int, fits) -> None:
@@ -127,3 +151,22 @@ def check_moe_shape(m, tp: int, fits) -> None:
         raise LayoutError(f"model.moe_router={m.moe_router!r} is not one of "
                           f"{', '.join(ROUTERS)}")
     tp_divides(tp, "model.moe_ffn_hidden", m.moe_ffn, fits)
+    check_layer_kinds(m, tp, fits)
+
+
+def check_layer_kinds(m, tp: int, fits) -> None:
+    """The dense-layer list, the shared expert and the renormalisation switch."""
+    wrong = [b for b in m.moe_dense_layers
+             if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= m.layers]
+    if wrong:
+        raise LayoutError(f"model.moe_dense_layers={list(m.moe_dense_layers)} holds {wrong[0]!r}"
+                          f", not a layer; list layers in 1..{m.layers} (counted from 1)")
+    shared = m.moe_shared_ffn_hidden
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise LayoutError(f"model.moe_shared_ffn_hidden={shared!r} must be an integer >= 0 "
+                          f"(0: no shared expert)")
+    if shared:
+        tp_divides(tp, "model.moe_shared_ffn_hidden", shared, fits)
+    if not m.moe_norm_topk_prob and m.moe_router != "softmax_topk":
+        raise LayoutError(f"model.moe_norm_topk_prob=false needs model.moe_router=softmax_topk "
+                          f"(moe_router={m.moe_router} always renormalises its top k)")

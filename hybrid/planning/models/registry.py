@@ -56,6 +56,11 @@ class ModelSpec(ABC):
     def layer_forward_flops(self, m, b: int) -> float:
         """One layer's forward FLOPs over ``b`` sequences of ``m.seq_len`` tokens."""
 
+    def block_forward_flops(self, m, b: int, block_id: int) -> float:
+        """Layer ``block_id``'s forward FLOPs (its kind's: ``hybrid.planning.models.layers``);
+        a family whose layers are all alike keeps this default, the mean."""
+        return self.layer_forward_flops(m, b)
+
     @abstractmethod
     def attention_core_flops(self, m, b: int) -> float:
         """What selective recompute redoes of a layer (its attention core)."""
@@ -64,6 +69,12 @@ class ModelSpec(ABC):
     def layer_activation_bytes(self, m, micro_batch: int, tp: int, sp: bool, precision: str,
                                recompute: str = "none", cp: int = 1) -> int:
         """Bytes one layer keeps for backward per micro-batch on one rank."""
+
+    def block_activation_bytes(self, m, block_id: int, micro_batch: int, tp: int, sp: bool,
+                               precision: str, recompute: str = "none", cp: int = 1) -> int:
+        """Bytes layer ``block_id`` keeps; a family whose layers are all alike keeps this
+        default, the mean."""
+        return self.layer_activation_bytes(m, micro_batch, tp, sp, precision, recompute, cp)
 
     @abstractmethod
     def head_activation_bytes(self, m, micro_batch: int, tp: int, sp: bool, precision: str,
