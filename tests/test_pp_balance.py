@@ -1,6 +1,7 @@
 """``parallel.pp_balance=dynamic`` (issue 55), its pure parts: the layer split decided from the
 stages' measured seconds (fed synthetic records: a slowdown starts and stops; an undisturbed,
-noisy run of 200 steps), the settings' rules, the plan on another split. The run through
+noisy run of 200 steps), the settings' rules, the plan on another split, the split a resume
+continues on. The run through
 ``hybrid-train`` is in ``tests/test_pp_balance_e2e.py``."""
 
 import random
@@ -115,3 +116,20 @@ def test_a_plan_on_another_split_keeps_the_run_and_moves_the_memory():
     assert moved.memory[0].total_bytes > plan.memory[0].total_bytes
     static = replace(plan.cfg, parallel=replace(plan.cfg.parallel, pp_balance="static"))
     assert [s.blocks for s in plan_job(static).stages] == [s.blocks for s in plan.stages]
+
+
+def test_a_resume_continues_on_the_split_its_checkpoint_holds(tmp_path):
+    from hybrid.balance.stages import resumed_plan
+    from hybrid.checkpoint.store import FORMAT_VERSION, write_manifest
+
+    saved = tmp_path / "step_00000006"
+    saved.mkdir()
+    write_manifest(saved, {"format": FORMAT_VERSION, "stages": [[0, 7], [7, 10]]})
+    plan = plan_job(cfg_of("parallel.pp_balance=dynamic")).for_run(
+        checkpoint_dir=str(tmp_path), resume_from=str(saved))
+    assert [s.blocks for s in resumed_plan(plan, tmp_path).stages] == [range(0, 7),
+                                                                       range(7, 10)]
+    static = replace(plan, cfg=cfg_of())  # static: the partition's split, whatever was saved
+    assert resumed_plan(static, tmp_path) is static
+    write_manifest(saved, {"format": FORMAT_VERSION, "stages": [[0, 3], [3, 6], [6, 10]]})
+    assert resumed_plan(plan, tmp_path) is plan  # saved on another pp: the partition's
