@@ -79,7 +79,8 @@ def run_mode(layout: str, mode: str, args, costs: Path, run_dir: Path) -> dict:
             "losses": [r["loss"] for r in records],
             "splits": [tuple(r.get("pp_split", ())) for r in records],
             "speeds": measured_speeds(run_dir, plan, last),
-            "moves": done.stderr.count("pp_balance: step ")}
+            "moves": [line for line in done.stderr.splitlines()
+                      if line.startswith("pp_balance: step ")]}
 
 
 def measured_speeds(run_dir: Path, plan: dict, last: slice) -> list[float]:
@@ -106,9 +107,11 @@ def bench_layout(layout: str, args, out: Path) -> str:
             differs = max(abs(a - b) / abs(b) for a, b in
                           zip(row["losses"], runs["static"][round_]["losses"]))
             print(f"{layout:<8} {mode:<8} median step {statistics.median(row['step_s']) * 1e3:7.1f}"
-                  f" ms  split {list(row['splits'][-1]) or 'static'}  moves {row['moves']}  "
+                  f" ms  split {list(row['splits'][-1]) or 'static'}  moves {len(row['moves'])}  "
                   f"losses differ from static by {differs:.1e}  load {os.getloadavg()[0]:.1f}",
                   flush=True)
+            for line in row["moves"]:
+                print(f"    {line}", flush=True)
     median = {mode: statistics.median(t for row in rows for t in row["step_s"])
               for mode, rows in runs.items()}
     speeds = [statistics.median(s) for s in zip(*(row["speeds"] for row in runs["static"]))]

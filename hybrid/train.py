@@ -265,9 +265,9 @@ class Trainer:
                     self._check_memory(saved)
                     checking = False
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
+                ran = self.shares.of_ranks()  # the micro-batches of this step, not the next
                 self.shares.after_step(step, report.compute_s, report.pipeline_s, say=is_rank0)
-                moved = self.split.after_step(step, report.pipeline_s, self._rank_shares(),
-                                              say=is_rank0)
+                moved = self.split.after_step(step, report.pipeline_s, ran, say=is_rank0)
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
                 evaluation = self._evaluate(step)
@@ -320,11 +320,6 @@ class Trainer:
             print(warning_line(straggler, name) + self.shares.straggler_clause(
                 straggler.rank, straggler.ratio), file=sys.stderr, flush=True)
         return {**metrics_record(self.plan, step, report, summary), **self.split.record()}
-
-    def _rank_shares(self) -> list[int]:
-        """Micro-batches each global rank's replica ran this step."""
-        shares = self.shares.shares
-        return [shares[self.coords_of(r)["dp"]] for r in range(dist.get_world_size())]
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:
