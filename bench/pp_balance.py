@@ -158,10 +158,10 @@ def main() -> None:
     parser.add_argument("--run-ms", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--out", help="where the runs go (default: a temporary directory)")
-    parser.add_argument("--smoke", action="store_true", help="the smallest run: pp2, 8 steps")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: pp2, 6 steps")
     args = parser.parse_args()
     if args.smoke:
-        args.layouts, args.steps, args.last, args.every = "pp2", 8, 4, 2
+        args.layouts, args.steps, args.last, args.every = "pp2", 6, 3, 2
     layouts = args.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
