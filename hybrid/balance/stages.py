@@ -124,12 +124,15 @@ def move_state(old: Checkpointer, rebuild: Callable[[], Checkpointer], step: int
     """Every rank: write the state through ``old`` into ``MOVE_DIR``, let ``rebuild`` build
     the stages of the new split (returning their checkpointer), load the state into them."""
     old.close()  # a background save of the run's own finishes first
-    directory = old.directory / MOVE_DIR
+    stall_s, directory = old.stall_s, old.directory / MOVE_DIR
     old.directory, old.quiet = directory, True
     old.save(step)
     old.close()
     new = rebuild()
     new.load(directory / checkpoint_name(step))
+    # what the run started from, and the stalls its own saves caused, stay the run's
+    new.resumed_from, new.initialised_from = old.resumed_from, old.initialised_from
+    new.stall_s = stall_s
     new.groups.world.barrier()  # every rank has read it
     if new.rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
