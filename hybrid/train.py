@@ -37,6 +37,7 @@ from hybrid.pipeline.runtime import prepare_rank, run_pipeline_step
 from hybrid.pipeline.stages import activation_shape, build_chunks, lowered_schedule
 from hybrid.balance.relayout import relayout_asked
 from hybrid.balance.replicas import ReplicaShares
+from hybrid.balance.stages import StageSplit, move_state, resumed_plan
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules.rank_check import RankPlan
 from hybrid.diagnosis.stall import who
@@ -53,39 +54,60 @@ class Trainer:
                  store: Optional[dist.Store] = None, dataset: Optional[TokenDataset] = None,
                  eval_dataset: Optional[TokenDataset] = None):
         cfg = plan.cfg
-        self.plan, self.cfg, self.groups, self.run_dir, self.store = plan, cfg, groups, \
-            run_dir, store
+        plan = resumed_plan(plan, run_dir)  # pp_balance=dynamic: the checkpoint's own split
+        self.cfg, self.groups, self.run_dir, self.store = cfg, groups, run_dir, store
         self.device = groups.device
-        self.chunks = {s: c.to(self.device) for s, c in build_chunks(plan, groups).items()}
-        dp_of_rank = [self.coords_of(r)["dp"] for r in range(dist.get_world_size())]
-        self.shares = ReplicaShares(plan, groups.data.rank(), dp_of_rank)
+        world = range(dist.get_world_size())
+        self.shares = ReplicaShares(plan, groups.data.rank(),
+                                    [self.coords_of(r)["dp"] for r in world])
         """The DP replicas' shares of the step's micro-batches (``parallel.dp_balance``)."""
+        self.split = StageSplit(plan, groups, [self.coords_of(r)["pp"] for r in world])
+        """The pipeline stages' layer split (``parallel.pp_balance``)."""
         self.m = plan.schedule.microbatches
         """Micro-batches per replica under even shares (what each loss is divided by)."""
         self.schedules = {self.m: lowered_schedule(plan)}
         """Every pipeline rank's lists, by micro-batch count (dp_balance=dynamic runs several)."""
         self.schedule, self._schedule_m = self.schedules[self.m], self.m
         self.actions = self.schedule[groups.pp_rank]
-        self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
-        # as each micro-batch's loss is divided by the even count (replicas' shares or not)
-        set_aux_loss_scale(self.chunks.values(), 1.0 / self.m)
         # an indexed source is opened by the worker before torch.distributed starts
         self.dataset = dataset if dataset is not None else open_dataset(plan)
+        self.eval_dataset = eval_dataset
         self.watch = RankWatch(dist.get_rank())
-        self.sync = GradSync.from_config(list(self.chunks.values()), groups, cfg,
-                                         wait=self.watch.wait_async)
-        self.weights = self.sync.stage_weights(self.chunks)
-        """ZeRO-3: what runs the schedule's gathers and releases (else None)."""
-        self.evaluator = make_evaluator(plan, groups, self.chunks, eval_dataset,
-                                        progress=self.watch, weights=self.weights)
         publish_pid(store, dist.get_rank(), socket.gethostname())
         self.counter = CommCounter(groups, watch=self.watch)
         self.slow = faults.slow_seconds(dist.get_rank())
         self.act_shape = activation_shape(plan)
-        self.checkpointer = Checkpointer(plan, groups, self.chunks, self.sync, run_dir,
-                                         shares=self.shares)
+        self._build_stages(plan)
         self.start_step = self.checkpointer.resume()
         """The step the run resumes after (0: a fresh run)."""
+
+    def _build_stages(self, plan: JobPlan) -> None:
+        """This rank's chunks of ``plan``'s split, and what holds them: the gradient sync
+        and optimizer, ZeRO-3's weights, the evaluator, the checkpointer (fresh state)."""
+        self.plan = plan
+        self.chunks = {s: c.to(self.device) for s, c in build_chunks(plan, self.groups).items()}
+        self._planned: Optional[tuple[list, RankPlan]] = None  # (actions, their plan)
+        # as each micro-batch's loss is divided by the even count (replicas' shares or not)
+        set_aux_loss_scale(self.chunks.values(), 1.0 / self.m)
+        self.sync = GradSync.from_config(list(self.chunks.values()), self.groups, self.cfg,
+                                         wait=self.watch.wait_async)
+        self.weights = self.sync.stage_weights(self.chunks)
+        """ZeRO-3: what runs the schedule's gathers and releases (else None)."""
+        self.evaluator = make_evaluator(plan, self.groups, self.chunks, self.eval_dataset,
+                                        progress=self.watch, weights=self.weights)
+        self.checkpointer = Checkpointer(plan, self.groups, self.chunks, self.sync,
+                                         self.run_dir, shares=self.shares)
+
+    def _resplit(self, step: int, ranges: list) -> None:
+        """``parallel.pp_balance=dynamic`` moved layers: the state goes to the new split's
+        stages (``hybrid.balance.stages.move_state``) before step ``step + 1``."""
+        def rebuild() -> Checkpointer:
+            self.sync.close()
+            self._build_stages(self.plan.with_stage_ranges(ranges))
+            return self.checkpointer
+
+        move_state(self.checkpointer, rebuild, step)
+        self.split.restart_window()
 
     def set_watching(self, on: bool) -> None:
         """Wait timing and stall diagnosis on or off (off: compute is the whole step): only
@@ -244,7 +266,9 @@ class Trainer:
                     self._check_memory(saved)
                     checking = False
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
+                ran = self.shares.of_ranks()  # the micro-batches of this step, not the next
                 self.shares.after_step(step, report.compute_s, report.pipeline_s, say=is_rank0)
+                moved = self.split.after_step(step, report.pipeline_s, ran, say=is_rank0)
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
                 evaluation = self._evaluate(step)
@@ -254,6 +278,8 @@ class Trainer:
                     metrics.write({**self._record(step, report, times), **evaluation})
                 if recorder is not None:
                     self._write_timeline(recorder, step)
+                if moved is not None and step < cfg.train.steps:
+                    self._resplit(step, moved)  # before a save: a resume keeps the new split
                 self.checkpointer.after_step(step)
                 if step < cfg.train.steps and relayout_asked(cfg, self.store, self.groups, step):
                     stopped_at = step
@@ -294,7 +320,7 @@ class Trainer:
             name = who(straggler.rank, self.coords_of, self.node_of)
             print(warning_line(straggler, name) + self.shares.straggler_clause(
                 straggler.rank, straggler.ratio), file=sys.stderr, flush=True)
-        return metrics_record(self.plan, step, report, summary)
+        return {**metrics_record(self.plan, step, report, summary), **self.split.record()}
 
     def _recorder_for(self, step: int) -> Optional[ActionRecorder]:
         if step != self.cfg.train.timeline_step:

@@ -115,7 +115,7 @@ def test_a_list_of_the_wrong_length_or_an_unknown_device_is_refused_in_one_line(
     assert node_devices_problem(cfg, 32) == (
         "cost.node_devices=[a100-80gb, h100-80gb] names 2 node(s) but the job's 32 ranks "
         "(parallel.dp=8 x cp=1 x tp=2 x pp=2) fill 4 node(s) of 8 (cost.gpus_per_node); give "
-        "one device per node, or change cost.gpus_per_node or the layout")
+        "4 devices (one per node), or place 16 ranks per node, or use a layout of 16 ranks")
     placed = replace(cfg, launcher=replace(cfg.launcher, nnodes=2))
     assert node_devices_problem(placed, 32) is None  # the launcher's 2 nodes of 16
     bad = replace(cfg, cost=replace(cfg.cost, node_devices=["a100-80gb", "b100"]))

@@ -57,6 +57,11 @@ class ReplicaShares:
         """Micro-batches this rank's replica runs this step."""
         return self.shares[self.dp_rank]
 
+    def of_ranks(self) -> list[int]:
+        """Micro-batches each global rank's replica runs this step."""
+        shares = self.shares
+        return [shares[d] for d in self.dp_of_rank]
+
     def loader_shares(self) -> Optional[tuple[int, ...]]:
         """What the loader is told (None: even, the loader's own split)."""
         return self.shares if self.dynamic else None

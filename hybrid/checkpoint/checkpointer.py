@@ -49,6 +49,26 @@ from hybrid.optim import unique_parameters
 from hybrid.planning.params import model_param_specs
 
 
+def checkpoints_of(plan, run_dir: Path) -> Path:
+    """Where ``plan``'s run keeps its checkpoints."""
+    return Path(plan.checkpoint_dir) if plan.checkpoint_dir \
+        else checkpoint_dir(plan.cfg, run_dir)
+
+
+def resume_path(plan, directory: Path) -> Optional[Path]:
+    """The checkpoint a run of ``plan`` resumes from (None: a fresh start). A worker group
+    restarted by the elastic agent resumes from the newest complete checkpoint in
+    ``directory``; else what the plan resumes from (resolved before launch); a plan not made
+    for a run (a test, a bench) resolves ``checkpoint.resume_from`` here."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        path = resolve_resume("auto", directory)
+        if path is not None:
+            return path
+    if plan.checkpoint_dir is not None:
+        return None if plan.resume_from is None else Path(plan.resume_from)
+    return resolve_resume(plan.cfg.checkpoint.resume_from, directory)
+
+
 class Checkpointer:
     """Saves and loads one rank's share of the job's state (model, AdamW, step, RNG)."""
 
@@ -59,8 +79,7 @@ class Checkpointer:
         and restored with the rest."""
         cfg = plan.cfg
         self.plan, self.cfg, self.groups, self.sync = plan, cfg, groups, sync
-        self.directory = Path(plan.checkpoint_dir) if plan.checkpoint_dir \
-            else checkpoint_dir(cfg, run_dir)
+        self.directory = checkpoints_of(plan, run_dir)
         self.run_dir = Path(run_dir)
         self.rank, self.world = groups.world.rank(), groups.world.size()
         self.mesh = tp_mesh(groups)
@@ -83,6 +102,8 @@ class Checkpointer:
         self.stall_s = 0.0
         """Seconds the training loop spent inside ``save`` (the stall a save causes)."""
         self._data: Optional[dict] = None
+        self.quiet = False
+        """No console line per save (a checkpoint that only moves the state elsewhere)."""
 
     # ----- what is saved ---------------------------------------------------------------------
     def _state(self, step: int) -> dict:
@@ -135,7 +156,7 @@ class Checkpointer:
 
     def _announce(self, step: int, stall_s: float) -> None:
         """One console line per checkpoint that became visible (rank 0)."""
-        if self.rank == 0:
+        if self.rank == 0 and not self.quiet:
             print(f"checkpoint saved: {self.directory / checkpoint_name(step)} (training "
                   f"waited {stall_s:.2f} s for it)", flush=True)
 
@@ -191,11 +212,7 @@ class Checkpointer:
 
         A worker group restarted by the elastic agent resumes from the newest complete
         checkpoint in ``checkpoint.dir``, whatever ``resume_from`` said."""
-        path = None
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            path = resolve_resume("auto", self.directory)
-        if path is None:
-            path = self._planned_resume()
+        path = resume_path(self.plan, self.directory)
         if path is None:
             if self.plan.init_from is not None:
                 self.load_weights(Path(self.plan.init_from))
@@ -237,13 +254,6 @@ class Checkpointer:
             load_hf_weights(hf_dir, self.cfg.model,
                             {spec.name: param for spec, param in self.params}, self.groups)
         self.initialised_from = hf_dir
-
-    def _planned_resume(self) -> Optional[Path]:
-        """What the plan resumes from (resolved before launch); a plan not made for a run (a
-        test, a bench) resolves ``checkpoint.resume_from`` here."""
-        if self.plan.checkpoint_dir is not None:
-            return None if self.plan.resume_from is None else Path(self.plan.resume_from)
-        return resolve_resume(self.cfg.checkpoint.resume_from, self.directory)
 
     def load(self, path: Path) -> int:
         """Load checkpoint ``path`` (saved on any layout) into this rank's model and AdamW."""

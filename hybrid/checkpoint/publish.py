@@ -42,6 +42,7 @@ def build_manifest(step: int, partial: Path, files: list[dict], *, plan, layout,
                        "vpp": layout.vpp, "zero": cfg.parallel.zero,
                        "schedule": cfg.parallel.schedule, "world": world},
             "model": model_shape(cfg.model), "config": to_dict(cfg), "tensors": tensors,
+            "stages": [[stage.blocks.start, stage.blocks.stop] for stage in plan.stages],
             "tokenizer": plan.tokenizer, "data": data,
             "files": {name: info for per_rank in files for name, info in per_rank.items()}}
 

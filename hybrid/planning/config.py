@@ -92,6 +92,15 @@ class ParallelConfig:
     block_costs: Optional[List[float]] = None
     """partition=measured: seconds of forward + backward per block (embedding, each layer,
     head), filled in from the measurement or partition_file; set by hand to pin a partition."""
+    pp_balance: str = "static"
+    """How the layers stay split over the pipeline stages: static (as partition says, all
+    run) | dynamic (re-split by each stage's measured speed every pp_balance_every steps, at a
+    step boundary; the losses stay the same: docs/pipeline.md)."""
+    pp_balance_every: int = 5
+    """pp_balance=dynamic: steps measured between two decisions of the split."""
+    pp_balance_min_saving: float = 0.1
+    """pp_balance=dynamic: a new split is taken only when predicted to save at least this
+    share of the step (hysteresis: scheduling noise moves nothing)."""
     dp_strategy: DpStrategyConfig = field(default_factory=DpStrategyConfig)
     """The DP strategies' settings, one group each (``parallel/dp=zero3``, several at once:
     ``parallel/dp=[zero1,bf16]``; ``hybrid.planning.dp_config``). The flat keys of before

@@ -165,6 +165,14 @@ class JobPlan:
         return replace(again, **{name: getattr(self, name) for name in RUN_FIELDS})
 
 
+    def with_stage_ranges(self, ranges: list[range]) -> "JobPlan":
+        """This plan with the stages holding ``ranges`` of blocks (``parallel.pp_balance=
+        dynamic``'s split; the same per-block costs)."""
+        costs = list(self.block_costs) if self.block_costs and self.costs_measured else None
+        again = plan_job(self.cfg, block_costs=costs, stage_ranges=ranges)
+        return replace(again, **{name: getattr(self, name) for name in RUN_FIELDS})
+
+
 def plan_job(cfg: Config, simulated: bool = True,
              block_costs: Optional[list[float]] = None,
              stage_ranges: Optional[list[range]] = None) -> JobPlan:

@@ -16,6 +16,7 @@ import math
 from hybrid.planning.config import ADAMW_IMPLEMENTATIONS, Config, ModelConfig
 from hybrid.planning.bounds import bound_problem
 from hybrid.planning.balance import balance_warnings, check_balance, replica_speed_problem
+from hybrid.planning.stage_balance import check_stage_balance, stage_balance_warnings
 from hybrid.planning.context import context_problem
 from hybrid.planning.expert_grid import expert_problem
 from hybrid.planning.data_sources import data_problem, eval_problem, eval_size_problem
@@ -76,7 +77,8 @@ def config_problems(cfg: Config) -> list[str]:
         layout = layout_of(cfg)
     except LayoutError as err:
         return problems + [str(err)]
-    for check in (_check_model, _check_partition, _check_schedule, _check_batch, check_world):
+    for check in (_check_model, _check_partition, check_stage_balance, _check_schedule,
+                  _check_batch, check_world):
         problem = _problem(check, cfg, layout)
         if problem:
             problems.append(problem)
@@ -138,7 +140,8 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.checkpoint.dir is not None and not cfg.checkpoint.every:
         warnings.append(f"checkpoint.dir={cfg.checkpoint.dir} without checkpoint.every: "
                         f"nothing is saved there; set checkpoint.every=N to save checkpoints")
-    return warnings + position_warnings(cfg.model) + balance_warnings(cfg)
+    return warnings + position_warnings(cfg.model) + balance_warnings(cfg) + \
+        stage_balance_warnings(cfg)
 
 
 ROPE_SCALED_FAMILIES = ("llama3",)

@@ -58,9 +58,13 @@ def node_devices_problem(cfg: Config, world: int) -> Optional[str]:
         par = cfg.parallel
         sizes = (f" (parallel.dp={par.dp} x cp={par.cp} x tp={par.tp} x pp={par.pp})"
                  if world == par.dp * par.cp * par.tp * par.pp else "")
+        # the one-line fix names the numbers: the nodes the list would need, and the ranks
+        # per node (or ranks in all) that would make the list's length right
+        wanted = -(-world // len(names)) if names else per_node
         return (f"cost.node_devices={shown} names {len(names)} node(s) but the job's {world} "
-                f"ranks{sizes} fill {nodes} node(s) of {per_node} ({said}); give one device "
-                f"per node, or change {said} or the layout")
+                f"ranks{sizes} fill {nodes} node(s) of {per_node} ({said}); give {nodes} "
+                f"devices (one per node), or place {wanted} ranks per node, or use a layout "
+                f"of {len(names) * per_node} ranks")
     return None
 
 
