@@ -41,15 +41,17 @@ def test_each_moe_field_is_a_shape(change, named):
     line = refusal(ModelConfig(**MOE), ModelConfig(**{**MOE, **change}))
     assert named in line and "\n" not in line, line
     key, value = next(iter(change.items()))
-    assert f"set model.{key}={MOE[key]} " in line, line  # the advice gives the saved value
+    new = {"experts": "moe.experts", "moe_ffn_hidden": "moe.ffn_hidden",
+           "moe_every": "moe.every"}[key]
+    assert f"set model.{new}={MOE[key]} " in line, line  # the advice gives the saved value
 
 
 def test_a_dense_checkpoint_as_moe_names_every_differing_field_at_once():
     dense = ModelConfig(**{**MOE, "experts": 0, "ffn_hidden": 64})
     line = refusal(dense, ModelConfig(**{**MOE, "layers": 4}))
-    assert line.startswith("model.layers, model.ffn_hidden, model.experts: "), line
+    assert line.startswith("model.layers, model.ffn_hidden, model.moe.experts: "), line
     assert "has layers=2, ffn=64, experts=0, the config layers=4, ffn=" in line, line
-    assert "set model.layers=2 model.ffn_hidden=64 model.experts=0 to match it" in line, line
+    assert "set model.layers=2 model.ffn_hidden=64 model.moe.experts=0 to match it" in line, line
 
 
 def test_the_moe_only_fields_are_not_compared_when_either_model_is_dense():
@@ -98,12 +100,12 @@ def moe_run(tmp_path_factory) -> Path:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("how", ["resume_from", "init_from"])
 @pytest.mark.parametrize("change, named", [
-    (["model.experts=0"], "model.experts: the checkpoint step_00000002 has experts=4, the "
-                          "config experts=0; set model.experts=4 to match it"),
-    (["model.experts=8"], "experts=4, the config experts=8"),
-    (["model.moe_ffn_hidden=48"], "moe_ffn=32, the config moe_ffn=48"),
-    (["model.moe_every=2", "model.layers=6"],
-     "model.layers, model.moe_every: the checkpoint step_00000002 has layers=4, moe_every=1"),
+    (["model.moe.experts=0"], "model.moe.experts: the checkpoint step_00000002 has experts=4, the "
+                          "config experts=0; set model.moe.experts=4 to match it"),
+    (["model.moe.experts=8"], "experts=4, the config experts=8"),
+    (["model.moe.ffn_hidden=48"], "moe_ffn=32, the config moe_ffn=48"),
+    (["model.moe.every=2", "model.layers=6"],
+     "model.layers, model.moe.every: the checkpoint step_00000002 has layers=4, moe_every=1"),
     (["model.qkv_bias=true", "model.qk_norm=true"],
      "model.qkv_bias, model.qk_norm: the checkpoint step_00000002 has qkv_bias=false, "
      "qk_norm=false, the config qkv_bias=true, qk_norm=true; set model.qkv_bias=false "
@@ -169,7 +171,7 @@ SCALED = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_positions=32
               "model.rope_original_positions=32 (the checkpoint's: 8192)"]),
     ({"norm_eps": 1e-6, "sliding_window": 8, "experts_topk": 1},
      ["model.norm_eps=1e-06", "model.sliding_window=8 (the checkpoint's: null)",
-      "model.experts_topk=1 (the checkpoint's: 2)"]),
+      "model.moe.topk=1 (the checkpoint's: 2)"]),
     ({"rope_factor": 4.0}, []),  # no llama3 scaling on either side: the factor means nothing
 ])
 def test_a_setting_no_weight_depends_on_loads_and_is_named(change, named):

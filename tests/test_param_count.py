@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from hybrid.planning.config import ModelConfig
+from hybrid.planning.moe_config import MoEConfig
 from hybrid.groups import ParallelGroups
 from hybrid.planning.layout import Layout
 from hybrid.planning.cost.sizes import param_count
@@ -70,8 +71,29 @@ FEW_KV_HEADS = {"llama-tiny": [1, 2], "moe-tiny": [1, 2], "smollm-135m": [1, 3],
 grouped-query attention at tp=2; the published shapes of the others)."""
 
 
-SHAPE_FIELDS = {f.name for f in fields(ModelConfig)} - {"from_hf"}
-"""What a preset lists: every field but the HF folder a run may take its shape from instead."""
+SHAPE_FIELDS = {f.name for f in fields(ModelConfig)} - {"from_hf", "moe"}
+"""What every preset lists: every field but the HF folder a run may take its shape from
+instead, and the MoE block (``model.moe``), which only an MoE preset lists."""
+MOE_FIELDS = {f.name for f in fields(MoEConfig)}
+
+
+def assert_complete(listed: dict, name: str) -> None:
+    """A dense preset lists every non-MoE field and no MoE one (neither the ``moe:`` block nor
+    a flat key of before); an MoE preset the whole ``moe:`` block too, with experts > 0."""
+    assert set(listed) - {"moe"} == SHAPE_FIELDS, name
+    if "moe" in listed:
+        assert set(listed["moe"]) == MOE_FIELDS, name
+        assert listed["moe"]["experts"] > 0, f"{name}: a dense preset lists no moe block"
+
+
+def test_the_completeness_rule_refuses_a_dense_preset_with_moe_fields():
+    dense = preset_fields((PRESETS / "llama-tiny.yaml").read_text())
+    moe = preset_fields((PRESETS / "moe-tiny.yaml").read_text())
+    assert_complete(dense, "llama-tiny") is None and assert_complete(moe, "moe-tiny") is None
+    for wrong in ({**dense, "experts": 0}, {**dense, "moe": {**moe["moe"], "experts": 0}},
+                  {**dense, "moe": {"experts": 4}}, {**moe, "moe_aux_loss": 0.01}):
+        with pytest.raises(AssertionError):
+            assert_complete(wrong, "wrong")
 
 
 def test_every_preset_is_a_complete_model_config_that_splits_over_tp():
@@ -80,7 +102,7 @@ def test_every_preset_is_a_complete_model_config_that_splits_over_tp():
     for name in names:
         text = (PRESETS / f"{name}.yaml").read_text()
         assert text.startswith("# "), f"{name}.yaml must start with a comment line"
-        assert set(preset_fields(text)) == SHAPE_FIELDS, name
+        assert_complete(preset_fields(text), name)
         cfg = load_preset(name)
         assert cfg.name == name
         check_model_shape(cfg, 1)

@@ -283,12 +283,12 @@ class Checkpointer:
 
     def _bias_targets(self, path: Path, saved: dict) -> dict:
         """The expert biases to load in place: those the checkpoint holds. A checkpoint
-        saved without them (``model.moe_expert_bias_rate`` was 0, or an older hybrid) leaves
+        saved without them (``model.moe.expert_bias_rate`` was 0, or an older hybrid) leaves
         them at zero, the unbiased routing it was trained with (rank 0 says so)."""
         found = {f"model.{name}": bias for name, bias in self.biases.items()
                  if f"model.{name}" in saved}
         if len(found) < len(self.biases) and self.groups.world.rank() == 0:
             print(f"note: {path} holds no MoE expert bias; the bias starts at zero and "
-                  f"model.moe_expert_bias_rate={self.cfg.model.moe_expert_bias_rate} moves it "
+                  f"model.moe.expert_bias_rate={self.cfg.model.moe.expert_bias_rate} moves it "
                   f"from here", file=sys.stderr, flush=True)
         return found

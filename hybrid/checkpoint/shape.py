@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from hybrid.errors import UserError
+from hybrid.planning.moe_config import nest_model
+from hybrid.planning.moved_keys import get_path
 
 
 class ShapeField(NamedTuple):
@@ -36,16 +38,22 @@ SHAPE_FIELDS = {
     "head_size": ShapeField("head_dim"),
     "qkv_bias": ShapeField("qkv_bias"),
     "qk_norm": ShapeField("qk_norm"),
-    "experts": ShapeField("experts"),
-    "moe_ffn": ShapeField("moe_ffn_hidden", moe_only=True),
-    "moe_every": ShapeField("moe_every", moe_only=True),
-    "moe_dense_layers": ShapeField("moe_dense_layers", moe_only=True),
-    "moe_shared_ffn_hidden": ShapeField("moe_shared_ffn_hidden", moe_only=True),
+    "experts": ShapeField("moe.experts"),
+    "moe_ffn": ShapeField("moe.ffn_hidden", moe_only=True),
+    "moe_every": ShapeField("moe.every", moe_only=True),
+    "moe_dense_layers": ShapeField("moe.dense_layers", moe_only=True),
+    "moe_shared_ffn_hidden": ShapeField("moe.shared_ffn_hidden", moe_only=True),
 }
 """Manifest name -> the setting that decides it. ``kv``, ``ffn``, ``padded_vocab``,
 ``head_size`` and ``moe_ffn`` are resolved sizes. The variants' ``head_dim``, ``qkv_bias`` and
-``qk_norm`` decide which tensors exist and their shapes (Qwen2's biases, Qwen3's norms)."""
-WEIGHT_FREE_FIELDS = ("rope_base", "rope_scaling", "norm_eps", "sliding_window", "experts_topk")
+``qk_norm`` decide which tensors exist and their shapes (Qwen2's biases, Qwen3's norms). The
+manifest names stay those it has always recorded (``moe_every``); the settings are nested
+(``model.moe.every``)."""
+RECORDED_FROM = {"experts": "moe.experts", "moe_every": "moe.every",
+                 "moe_dense_layers": "moe.dense_layers",
+                 "moe_shared_ffn_hidden": "moe.shared_ffn_hidden"}
+"""Manifest name -> the ``ModelConfig`` attribute it records, where they differ."""
+WEIGHT_FREE_FIELDS = ("rope_base", "rope_scaling", "norm_eps", "sliding_window", "moe.topk")
 """``model.*`` settings no weight depends on: a checkpoint loads under another value (a
 context-extension fine-tune changes the rope on purpose, as Megatron and torchtitan allow);
 ``setting_changes`` names those that differ."""
@@ -58,7 +66,8 @@ MODEL_SHAPE_FIELDS = (*SHAPE_FIELDS, "seq_len")
 
 def model_shape(model_cfg) -> dict:
     """The fields of ``MODEL_SHAPE_FIELDS`` of a ``ModelConfig``."""
-    return {name: getattr(model_cfg, name) for name in MODEL_SHAPE_FIELDS}
+    return {name: get_path(model_cfg, RECORDED_FROM.get(name, name))
+            for name in MODEL_SHAPE_FIELDS}
 
 
 def saved_shape(manifest: dict) -> dict:
@@ -67,18 +76,18 @@ def saved_shape(manifest: dict) -> dict:
     key/value head per head, from before the MoE and variant fields reads them from its saved
     config's model (none saved: dense, a head of hidden/heads, no q/k/v bias or norm)."""
     recorded = manifest["model"]
-    saved_model = (manifest.get("config") or {}).get("model") or {}
+    saved_model = nest_model((manifest.get("config") or {}).get("model") or {})
+    moe = saved_model.get("moe") or {}
     hidden, heads = recorded.get("hidden"), recorded.get("heads")
     older = {"family": "gpt2", "kv": heads,
              "head_size": saved_model.get("head_dim") or (hidden // heads if hidden and heads
                                                           else None),
              "qkv_bias": saved_model.get("qkv_bias", False),
              "qk_norm": saved_model.get("qk_norm", False),
-             "experts": saved_model.get("experts", 0),
-             "moe_every": saved_model.get("moe_every", 1),
-             "moe_dense_layers": saved_model.get("moe_dense_layers", []),
-             "moe_shared_ffn_hidden": saved_model.get("moe_shared_ffn_hidden", 0),
-             "moe_ffn": saved_model.get("moe_ffn_hidden") or recorded.get("ffn")}
+             "experts": moe.get("experts", 0), "moe_every": moe.get("every", 1),
+             "moe_dense_layers": moe.get("dense_layers", []),
+             "moe_shared_ffn_hidden": moe.get("shared_ffn_hidden", 0),
+             "moe_ffn": moe.get("ffn_hidden") or recorded.get("ffn")}
     return {name: recorded.get(name, older.get(name)) for name in MODEL_SHAPE_FIELDS}
 
 
@@ -136,13 +145,26 @@ def setting_changes(manifest: dict, model_cfg) -> list[str]:
     """``model.KEY=VALUE (the checkpoint's: SAVED)`` for each weight-free setting
     (``WEIGHT_FREE_FIELDS``) that differs from the checkpoint's saved config; [] where none
     does or the checkpoint saved no config."""
-    saved = (manifest.get("config") or {}).get("model") or {}
+    saved = nest_model((manifest.get("config") or {}).get("model") or {})
     names = list(WEIGHT_FREE_FIELDS)
     if "llama3" in (saved.get("rope_scaling"), model_cfg.rope_scaling):
         names += LLAMA3_FACTORS
-    return [f"model.{name}={_text(getattr(model_cfg, name))} (the checkpoint's: "
-            f"{_text(saved[name])})"
-            for name in names if name in saved and saved[name] != getattr(model_cfg, name)]
+    found = {name: _saved(saved, name) for name in names}
+    return [f"model.{name}={_text(get_path(model_cfg, name))} (the checkpoint's: "
+            f"{_text(found[name])})" for name in names
+            if found[name] is not _ABSENT and found[name] != get_path(model_cfg, name)]
+
+
+_ABSENT = object()
+
+
+def _saved(saved: dict, path: str) -> object:
+    """The value at ``path`` (``moe.topk``) of a saved model section; ``_ABSENT`` if none."""
+    for name in path.split("."):
+        if not isinstance(saved, dict) or name not in saved:
+            return _ABSENT
+        saved = saved[name]
+    return saved
 
 
 def _text(value: object) -> str:

@@ -22,6 +22,7 @@ from typing import Optional
 from hybrid.errors import UserError
 from hybrid.planning.models import model_spec
 from hybrid.planning.models.moe import is_expert_bias
+from hybrid.planning.moe_config import nest_model
 from hybrid.checkpoint.shape import MODEL_SHAPE_FIELDS, check_shape, model_shape  # noqa: F401
 
 MANIFEST = "hybrid.json"
@@ -207,13 +208,15 @@ def _check_expert_bias(manifest: dict, model_cfg, path: Path) -> None:
     """A checkpoint whose MoE layers carry the aux-loss-free expert bias routes by it: a
     model without the bias (rate 0) would drop it and route otherwise, so it is refused."""
     biased = [name for name in manifest.get("tensors", {}) if is_expert_bias(name)]
-    if biased and not (model_cfg.experts and model_cfg.moe_expert_bias_rate > 0):
-        saved = (manifest.get("config") or {}).get("model", {}).get("moe_expert_bias_rate")
+    moe = model_cfg.moe
+    if biased and not (moe.experts and moe.expert_bias_rate > 0):
+        saved_model = nest_model((manifest.get("config") or {}).get("model") or {})
+        saved = (saved_model.get("moe") or {}).get("expert_bias_rate")
         raise CheckpointError(
             f"the checkpoint {path.name} routes with an expert bias in each MoE layer "
-            f"(model.moe_expert_bias_rate={saved} when saved), which a model with "
-            f"model.moe_expert_bias_rate={model_cfg.moe_expert_bias_rate} has no place for; "
-            f"set model.moe_expert_bias_rate > 0 (e.g. {saved}) to keep it")
+            f"(model.moe.expert_bias_rate={saved} when saved), which a model with "
+            f"model.moe.expert_bias_rate={moe.expert_bias_rate} has no place for; "
+            f"set model.moe.expert_bias_rate > 0 (e.g. {saved}) to keep it")
 
 
 def prune(directory: Path, keep: int) -> list[Path]:

@@ -14,12 +14,15 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
+import dataclasses
 import importlib
 
 from hybrid.checkpoint.store import model_shape
 from hybrid.interop.hf_dir import (ConversionError, hf_config as read_config, hf_tokenizer,
                                    read_hf_weights, require_safetensors, write_hf_dir)
 from hybrid.planning.config import ModelConfig
+from hybrid.planning.model_config import setting_paths
+from hybrid.planning.moved_keys import get_path
 from hybrid.planning.models import MODELS, family_for_hf, model_spec
 
 
@@ -177,9 +180,8 @@ def import_hf(hf_dir: str, out: str) -> Path:
     from hybrid.checkpoint.weights import write_weights_checkpoint  # torch: once data is read
     from hybrid.interop.hf_stream import streamed_import
 
-    fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
     manifest = dict(model_shape=model_shape(model),
-                    config={"model": fields, "hf": carried_values(config)},
+                    config={"model": dataclasses.asdict(model), "hf": carried_values(config)},
                     source=str(Path(hf_dir).resolve()), tokenizer=record,
                     tokenizer_json=tokenizer_json)
     if not has_safetensors(hf_dir):
@@ -199,7 +201,7 @@ def has_safetensors(hf_dir: str) -> bool:
 SHAPE_OVERRIDES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                    "seq_len", "tie_embeddings", "norm_eps", "rope_base")
 """Always written, whatever the base config says: the shape a reader checks first."""
-MOE_OVERRIDES = ("experts", "experts_topk", "moe_ffn_hidden", "moe_every", "moe_aux_loss")
+MOE_OVERRIDES = ("moe.experts", "moe.topk", "moe.ffn_hidden", "moe.every", "moe.aux_loss")
 """Added for a model with experts (an imported Mixtral); its aux-loss coefficient too, so a
 run started from the printed line trains with the coefficient the model came with."""
 RUN_FIELDS = ("name", "from_hf", "vocab_pad_multiple", "recompute")
@@ -214,12 +216,12 @@ def shape_overrides(model: ModelConfig) -> list[str]:
     model (``ModelConfig()``, which ``conf/model/tiny.yaml`` repeats): a variant's
     ``head_dim``, ``qkv_bias``, ``qk_norm``, rope scaling, window."""
     base = ModelConfig()
-    always = SHAPE_OVERRIDES + (MOE_OVERRIDES if model.experts else ())
-    names = [*always, *(name for name in ModelConfig.__dataclass_fields__
+    always = SHAPE_OVERRIDES + (MOE_OVERRIDES if model.moe.experts else ())
+    names = [*always, *(name for name in setting_paths()
                         if name not in always and name not in RUN_FIELDS
-                        and getattr(model, name) != getattr(base, name))]
-    return [f"model.{name}={override_text(getattr(model, name))}" for name in names
-            if name not in always or getattr(model, name) is not None]
+                        and get_path(model, name) != get_path(base, name))]
+    return [f"model.{name}={override_text(get_path(model, name))}" for name in names
+            if name not in always or get_path(model, name) is not None]
 
 
 def override_text(value: object) -> str:

@@ -52,7 +52,7 @@ def with_hf_shape(cfg, typed: Iterable[str] = ()):
                               f"{source.seq_len}")
     shape = {f.name: getattr(source, f.name) for f in dataclasses.fields(source)
              if f.name not in KEPT}
-    _refuse_typed_shape(typed_model_fields(typed), wanted, shape)
+    _refuse_typed_shape(typed_model_fields(typed), wanted, source)
     model = dataclasses.replace(wanted, **shape, name=f"hf:{Path(wanted.from_hf).name}")
     return dataclasses.replace(cfg, model=model)
 
@@ -63,13 +63,17 @@ def typed_model_fields(overrides: Iterable[str]) -> list[str]:
     return [key[len("model."):] for key in keys if key.startswith("model.")]
 
 
-def _refuse_typed_shape(typed: list[str], wanted, shape: dict) -> None:
-    """A shape field the user typed that the HF folder's config sets otherwise: training
-    would silently use the folder's, so it is refused in one line."""
+def _refuse_typed_shape(typed: list[str], wanted, source) -> None:
+    """A shape field the user typed (``moe.topk`` for the MoE ones) that the HF folder's
+    config (``source``) sets otherwise: training would silently use the folder's, so it is
+    refused in one line."""
     from hybrid.checkpoint.shape import LLAMA3_FACTORS, WEIGHT_FREE_FIELDS
+    from hybrid.planning.model_config import setting_paths
+    from hybrid.planning.moved_keys import get_path
 
+    shape = {name: get_path(source, name) for name in setting_paths() if name not in KEPT}
     for name in typed:
-        value = getattr(wanted, name, None)
+        value = get_path(wanted, name) if name in shape else None
         if name not in shape or value == shape[name]:
             continue
         fix = (f"drop model.{name}=... (model.seq_len, vocab_pad_multiple and recompute stay "

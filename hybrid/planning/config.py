@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from hybrid.planning.dp_config import FLAT_KEYS, DpStrategyConfig, flat_keys
+from hybrid.planning.dp_config import DpStrategyConfig, flat_keys
 from hybrid.planning.model_config import ModelConfig
 from hybrid.planning.run_config import CheckpointConfig, LauncherConfig
 
@@ -65,10 +65,10 @@ class ParallelConfig:
     """Context-parallel size: each sequence is split over this many ranks (two of 2*cp chunks
     each, zigzag), attention passes keys and values around them; for long sequences."""
     ep: int = 1
-    """Expert-parallel size (model.experts > 0): the experts of each MoE layer are spread over
+    """Expert-parallel size (model.moe.experts > 0): the experts of each MoE layer are spread over
     this many ranks carved out of dp x cp (megatron's tp-cp-ep-dp-pp), tokens reach them by
     all-to-all; an expert's gradient is averaged over the dp*cp/ep ranks holding the same
-    experts (docs/moe.md). Must divide dp*cp and model.experts."""
+    experts (docs/moe.md). Must divide dp*cp and model.moe.experts."""
     cp_comm: str = "p2p"
     """How attention's keys and values cross the context group: p2p (around the ring, block by
     block, behind each block's compute) | allgather (one all-gather of all of them)."""
@@ -311,7 +311,7 @@ def from_dict(data: dict, cls: type = Config) -> Any:
     types = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
-        if cls is ParallelConfig and key in FLAT_KEYS:  # a config.json of before
+        if key in getattr(cls, "flat_keys_of_before", ()):  # a config.json of before
             kwargs[key] = value
             continue
         if key not in types:

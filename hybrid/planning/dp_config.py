@@ -11,9 +11,9 @@ rewrite them on the command line (``launch.commands.app.new_overrides``).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+
+from hybrid.planning import moved_keys
 
 
 @dataclass(kw_only=True)
@@ -96,43 +96,6 @@ def new_key(flat: str) -> str:
     return f"{SECTION}.{FLAT_KEYS[flat]}"
 
 
-def _get(settings: DpStrategyConfig, path: str) -> Any:
-    for name in path.split("."):
-        settings = getattr(settings, name)
-    return settings
-
-
-def _with(settings: Any, path: str, value: Any) -> Any:
-    """A copy of ``settings`` with ``path`` set (the nested dataclasses are never mutated:
-    ``replace`` shares them between configs)."""
-    head, _, rest = path.partition(".")
-    return replace(settings, **{head: _with(getattr(settings, head), rest, value)
-                                if rest else value})
-
-
-def _alias(path: str) -> property:
-    def get(self):
-        return _get(getattr(self, SECTION), path)
-
-    def put(self, value):
-        setattr(self, SECTION, _with(getattr(self, SECTION), path, value))
-    return property(get, put, doc=f"The flat name of ``{SECTION}.{path}``.")
-
-
-def flat_keys(cls: type) -> type:
-    """Give a dataclass with a ``dp_strategy`` field the flat keys: each an attribute (read
-    and written through to its new place) and an argument of ``__init__`` (so
-    ``dataclasses.replace(parallel, zero=1)`` works), applied after the fields."""
-    for flat, path in FLAT_KEYS.items():
-        setattr(cls, flat, _alias(path))
-    generated = cls.__init__
-
-    @functools.wraps(generated)
-    def __init__(self, **kwargs):
-        given = {flat: kwargs.pop(flat) for flat in FLAT_KEYS if flat in kwargs}
-        generated(self, **kwargs)
-        for flat, value in given.items():
-            setattr(self, flat, value)
-
-    cls.__init__ = __init__
-    return cls
+flat_keys = moved_keys.flat_keys(SECTION, FLAT_KEYS)
+"""Give a dataclass with a ``dp_strategy`` field the flat keys (``hybrid.planning.moved_keys``:
+attributes read and written through, arguments of ``__init__``)."""

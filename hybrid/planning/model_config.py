@@ -1,12 +1,16 @@
 """The schema of the model (``model.*``): the family, its shape and its options, one keyword-only
-dataclass, a field of ``hybrid.planning.config.Config`` (``conf/model/*.yaml`` are its presets)."""
+dataclass, a field of ``hybrid.planning.config.Config`` (``conf/model/*.yaml`` are its presets),
+with the mixture-of-experts settings nested under ``model.moe`` (``moe_config``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+from hybrid.planning.moe_config import MoEConfig, as_moe_config, flat_keys
 
 
+@flat_keys
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "tiny"
@@ -76,53 +80,26 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     """Each token attends to itself and the sliding_window - 1 tokens before it (family llama:
     Mistral); None means full causal attention."""
-    experts: int = 0
-    """Mixture of experts (family llama; docs/moe.md): experts per MoE layer, whose sparse MLP
-    replaces the SwiGLU MLP; 0 = a dense model."""
-    experts_topk: int = 2
-    """Experts each token is routed to (experts > 0)."""
-    moe_ffn_hidden: Optional[int] = None
-    """One expert's SwiGLU inner size; None means ffn_hidden."""
-    moe_every: int = 1
-    """Every this many layers is an MoE layer, starting with the first (megatron's
-    moe_layer_freq); the others keep the dense MLP."""
-    moe_dense_layers: List[int] = field(default_factory=list)
-    """Layers (1..layers) that keep the dense MLP though moe_every would make them MoE layers
-    (HF's mlp_only_layers, counted from 1; DeepSeek's first_k_dense_replace=k is [1..k])."""
-    moe_shared_ffn_hidden: int = 0
-    """A shared expert in every MoE layer: a SwiGLU of this inner size that every token goes
-    through, its output scaled by a sigmoid gate (Qwen2-MoE's shared_expert_intermediate_size
-    and shared_expert_gate); 0 = none."""
-    moe_norm_topk_prob: bool = True
-    """Renormalise the chosen experts' router probabilities to sum to 1 (Mixtral; HF's
-    norm_topk_prob); false: each expert's weight is its softmax probability over all experts
-    (Qwen2-MoE). Only with moe_router=softmax_topk."""
-    moe_aux_loss: float = 0.0
-    """Coefficient of the Switch/GShard load-balancing loss added to each MoE layer's
-    gradient (0 = off; 0.01 is common)."""
-    moe_capacity_factor: Optional[float] = None
-    """None: dropless (every routed token is computed). A number > 0: each expert takes at
-    most ceil(factor * tokens * topk / experts) of a micro-batch's tokens, in token order,
-    and drops the rest."""
-    moe_expert_bias_rate: float = 0.0
-    """Auxiliary-loss-free load balancing (DeepSeek-V3; megatron's
-    moe_router_bias_update_rate): each MoE layer keeps a per-expert bias, added to the router's
-    probabilities only to choose the top-k, and after every optimizer step moved by this rate
-    toward an even load (sign of the mean load minus each expert's, over the whole global
-    batch). 0 = off (no bias); 1e-3 is megatron's default."""
-    moe_router: str = "softmax_topk"
-    """softmax_topk (Mixtral: softmax over the experts, top-k, renormalised) | topk_softmax
-    (top-k of the logits, softmax over those k: megatron's default; the same weights in exact
-    arithmetic)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts (``model.moe.experts=8``; ``hybrid.planning.moe_config``, docs/moe.md):
+    empty in a dense preset (experts=0). The flat keys of before (``model.experts``,
+    ``model.moe_aux_loss``, ...) still work: see below."""
+
+    def __post_init__(self):
+        self.moe = as_moe_config(self.moe)  # a saved config's dict, or cache_key's pairs
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
 
+    def with_moe(self, **changes) -> "ModelConfig":
+        """A copy with ``changes`` to the MoE settings (``cfg.with_moe(every=2)``)."""
+        return replace(self, moe=replace(self.moe, **changes))
+
     @property
     def moe_ffn(self) -> int:
-        """One expert's inner size (``moe_ffn_hidden``, or ``ffn``)."""
-        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
+        """One expert's inner size (``moe.ffn_hidden``, or ``ffn``)."""
+        return self.moe.ffn_hidden if self.moe.ffn_hidden is not None else self.ffn
 
     def is_moe_layer(self, block_id: int) -> bool:
         """Whether block ``block_id`` (1..layers) has a sparse MLP: its layer spec's
@@ -132,10 +109,9 @@ class ModelConfig:
         return layer_spec(self, block_id).moe
 
     def cache_key(self) -> tuple:
-        """The fields as a hashable tuple (a list made a tuple): what the planning caches key
-        a model by; ``ModelConfig(**dict(key))`` builds it back."""
-        return tuple((name, tuple(value) if isinstance(value, list) else value)
-                     for name, value in vars(self).items())
+        """The fields as a hashable tuple (a list made a tuple, ``moe`` a tuple of pairs): what
+        the planning caches key a model by; ``ModelConfig(**dict(key))`` builds it back."""
+        return tuple((name, _hashable(value)) for name, value in vars(self).items())
 
     @property
     def head_size(self) -> int:
@@ -151,3 +127,16 @@ class ModelConfig:
     def padded_vocab(self) -> int:
         m = self.vocab_pad_multiple
         return -(-self.vocab // m) * m
+
+
+def setting_paths() -> list[str]:
+    """Every ``model.*`` setting as the command line writes it, the MoE ones by their nested
+    path (``moe.topk``): what ``hybrid.planning.moved_keys.get_path`` reads."""
+    return [f.name for f in fields(ModelConfig) if f.name != "moe"] + \
+        [f"moe.{f.name}" for f in fields(MoEConfig)]
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, MoEConfig):
+        return tuple((f.name, _hashable(getattr(value, f.name))) for f in fields(value))
+    return tuple(value) if isinstance(value, list) else value

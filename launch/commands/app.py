@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybrid.errors import USER_ERROR_EXIT
 from hybrid.planning.config import Config, PlanConfig
-from hybrid.planning.dp_config import FLAT_KEYS, new_key
+from hybrid.planning import dp_config, moe_config
 from hybrid.files import RunDirError
 from launch.launchers.failures import interrupted_by
 
@@ -35,17 +35,26 @@ def register_schemas() -> None:
     store.store(name="plan_schema", node=PlanConfig)
 
 
+MOVED = {"parallel": (dp_config, "ParallelConfig", "(or choose a file of conf/parallel/dp: "
+                                                   "parallel/dp=NAME)"),
+         "model": (moe_config, "ModelConfig", "")}
+"""Section -> the module whose ``FLAT_KEYS`` and ``new_key`` say where its flat keys of
+before went (``hybrid.planning.moved_keys``), the schema class Hydra names in its error, and
+where to read on."""
+
+
 def new_overrides(overrides: list[str]) -> list[str]:
-    """``overrides`` with the DP strategies' flat keys of before in their new places
-    (``parallel.zero=3`` -> ``parallel.dp_strategy.zero.stage=3``; ``hybrid.planning.dp_config``),
-    so every command line written for them still runs."""
+    """``overrides`` with the flat keys of before in their new places (``parallel.zero=3`` ->
+    ``parallel.dp_strategy.zero.stage=3``, ``model.experts=4`` -> ``model.moe.experts=4``:
+    ``MOVED``), so every command line written for them still runs."""
     out = []
     for text in overrides:
         sign = text[:len(text) - len(text.lstrip("+~"))]
         key, eq, value = text[len(sign):].partition("=")
-        flat = key.removeprefix("parallel.")
-        if key.startswith("parallel.") and flat in FLAT_KEYS:
-            text = f"{sign}parallel.{new_key(flat)}{eq}{value}"
+        section, _, flat = key.partition(".")
+        moved = MOVED.get(section)
+        if moved and flat in moved[0].FLAT_KEYS:
+            text = f"{sign}{section}.{moved[0].new_key(flat)}{eq}{value}"
         out.append(text)
     return out
 
@@ -126,12 +135,13 @@ def composition_error(err: BaseException) -> str:
 
 
 def _moved_key(message: str) -> str:
-    """For a flat DP key in a YAML file (``Key 'zero' not in 'ParallelConfig'``): where it
-    lives now (the command line's are rewritten: ``new_overrides``)."""
-    for flat in FLAT_KEYS:
-        if f"Key '{flat}' not in 'ParallelConfig'" in message:
-            return (f"; parallel.{flat} is now parallel.{new_key(flat)} (or choose a file of "
-                    f"conf/parallel/dp: parallel/dp=NAME)")
+    """For a flat key of before in a YAML file (``Key 'zero' not in 'ParallelConfig'``,
+    ``Key 'experts' not in 'ModelConfig'``): where it lives now (the command line's are
+    rewritten: ``new_overrides``)."""
+    for section, (module, schema, more) in MOVED.items():
+        for flat in module.FLAT_KEYS:
+            if f"Key '{flat}' not in '{schema}'" in message:
+                return f"; {section}.{flat} is now {section}.{module.new_key(flat)} {more}".rstrip()
     return ""
 
 

@@ -14,6 +14,7 @@ import inspect
 from pathlib import Path
 
 from hybrid.planning import config as schema
+from hybrid.planning import moe_config
 from hybrid.planning.dp_config import FLAT_KEYS, SECTION, new_key
 from launch.commands.app import CONF_DIR
 
@@ -76,6 +77,8 @@ def render() -> str:
         lines.append("")
         if cls is schema.ParallelConfig:
             lines += _flat_dp_keys()
+        if cls is schema.ModelConfig:
+            lines += _flat_moe_keys()
     return "\n".join(lines + _plan_only())
 
 
@@ -99,6 +102,17 @@ def _flat_dp_keys() -> list[str]:
              "The flat keys of before still work, on the command line and in Python; in a "
              "YAML file, write the new key.", "", "| flat key | now |", "| --- | --- |"]
     lines += [f"| `parallel.{flat}` | `parallel.{new_key(flat)}` |" for flat in FLAT_KEYS]
+    return lines + [""]
+
+
+def _flat_moe_keys() -> list[str]:
+    """The MoE settings' flat keys of before, each with its new place."""
+    lines = ["A dense preset lists no `model.moe.*` key (experts=0); an MoE preset "
+             "(`conf/model/moe-tiny.yaml`) lists a `moe:` block. The flat keys of before still "
+             "work, on the command line, in Python and in a saved config or checkpoint; in a "
+             "YAML file, write the new key.", "", "| flat key | now |", "| --- | --- |"]
+    lines += [f"| `model.{flat}` | `model.{moe_config.new_key(flat)}` |"
+              for flat in moe_config.FLAT_KEYS]
     return lines + [""]
 
 
