@@ -1,5 +1,5 @@
 """Pipeline stages of a model whose first layers are dense and the rest MoE (Qwen2-MoE's
-kinds: ``model.moe_dense_layers``, a shared expert), split by layer count
+kinds: ``model.moe.dense_layers``, a shared expert), split by layer count
 (``parallel.partition=uniform``) and by the ranks' per-kind timings (``=measured``: one layer
 of each kind timed before training, ``hybrid.pipeline.calibrate``). Trains each through
 ``hybrid-train`` on pp2 and prints the layers per stage and each stage's measured compute
@@ -23,12 +23,12 @@ from cost_vs_measured import read_run, train  # bench/ is on the path when a ben
 
 MODEL = ["parallel=single", "parallel.pp=2", "data=synthetic", "model=moe-tiny",
          "model.layers=12", "model.hidden=128", "model.heads=4", "model.kv_heads=2",
-         "model.ffn_hidden=256", "model.seq_len=128", "model.experts=4", "model.experts_topk=2",
-         "model.moe_ffn_hidden=128", "model.moe_shared_ffn_hidden=128",
-         "model.moe_dense_layers=[1,2,3,4]", "train.global_batch=8", "train.micro_batch=2",
+         "model.ffn_hidden=256", "model.seq_len=128", "model.moe.experts=4", "model.moe.topk=2",
+         "model.moe.ffn_hidden=128", "model.moe.shared_ffn_hidden=128",
+         "model.moe.dense_layers=[1,2,3,4]", "train.global_batch=8", "train.micro_batch=2",
          "train.log_every=100", "train.timeline_step=0", "optim.warmup_steps=0"]
 SMOKE_JOB = ["model.layers=6", "model.hidden=32", "model.ffn_hidden=64", "model.seq_len=32",
-             "model.moe_ffn_hidden=32", "model.moe_shared_ffn_hidden=32"]
+             "model.moe.ffn_hidden=32", "model.moe.shared_ffn_hidden=32"]
 
 
 def stage_seconds(run_dir: Path) -> list[float]:

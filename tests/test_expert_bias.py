@@ -1,4 +1,4 @@
-"""The aux-loss-free expert bias (``model.moe_expert_bias_rate``, docs/moe.md), in process:
+"""The aux-loss-free expert bias (``model.moe.expert_bias_rate``, docs/moe.md), in process:
 it chooses the top k and leaves the combine weights unbiased, it moves a skewed load toward
 even, a layer counts its routed slots and the update resets them, the plan predicts the
 update's all-reduce, checkpoints and HF export treat it as documented. Its layout invariance,
@@ -168,7 +168,7 @@ def test_the_plan_predicts_the_bias_all_reduce(parallel):
     ranks = parallel["dp"] * parallel.get("cp", 1)  # the ranks with other tokens; not tp
     for pp_rank in range(parallel.get("pp", 1)):
         layers = model.layers // parallel.get("pp", 1)  # each stage its own layers' counts
-        payload = layers * model.experts * 8  # int64 routed slots
+        payload = layers * model.moe.experts * 8  # int64 routed slots
         extra = rank_dp_bytes(on, plan_on, pp_rank, 2) - rank_dp_bytes(off, plan_off, pp_rank, 2)
         assert extra == 2 * (ranks - 1) / ranks * payload
         assert plan_dict(plan_on)["experts"]["expert_bias_bytes_per_step"][pp_rank] == extra
@@ -190,7 +190,7 @@ def test_a_checkpoint_with_expert_biases_needs_the_bias_on_before_launch():
     with pytest.raises(CheckpointError) as err:
         check_model_matches(_manifest(biased), preset("moe-tiny"), Path("step_00000003"))
     line = str(err.value)
-    assert "\n" not in line and "set model.moe_expert_bias_rate > 0 (e.g. 0.01)" in line
+    assert "\n" not in line and "set model.moe.expert_bias_rate > 0 (e.g. 0.01)" in line
 
 
 def test_hf_export_drops_a_zero_bias_and_refuses_a_moved_one():
@@ -200,7 +200,7 @@ def test_hf_export_drops_a_zero_bias_and_refuses_a_moved_one():
 
     model = replace(preset("moe-tiny"), moe_expert_bias_rate=0.01)
     weights = {name: torch.zeros(spec.shape) for name, spec in model_param_specs(model).items()}
-    biases = {f"blocks.{b}.mlp.expert_bias": torch.zeros(model.experts)
+    biases = {f"blocks.{b}.mlp.expert_bias": torch.zeros(model.moe.experts)
               for b in range(1, model.layers + 1)}
     assert to_hf({**weights, **biases}, model).keys() == to_hf(weights, model).keys()
     biases["blocks.2.mlp.expert_bias"][1] = -0.03

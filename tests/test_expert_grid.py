@@ -64,7 +64,7 @@ def test_an_order_that_keeps_cp_apart_from_dp_is_refused_for_ep():
 @pytest.mark.parametrize("ep, experts, needle", [
     (3, 0, "parallel.ep=3 does not divide dp*cp=4 (the ranks experts are spread over); choose "
            "ep in {1, 2, 4}"),
-    (4, 6, "parallel.ep=4 does not divide model.experts=6; choose ep in {1, 2}"),
+    (4, 6, "parallel.ep=4 does not divide model.moe.experts=6; choose ep in {1, 2}"),
     (0, 0, "parallel.ep=0 must be an integer >= 1"),
 ])
 def test_a_bad_ep_is_one_line(ep, experts, needle):

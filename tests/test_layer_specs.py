@@ -95,11 +95,11 @@ def test_route_leaves_the_top_k_unnormalised_when_asked():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"moe_dense_layers": [0]}, "model.moe_dense_layers=[0] holds 0, not a layer; list layers "
+    ({"moe_dense_layers": [0]}, "model.moe.dense_layers=[0] holds 0, not a layer; list layers "
                                 "in 1..8"),
-    ({"moe_shared_ffn_hidden": -1}, "model.moe_shared_ffn_hidden=-1 must be an integer >= 0"),
-    ({"moe_router": "topk_softmax"}, "model.moe_norm_topk_prob=false needs "
-                                     "model.moe_router=softmax_topk"),
+    ({"moe_shared_ffn_hidden": -1}, "model.moe.shared_ffn_hidden=-1 must be an integer >= 0"),
+    ({"moe_router": "topk_softmax"}, "model.moe.norm_topk_prob=false needs "
+                                     "model.moe.router=softmax_topk"),
 ])
 def test_bad_layer_settings_are_one_line(change, needle):
     with pytest.raises(LayoutError) as err:
@@ -109,7 +109,7 @@ def test_bad_layer_settings_are_one_line(change, needle):
 
 def test_tp_must_divide_the_shared_expert():
     with pytest.raises(LayoutError, match=r"parallel.tp=2 does not divide "
-                                          r"model.moe_shared_ffn_hidden=7; choose tp in \{1\}"):
+                                          r"model.moe.shared_ffn_hidden=7; choose tp in \{1\}"):
         check_model_shape(replace(QWEN_LIKE, moe_shared_ffn_hidden=7), tp=2)
 
 

@@ -84,9 +84,9 @@ def test_import_then_export_gives_every_tensor_back(layout, hf_dirs, tmp_path):
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
     assert manifest["config"]["model"]["experts"] == 4
-    assert "model.experts=4" in done.stdout and "model.experts_topk=2" in done.stdout
+    assert "model.moe.experts=4" in done.stdout and "model.moe.topk=2" in done.stdout
     assert manifest["config"]["model"]["moe_aux_loss"] == AUX_LOSS
-    assert f"model.moe_aux_loss={AUX_LOSS}" in done.stdout  # the use: line trains with it
+    assert f"model.moe.aux_loss={AUX_LOSS}" in done.stdout  # the use: line trains with it
     done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
     assert done.returncode == 0, done.stderr
     exported = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -13,7 +13,7 @@ import torch
 from hybrid.testing.accounting import checked_records
 from test_llama import assert_same_losses, preset, run_train
 
-MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01", "train.grad_clip=0.5"]
+MOE = ["model=moe-tiny", "model.moe.expert_bias_rate=0.01", "train.grad_clip=0.5"]
 """moe-tiny with the aux-loss-free expert bias on too (every run below, the reference's as
 well): each layout's losses and final biases are the 1-process run's. Clipped at 0.5, below
 every step's norm (0.62-0.69): AdamW is blind to a gradient's scale, clipping is not, so an
@@ -138,7 +138,7 @@ def _assert_moe_metrics(records, name, reference):
     cp = 2 if "cp2" in name else 1
     dp = 4 if "dp4" in name else 2 if ("dp2" in name) else 1
     microbatches = 8 // 2 // dp
-    slots = layers * microbatches * 2 * cfg.seq_len // cp * cfg.experts_topk
+    slots = layers * microbatches * 2 * cfg.seq_len // cp * cfg.moe.topk
     for record in records:
         moe = record["moe"]
         assert sum(moe["tokens_per_expert"]) == slots and moe["dropped"] == 0, (moe, slots)
@@ -212,7 +212,7 @@ def final_weights(run_dir) -> dict:
 
 
 def test_the_aux_loss_changes_the_training(moe_reference, tmp_path):
-    done = run_train(tmp_path, *MOE, "parallel=single", "model.moe_aux_loss=0")
+    done = run_train(tmp_path, *MOE, "parallel=single", "model.moe.aux_loss=0")
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [r["loss"] for r in checked_records(tmp_path)]
     assert losses[0] == moe_reference[0] and losses[-1] != moe_reference[-1]

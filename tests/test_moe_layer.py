@@ -17,7 +17,7 @@ from hybrid.planning.params import model_param_specs
 from hybrid.planning.validate import check_model_shape
 from test_llama import preset, run_train
 
-MOE = ["model=moe-tiny", "model.moe_expert_bias_rate=0.01"]
+MOE = ["model=moe-tiny", "model.moe.expert_bias_rate=0.01"]
 """moe-tiny with the aux-loss-free expert bias on too (every run below, the reference's as
 well): each layout's losses and final biases are the 1-process run's."""
 
@@ -26,7 +26,7 @@ well): each layout's losses and final biases are the 1-process run's."""
 def test_moe_layers_carry_a_router_and_stacked_experts_with_the_expert_placement():
     cfg = replace(preset("moe-tiny"), moe_every=2)
     specs = model_param_specs(cfg)
-    e, f, h = cfg.experts, cfg.moe_ffn, cfg.hidden
+    e, f, h = cfg.moe.experts, cfg.moe_ffn, cfg.hidden
     assert specs["blocks.1.mlp.router.weight"].shape == (e, h)
     assert specs["blocks.1.mlp.router.weight"].placement == DENSE
     assert specs["blocks.1.mlp.router.weight"].sequence_partial  # partial over TP
@@ -42,12 +42,12 @@ def test_moe_layers_carry_a_router_and_stacked_experts_with_the_expert_placement
 def test_param_count_and_flops_know_the_experts():
     dense = replace(preset("moe-tiny"), experts=0)
     cfg = replace(preset("moe-tiny"), moe_every=2)
-    h, e, f = cfg.hidden, cfg.experts, cfg.moe_ffn
+    h, e, f = cfg.hidden, cfg.moe.experts, cfg.moe_ffn
     per_moe = e * h + 3 * e * f * h - 3 * h * dense.ffn  # router + experts - SwiGLU
     assert param_count(cfg) == param_count(dense) + 2 * per_moe
     assert sum(b.total for b in block_params(cfg)) == param_count(cfg)
     tokens = cfg.seq_len
-    moe_mlp = tokens * (2 * e * h + cfg.experts_topk * 6 * h * f)
+    moe_mlp = tokens * (2 * e * h + cfg.moe.topk * 6 * h * f)
     dense_mlp = 6 * tokens * h * dense.ffn
     assert cfg.layers * layer_forward_flops(cfg, 1) == pytest.approx(
         cfg.layers * layer_forward_flops(dense, 1) + 2 * (moe_mlp - dense_mlp))
@@ -100,16 +100,16 @@ def test_the_aux_loss_adds_its_scaled_gradient_and_leaves_the_output_alone():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"experts_topk": 5}, "model.experts_topk=5 exceeds model.experts=4; choose experts_topk "
+    ({"experts_topk": 5}, "model.moe.topk=5 exceeds model.moe.experts=4; choose experts_topk "
                           "in 1..4"),
-    ({"moe_capacity_factor": 0.0}, "model.moe_capacity_factor=0.0 must be a number > 0"),
-    ({"moe_capacity_factor": -1.0}, "model.moe_capacity_factor=-1.0 must be a number > 0"),
-    ({"moe_aux_loss": -0.1}, "model.moe_aux_loss=-0.1 must be a number >= 0"),
-    ({"moe_every": 0}, "model.moe_every=0 must be an integer >= 1"),
-    ({"experts": -2}, "model.experts=-2 must be an integer >= 1"),
-    ({"moe_expert_bias_rate": -0.001}, "model.moe_expert_bias_rate=-0.001 must be a number "
+    ({"moe_capacity_factor": 0.0}, "model.moe.capacity_factor=0.0 must be a number > 0"),
+    ({"moe_capacity_factor": -1.0}, "model.moe.capacity_factor=-1.0 must be a number > 0"),
+    ({"moe_aux_loss": -0.1}, "model.moe.aux_loss=-0.1 must be a number >= 0"),
+    ({"moe_every": 0}, "model.moe.every=0 must be an integer >= 1"),
+    ({"experts": -2}, "model.moe.experts=-2 must be an integer >= 1"),
+    ({"moe_expert_bias_rate": -0.001}, "model.moe.expert_bias_rate=-0.001 must be a number "
                                         ">= 0"),
-    ({"moe_router": "sinkhorn"}, "model.moe_router='sinkhorn' is not one of softmax_topk, "
+    ({"moe_router": "sinkhorn"}, "model.moe.router='sinkhorn' is not one of softmax_topk, "
                                  "topk_softmax"),
     ({"moe_ffn_hidden": 31}, None),  # tp=2 below does not split 31
 ])
@@ -120,22 +120,22 @@ def test_bad_moe_settings_are_one_line(change, needle):
     line = str(err.value)
     assert "\n" not in line
     if needle is None:
-        needle = "parallel.tp=2 does not divide model.moe_ffn_hidden=31; choose tp in {1}"
+        needle = "parallel.tp=2 does not divide model.moe.ffn_hidden=31; choose tp in {1}"
     assert needle in line
 
 
 def test_gpt2_with_experts_is_refused_naming_the_family():
     cfg = ModelConfig(experts=4)
-    with pytest.raises(LayoutError, match="model.experts=4 asks for a mixture of experts, "
+    with pytest.raises(LayoutError, match="model.moe.experts=4 asks for a mixture of experts, "
                                           "which model.family=gpt2 has not"):
         check_model_shape(cfg, 1)
 
 
 def test_bad_moe_setting_exits_2_with_one_line_before_launch(tmp_path):
-    done = run_train(tmp_path, *MOE, "model.experts_topk=8", timeout=90)
+    done = run_train(tmp_path, *MOE, "model.moe.topk=8", timeout=90)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "model.experts_topk=8 exceeds model.experts=4" in lines[0]
+    assert len(lines) == 1 and "model.moe.topk=8 exceeds model.moe.experts=4" in lines[0]
     assert "Traceback" not in done.stderr and not (tmp_path / "config.json").exists()
 
 
@@ -168,8 +168,8 @@ EP = ["model=moe-tiny", "data=synthetic", "parallel=single", "parallel.dp=2", "p
 @pytest.mark.parametrize("overrides, needle", [
     (["parallel.ep=4"], "parallel.ep=4 does not divide dp*cp=2 (the ranks experts are spread "
                         "over); choose ep in {1, 2}"),
-    (["model.experts=3"], "parallel.ep=2 does not divide model.experts=3; choose ep in {1}"),
-    (["model.experts=0"], "parallel.ep=2 spreads experts, but model.experts=0"),
+    (["model.moe.experts=3"], "parallel.ep=2 does not divide model.moe.experts=3; choose ep in {1}"),
+    (["model.moe.experts=0"], "parallel.ep=2 spreads experts, but model.moe.experts=0"),
 ])
 def test_a_bad_expert_parallel_setting_is_one_line_before_launch(overrides, needle, tmp_path):
     from refusals import refusal_in_process

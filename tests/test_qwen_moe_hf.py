@@ -77,8 +77,8 @@ def test_import_then_export_gives_every_tensor_back(hf_dir, tmp_path):
     assert (model["experts"], model["moe_dense_layers"], model["moe_shared_ffn_hidden"],
             model["moe_norm_topk_prob"], model["qkv_bias"], model["moe_aux_loss"]) == \
         (4, [1], 40, False, True, AUX_LOSS)
-    assert "model.moe_dense_layers=[1]" in done.stdout
-    assert "model.moe_norm_topk_prob=false" in done.stdout
+    assert "model.moe.dense_layers=[1]" in done.stdout
+    assert "model.moe.norm_topk_prob=false" in done.stdout
     done = run(BIN / "hybrid-ckpt", "export", tmp_path / "imported", tmp_path / "out",
                "--format", "hf")
     assert done.returncode == 0, done.stderr
@@ -163,7 +163,7 @@ def test_a_qwen3_moe_with_a_sparse_step_round_trips_and_gives_hfs_logits(tmp_pat
     model.save_pretrained(tmp_path / "hf")
     done = run(BIN / "hybrid-ckpt", "import", tmp_path / "hf", tmp_path / "imported")
     assert done.returncode == 0, done.stderr
-    assert "model.moe_dense_layers=[1,3]" in done.stdout and "model.qk_norm=true" in done.stdout
+    assert "model.moe.dense_layers=[1,3]" in done.stdout and "model.qk_norm=true" in done.stdout
     done = run(BIN / "hybrid-ckpt", "export", tmp_path / "imported", tmp_path / "out",
                "--format", "hf")
     assert done.returncode == 0, done.stderr

@@ -2,9 +2,9 @@
 config. ``hybrid.interop.llama_family`` hands a model with ``experts > 0`` (or a ``mixtral``
 config.json) to this module.
 
-Mixtral is Llama with a sparse MLP in every layer (``moe_every=1``): a router ``gate`` and
+Mixtral is Llama with a sparse MLP in every layer (``moe.every=1``): a router ``gate`` and
 ``num_local_experts`` SwiGLU experts, softmax then top-k renormalised (hybrid's
-``moe_router=softmax_topk``), dropless. Two key layouts hold the experts, and both are read:
+``moe.router=softmax_topk``), dropless. Two key layouts hold the experts, and both are read:
 
 - per expert, as published Mixtral checkpoints and ``save_pretrained`` of transformers 5 write
   them: ``model.layers.{i}.block_sparse_moe.gate.weight [E, h]`` and
@@ -49,18 +49,18 @@ def beyond_mixtral(model: Any) -> bool:
     """Whether ``model`` (with experts) has what Mixtral has no place for, which Qwen-MoE
     holds (``hybrid.interop.qwen_moe``): dense layers listed, a shared expert, unnormalised
     top-k, q/k biases or norms."""
-    return bool(model.moe_dense_layers or model.moe_shared_ffn_hidden
-                or not model.moe_norm_topk_prob or model.qkv_bias or model.qk_norm)
+    return bool(model.moe.dense_layers or model.moe.shared_ffn_hidden
+                or not model.moe.norm_topk_prob or model.qkv_bias or model.qk_norm)
 
 
 def check_exportable(model: Any) -> None:
-    if model.moe_every != 1:
-        raise ConversionError(f"model.moe_every={model.moe_every}: Mixtral has a sparse MLP in "
-                              f"every layer; only moe_every=1 exports")
+    if model.moe.every != 1:
+        raise ConversionError(f"model.moe.every={model.moe.every}: Mixtral has a sparse MLP in "
+                              f"every layer; only model.moe.every=1 exports")
 
 
 def _without_expert_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` less the aux-loss-free expert biases (``model.moe_expert_bias_rate``),
+    """``weights`` less the aux-loss-free expert biases (``model.moe.expert_bias_rate``),
     which must be zero: HF Mixtral's router has no bias, and dropping a nonzero one would
     export a model that routes its tokens otherwise than the one trained (no error would say
     so, and its outputs would differ), so that export is refused instead."""
@@ -71,7 +71,7 @@ def _without_expert_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Te
         raise ConversionError(
             f"{name} is nonzero (max |bias| {float(moved[name].abs().max()):.3g}, "
             f"{len(moved)} MoE layers): the model routes with the aux-loss-free expert bias "
-            f"(model.moe_expert_bias_rate), which HF Mixtral's router has no place for, so "
+            f"(model.moe.expert_bias_rate), which HF Mixtral's router has no place for, so "
             f"the export would route differently; export it with --format torch instead")
     return {name: t for name, t in weights.items() if name not in biases}
 
@@ -95,7 +95,7 @@ def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tenso
             weights, f"{mine}.mlp.router.weight", model)
         for ours, theirs in PER_EXPERT:
             stacked = llama._take(weights, f"{mine}.mlp.experts.{ours}", model)
-            for e in range(model.experts):
+            for e in range(model.moe.experts):
                 out[f"{hf}.block_sparse_moe.experts.{e}.{theirs}.weight"] = stacked[e]
         used += 5
     llama._all_used(weights, used)
@@ -137,12 +137,12 @@ def _experts_from_hf(hf: str, mine: str, tensors: dict, take, model: Any) -> dic
         out = {f"{mine}.mlp.router.weight": take(f"{moe}.gate.weight")}
         for ours, theirs in PER_EXPERT:
             out[f"{mine}.mlp.experts.{ours}"] = torch.stack(
-                [take(f"{moe}.experts.{e}.{theirs}.weight") for e in range(model.experts)])
+                [take(f"{moe}.experts.{e}.{theirs}.weight") for e in range(model.moe.experts)])
         return out
     gate_up = take(f"{hf}.mlp.experts.gate_up_proj")
     if gate_up.shape[1] != 2 * model.moe_ffn:
         raise ConversionError(f"{hf}.mlp.experts.gate_up_proj has shape {list(gate_up.shape)}, "
-                              f"config.json implies [{model.experts}, {2 * model.moe_ffn}, "
+                              f"config.json implies [{model.moe.experts}, {2 * model.moe_ffn}, "
                               f"{model.hidden}]; the config and the weights disagree")
     gate, up = gate_up.split(model.moe_ffn, dim=1)
     return {f"{mine}.mlp.router.weight": take(f"{hf}.mlp.gate.weight"),
@@ -163,7 +163,7 @@ def _check_shapes(weights: dict, model: Any) -> None:
             raise ConversionError(
                 f"{name} (from HF) has shape {list(weights[name].shape)}, config.json implies "
                 f"{list(shape)} (hidden_size={model.hidden}, intermediate_size="
-                f"{model.moe_ffn}, num_local_experts={model.experts}, num_key_value_heads="
+                f"{model.moe_ffn}, num_local_experts={model.moe.experts}, num_key_value_heads="
                 f"{model.kv}); the config and the weights disagree: use the config.json saved "
                 f"with these weights")
 
@@ -174,9 +174,9 @@ def hf_config(model: Any, eod: int | None = None) -> dict:
     config = llama.dense_hf_config(model, eod)
     config.pop("mlp_bias"), config.pop("attention_bias"), config.pop("pretraining_tp")
     return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "intermediate_size": model.moe_ffn, "num_local_experts": model.experts,
-            "num_experts_per_tok": model.experts_topk, "router_jitter_noise": 0.0,
-            "router_aux_loss_coef": model.moe_aux_loss, "output_router_logits": False,
+            "intermediate_size": model.moe_ffn, "num_local_experts": model.moe.experts,
+            "num_experts_per_tok": model.moe.topk, "router_jitter_noise": 0.0,
+            "router_aux_loss_coef": model.moe.aux_loss, "output_router_logits": False,
             "sliding_window": None}
 
 
@@ -190,15 +190,16 @@ def model_fields(config: dict, source: str) -> dict:
     if config.get("head_dim") is None:
         config = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}
     fields = llama.model_fields(config, source)  # the dense part
-    return {**fields, "name": "hf-mixtral", "experts": config["num_local_experts"],
-            "experts_topk": config["num_experts_per_tok"],
-            "moe_ffn_hidden": config["intermediate_size"], "moe_every": 1,
-            "moe_router": "softmax_topk", "moe_aux_loss": aux_loss_coefficient(config, source)}
+    return {**fields, "name": "hf-mixtral",
+            "moe": {"experts": config["num_local_experts"],
+                    "topk": config["num_experts_per_tok"],
+                    "ffn_hidden": config["intermediate_size"], "every": 1,
+                    "router": "softmax_topk", "aux_loss": aux_loss_coefficient(config, source)}}
 
 
 def aux_loss_coefficient(config: dict, source: str,
                          default: float = MIXTRAL_DEFAULT_AUX_LOSS) -> float:
-    """``router_aux_loss_coef`` as ``model.moe_aux_loss`` (HF's ``default`` when absent), so
+    """``router_aux_loss_coef`` as ``model.moe.aux_loss`` (HF's ``default`` when absent), so
     that an import then an export writes the coefficient it read."""
     value = config.get("router_aux_loss_coef", default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) \

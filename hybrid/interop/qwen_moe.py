@@ -9,8 +9,8 @@ only with ``norm_topk_prob`` (Qwen2-MoE's default is not to), and a shared exper
 ``shared_expert_intermediate_size`` scaled by ``sigmoid(shared_expert_gate(x))``. Qwen3-MoE is
 the same without the shared expert and the biases, with Qwen3's per-head q/k norms. Layer
 ``i`` (from 0) is sparse when it is not in ``mlp_only_layers`` and ``(i + 1) %
-decoder_sparse_step == 0``; hybrid's layer spec says the same with ``moe_every=1`` and
-``moe_dense_layers`` (``hybrid.planning.models.layers``), and export writes back the largest
+decoder_sparse_step == 0``; hybrid's layer spec says the same with ``moe.every=1`` and
+``moe.dense_layers`` (``hybrid.planning.models.layers``), and export writes back the largest
 sparse step that fits with the rest in ``mlp_only_layers`` (the same layers).
 
 Keys: per expert, as ``save_pretrained`` writes them (``mlp.experts.{e}.gate_proj.weight``,
@@ -44,13 +44,13 @@ DEFAULT_AUX_LOSS = 0.001
 def model_type(model: Any) -> str:
     """The HF model_type holding ``model`` (with experts); ``ConversionError`` where none does."""
     if model.qk_norm:
-        if model.moe_shared_ffn_hidden or model.qkv_bias:
+        if model.moe.shared_ffn_hidden or model.qkv_bias:
             raise ConversionError("model.qk_norm with a shared expert or q/k/v biases has no HF "
                                   "model_type (Qwen3-MoE has neither); export with --format "
                                   "torch")
         return "qwen3_moe"
-    if not model.moe_shared_ffn_hidden:
-        raise ConversionError("experts with dense layers, moe_every > 1 or unnormalised top-k "
+    if not model.moe.shared_ffn_hidden:
+        raise ConversionError("experts with dense layers, moe.every > 1 or unnormalised top-k "
                               "but no shared expert and no q/k norms has no HF model_type "
                               "(Qwen2-MoE has a shared expert, Qwen3-MoE q/k norms); export "
                               "with --format torch")
@@ -100,7 +100,7 @@ def to_hf(weights: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tenso
         if layer_spec(model, b).moe:
             for ours, theirs in PER_EXPERT:
                 stacked = llama._take(weights, f"{mine}.mlp.experts.{ours}", model)
-                for e in range(model.experts):
+                for e in range(model.moe.experts):
                     out[f"{hf}.mlp.experts.{e}.{theirs}.weight"] = stacked[e]
             used += len(PER_EXPERT)
     llama._all_used(weights, used)
@@ -141,12 +141,12 @@ def _experts_from_hf(hf: str, mine: str, tensors: dict, take, model: Any) -> dic
 
     if f"{hf}.mlp.experts.gate_up_proj" not in tensors:
         return {f"{mine}.mlp.experts.{ours}": torch.stack(
-                    [take(f"{hf}.mlp.experts.{e}.{theirs}.weight") for e in range(model.experts)])
+                    [take(f"{hf}.mlp.experts.{e}.{theirs}.weight") for e in range(model.moe.experts)])
                 for ours, theirs in PER_EXPERT}
     gate_up = take(f"{hf}.mlp.experts.gate_up_proj")
     if gate_up.shape[1] != 2 * model.moe_ffn:
         raise ConversionError(f"{hf}.mlp.experts.gate_up_proj has shape {list(gate_up.shape)}, "
-                              f"config.json implies [{model.experts}, {2 * model.moe_ffn}, "
+                              f"config.json implies [{model.moe.experts}, {2 * model.moe_ffn}, "
                               f"{model.hidden}]; the config and the weights disagree")
     gate, up = gate_up.split(model.moe_ffn, dim=1)
     return {f"{mine}.mlp.experts.gate": gate, f"{mine}.mlp.experts.up": up,
@@ -172,14 +172,14 @@ def hf_config(model: Any, eod: int | None = None) -> dict:
     step, dense = sparse_step(model)
     config.update(
         architectures=[ARCHITECTURES[kind]], model_type=kind, use_sliding_window=False,
-        sliding_window=None, max_window_layers=model.layers, num_experts=model.experts,
-        num_experts_per_tok=model.experts_topk, moe_intermediate_size=model.moe_ffn,
-        norm_topk_prob=model.moe_norm_topk_prob, decoder_sparse_step=step,
-        mlp_only_layers=dense, router_aux_loss_coef=model.moe_aux_loss,
+        sliding_window=None, max_window_layers=model.layers, num_experts=model.moe.experts,
+        num_experts_per_tok=model.moe.topk, moe_intermediate_size=model.moe_ffn,
+        norm_topk_prob=model.moe.norm_topk_prob, decoder_sparse_step=step,
+        mlp_only_layers=dense, router_aux_loss_coef=model.moe.aux_loss,
         output_router_logits=False)
     if kind == "qwen2_moe":
         config.update(qkv_bias=model.qkv_bias,
-                      shared_expert_intermediate_size=model.moe_shared_ffn_hidden)
+                      shared_expert_intermediate_size=model.moe.shared_ffn_hidden)
     return config
 
 
@@ -201,11 +201,12 @@ def model_fields(config: dict, source: str) -> dict:
                               f"converts Qwen2-MoE with its shared expert (> 0)")
     return {**fields, "name": f"hf-{kind}", "qkv_bias": bool(config.get("qkv_bias", True))
             if kind == "qwen2_moe" else False,
-            "experts": config["num_experts" if "num_experts" in config else
-                              "num_local_experts"],  # Qwen3-MoE's config writes the latter "experts_topk": config["num_experts_per_tok"],
-            "moe_ffn_hidden": config["moe_intermediate_size"], "moe_every": 1,
-            "moe_dense_layers": [i + 1 for i in range(layers)
-                                 if i in only or (i + 1) % step],
-            "moe_shared_ffn_hidden": shared, "moe_router": "softmax_topk",
-            "moe_norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-            "moe_aux_loss": mixtral.aux_loss_coefficient(config, source, DEFAULT_AUX_LOSS)}
+            "moe": {"experts": config["num_experts" if "num_experts" in config else
+                                      "num_local_experts"],  # Qwen3-MoE's may write the latter
+                    "topk": config["num_experts_per_tok"],
+                    "ffn_hidden": config["moe_intermediate_size"], "every": 1,
+                    "dense_layers": [i + 1 for i in range(layers)
+                                     if i in only or (i + 1) % step],
+                    "shared_ffn_hidden": shared, "router": "softmax_topk",
+                    "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                    "aux_loss": mixtral.aux_loss_coefficient(config, source, DEFAULT_AUX_LOSS)}}

@@ -2,7 +2,7 @@
 ``moe_router_enable_expert_bias`` with ``moe_router_bias_update_rate``, torchtitan's
 ``load_balance_coeff``): each MoE layer's ``expert_bias`` (``hybrid.model.moe.MoeMLP``)
 steers the top-k choice, and after every optimizer step it moves by
-``model.moe_expert_bias_rate`` toward an even load: ``bias += rate * sign(mean - load_e)``.
+``model.moe.expert_bias_rate`` toward an even load: ``bias += rate * sign(mean - load_e)``.
 
 ``load_e`` is the token slots the router sent to expert ``e`` in the whole step: every
 micro-batch, summed over the ranks that saw different tokens (the ``loss`` role: dp x cp).

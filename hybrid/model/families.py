@@ -30,7 +30,7 @@ class FamilyBlocks:
     their forward, for generation; else ``hybrid-generate`` recomputes the whole prefix."""
     layer_takes_id: bool = False
     """Whether the layer constructor takes ``block_id`` (its place 1..L: Llama's MoE layers
-    are every ``moe_every``-th)."""
+    are every ``moe.every``-th)."""
 
 
 BLOCKS: dict[str, FamilyBlocks] = {}

@@ -82,7 +82,7 @@ rank's chunks of each sequence (``hybrid.model.context``). Every parameter gets 
                                 embedding_generator=block_generator(seed, 0))
         else:
             place = {"block_id": block_id} if family.layer_takes_id else {}
-            if cfg.experts and family.layer_takes_id:  # MoE layers: experts spread over ep
+            if cfg.moe.experts and family.layer_takes_id:  # MoE layers: experts spread over ep
                 place["expert_group"] = groups.expert
             block = family.layer(cfg, tp_group, **common, context=context, **place)
         block.block_id = block_id

@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP (Mixtral's sparse MLP), the torch side of
-``hybrid.planning.models.moe``: a router picks ``experts_topk`` of ``experts`` SwiGLU experts
+``hybrid.planning.models.moe``: a router picks ``model.moe.topk`` of ``model.moe.experts`` SwiGLU experts
 per token and the token's output is their outputs weighted by the router. Written in torch
 (megatron-core 0.16's router and grouped MLP assume CUDA). See docs/moe.md.
 
@@ -13,7 +13,7 @@ load-balancing loss, the same on every TP rank, sends ``1/tp`` of its gradient f
 The load-balancing loss (Switch Transformer, GShard; megatron's ``switch_load_balancing``):
 ``E / (T k) * sum_e count_e * mean_t p_te`` over the micro-batch's ``T`` tokens, ``count_e`` the
 token slots routed to expert ``e`` (before any dropping), ``p`` the router's softmax: 1 when the
-load is even. It adds ``moe_aux_loss`` times its gradient in the backward
+load is even. It adds ``model.moe.aux_loss`` times its gradient in the backward
 (``AuxLossGradient``), scaled by ``aux_scale`` (the trainer sets ``1 / micro-batches``, as the
 language-model loss is scaled), and changes no reported loss.
 """
@@ -111,7 +111,7 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig, generator: torch.Generator):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
+        self.weight = nn.Parameter(torch.empty(cfg.moe.experts, cfg.hidden))
         normal_init(cfg.init_std, generator)(self.weight.data)
 
 
@@ -123,7 +123,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, generator: torch.Generator,
                  ep_rank: int = 0, ep: int = 1):
         super().__init__()
-        e, f, h = cfg.experts, cfg.moe_ffn, cfg.hidden
+        e, f, h = cfg.moe.experts, cfg.moe_ffn, cfg.hidden
         shapes = {"gate": ((e, f, h), 1, normal_init(cfg.init_std, generator)),
                   "up": ((e, f, h), 1, normal_init(cfg.init_std, generator)),
                   "down": ((e, h, f), 2, output_init(cfg, generator))}
@@ -183,26 +183,26 @@ class MoeMLP(nn.Module):
         self.expert_group = expert_group
         """The ranks holding the other experts (``ParallelGroups.expert``); None: all here."""
         self.context_group = context.group if context.on else None
-        self.num_experts, self.topk, self.router_kind = cfg.experts, cfg.experts_topk, \
-            cfg.moe_router
-        self.capacity_factor, self.aux_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss
+        self.num_experts, self.topk, self.router_kind = cfg.moe.experts, cfg.moe.topk, \
+            cfg.moe.router
+        self.capacity_factor, self.aux_coeff = cfg.moe.capacity_factor, cfg.moe.aux_loss
         self.router = Router(cfg, generator)
         ep = expert_group.size() if expert_group is not None else 1
         ep_rank = expert_group.rank() if expert_group is not None else 0
-        self.local_experts = cfg.experts // ep
+        self.local_experts = cfg.moe.experts // ep
         self.experts = Experts(cfg, tp_group, generator, ep_rank, ep)
-        self.normalize = cfg.moe_norm_topk_prob
+        self.normalize = cfg.moe.norm_topk_prob
         self.shared = SharedExpert(cfg, shared_ffn, tp_group, generator) if shared_ffn \
             else None
         self.shared_gate = SharedGate(cfg, generator) if shared_ffn else None
-        self.stats = MoeStats(cfg.experts)
+        self.stats = MoeStats(cfg.moe.experts)
         """This step's training forwards (``moe_step_stats`` reads and resets it)."""
-        self.bias_rate = cfg.moe_expert_bias_rate
+        self.bias_rate = cfg.moe.expert_bias_rate
         on = self.bias_rate > 0
-        self.register_buffer("expert_bias", torch.zeros(cfg.experts) if on else None)
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe.experts) if on else None)
         """``[E]`` fp32, the same on every rank (None when off): added to the router's
         probabilities to choose the top k (``route``); ``update_expert_biases`` moves it."""
-        self.register_buffer("routed_slots", torch.zeros(cfg.experts, dtype=torch.int64)
+        self.register_buffer("routed_slots", torch.zeros(cfg.moe.experts, dtype=torch.int64)
                              if on else None)
         """Token slots routed to each expert in this step's training forwards, before any
         dropping (the bias balances the router's choice), on this rank's tokens."""

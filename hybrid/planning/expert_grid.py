@@ -42,7 +42,7 @@ def check_ep(layout: Layout, ep: int, experts: int = 0) -> None:
                           f"megatron allows only with pp slowest; use order=tp-cp-dp-pp")
     if experts and experts % ep:
         fits = [d for d in range(1, width + 1) if width % d == 0 and experts % d == 0]
-        raise LayoutError(f"parallel.ep={ep} does not divide model.experts={experts}; choose "
+        raise LayoutError(f"parallel.ep={ep} does not divide model.moe.experts={experts}; choose "
                           f"ep in {{{', '.join(map(str, fits))}}}")
 
 
@@ -73,12 +73,12 @@ def expert_problem(cfg, layout: Layout) -> Optional[str]:
     if ep == 1:
         return None
     try:
-        check_ep(layout, ep, cfg.model.experts)
+        check_ep(layout, ep, cfg.model.moe.experts)
     except LayoutError as err:
         return str(err)
-    if cfg.model.experts == 0:
-        return (f"parallel.ep={ep} spreads experts, but model.experts=0 (a dense model); set "
-                f"model.experts (e.g. model=moe-tiny) or parallel.ep=1")
+    if cfg.model.moe.experts == 0:
+        return (f"parallel.ep={ep} spreads experts, but model.moe.experts=0 (a dense model); set "
+                f"model.moe.experts (e.g. model=moe-tiny) or parallel.ep=1")
     return None
 
 

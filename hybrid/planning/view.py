@@ -41,7 +41,7 @@ def _experts(plan: JobPlan) -> dict:
         per_pp.append(a2a_step_bytes(cfg, layout, moe, plan.schedule.microbatches))
         bias.append(all_reduce_bytes(expert_bias_payload(cfg.model, blocks),
                                      layout.role_size("loss")))
-    return {"ep": layout.ep, "experts": cfg.model.experts,
+    return {"ep": layout.ep, "experts": cfg.model.moe.experts,
             "a2a_bytes_per_step": per_pp, "expert_bias_bytes_per_step": bias}
 
 

@@ -84,10 +84,10 @@ def measured_for(cfg: Config) -> dict:
 def _moe_measured_for(m) -> dict:
     """With experts, what an MoE layer's time depends on too, and which layers are MoE
     (nothing for a dense model, whose record stays as it was)."""
-    if not m.experts:
+    if not m.moe.experts:
         return {}
-    return {"experts": m.experts, "experts_topk": m.experts_topk, "moe_ffn": m.moe_ffn,
-            "moe_shared_ffn_hidden": m.moe_shared_ffn_hidden,
+    return {"experts": m.moe.experts, "experts_topk": m.moe.topk, "moe_ffn": m.moe_ffn,
+            "moe_shared_ffn_hidden": m.moe.shared_ffn_hidden,
             "layer_kinds": [spec.kind for spec in layer_specs(m)]}
 
 

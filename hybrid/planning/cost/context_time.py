@@ -58,10 +58,10 @@ def cp_step_bytes(cfg: Config, layout: Layout, layers: int, microbatches: int,
     forward, backward = blocks_sent(cfg, layout)
     ring = (forward + backward) * kv_block_bytes(cfg, layout) * layers * microbatches
     m, cp = cfg.model, layout.cp
-    if cp == 1 or not (m.experts and m.moe_aux_loss > 0):
+    if cp == 1 or not (m.moe.experts and m.moe.aux_loss > 0):
         return float(ring)
     forwards = 2 if m.recompute == "full" else 1  # a recomputed forward sums them again
-    counts = 2.0 * (cp - 1) / cp * 4 * m.experts
+    counts = 2.0 * (cp - 1) / cp * 4 * m.moe.experts
     return float(ring) + counts * moe_layers * microbatches * forwards
 
 

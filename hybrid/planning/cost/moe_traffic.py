@@ -51,13 +51,13 @@ def a2a_step_bytes(cfg, layout, moe_layers: int, microbatches: int) -> float:
         return 0.0
     tokens = cfg.train.micro_batch * m.seq_len // layout.cp
     out_bytes = 2 if cfg.train.precision == "bf16" else 4
-    each = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.experts_topk,
-                           experts=m.experts, ep=layout.ep, out_bytes=out_bytes,
-                           capacity_factor=m.moe_capacity_factor)
+    each = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.moe.topk,
+                           experts=m.moe.experts, ep=layout.ep, out_bytes=out_bytes,
+                           capacity_factor=m.moe.capacity_factor)
     if m.recompute == "full":
-        each += a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.experts_topk,
-                                experts=m.experts, ep=layout.ep, out_bytes=out_bytes,
-                                backward=False, capacity_factor=m.moe_capacity_factor)
+        each += a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.moe.topk,
+                                experts=m.moe.experts, ep=layout.ep, out_bytes=out_bytes,
+                                backward=False, capacity_factor=m.moe.capacity_factor)
     return each * moe_layers * microbatches
 
 
@@ -73,12 +73,12 @@ def a2a_times(cfg, layout, link, moe_layers: int) -> tuple[float, float]:
         return 0.0, 0.0
     tokens = cfg.train.micro_batch * m.seq_len // layout.cp
     out_bytes = 2 if cfg.train.precision == "bf16" else 4
-    forward = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.experts_topk,
-                              experts=m.experts, ep=ep, out_bytes=out_bytes, backward=False,
-                              capacity_factor=m.moe_capacity_factor)
-    both = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.experts_topk,
-                           experts=m.experts, ep=ep, out_bytes=out_bytes,
-                           capacity_factor=m.moe_capacity_factor)
+    forward = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.moe.topk,
+                              experts=m.moe.experts, ep=ep, out_bytes=out_bytes, backward=False,
+                              capacity_factor=m.moe.capacity_factor)
+    both = a2a_layer_bytes(tokens=tokens, hidden=m.hidden, topk=m.moe.topk,
+                           experts=m.moe.experts, ep=ep, out_bytes=out_bytes,
+                           capacity_factor=m.moe.capacity_factor)
     calls_forward, calls_backward = 3, 2  # counts, dispatch, combine; their gradients
     time_forward = forward / link.bandwidth + calls_forward * (ep - 1) * link.latency
     time_backward = (both - forward) / link.bandwidth + calls_backward * (ep - 1) * link.latency

@@ -65,7 +65,7 @@ class Candidate:
 
 def settings_of(cfg: Config) -> dict:
     par = cfg.parallel
-    experts = {"ep": par.ep} if cfg.model.experts else {}  # tried for MoE models only
+    experts = {"ep": par.ep} if cfg.model.moe.experts else {}  # tried for MoE models only
     return {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp, "vpp": par.vpp,
             **experts, "schedule": par.schedule,
             "micro_batch": cfg.train.micro_batch, "zero": par.zero,
@@ -91,7 +91,7 @@ def candidates(cfg: Config, world: int, limits: SearchLimits = NONE) -> Iterator
                 if not limits.allows("dp", dp):
                     continue
                 for (schedule, vpp), mb, zero, sp, recompute in _knobs(pp, dp * cp, tp, limits):
-                    for ep in limits.only("ep", searched_eps(m.experts, dp * cp, zero)):
+                    for ep in limits.only("ep", searched_eps(m.moe.experts, dp * cp, zero)):
                         yield _copied(
                             cfg, launcher=launcher,
                             parallel=_copied(cfg.parallel, dp=dp, cp=cp, tp=tp, pp=pp,

@@ -40,7 +40,7 @@ def _split(specs) -> BlockParams:
 
 def layer_params(m: ModelConfig) -> BlockParams:
     """The first transformer layer's parameters, from the parameter specs (with experts
-    every ``moe_every``-th layer is an MoE layer: ``block_params`` has each)."""
+    every ``moe.every``-th layer is an MoE layer: ``block_params`` has each)."""
     return _split(block_param_specs(m, 1).values())
 
 
@@ -178,7 +178,7 @@ def _chunk_activation_bytes(m: ModelConfig, chunks: list[list[int]], layers: int
     """What one (chunk, micro-batch) pair keeps: the largest chunk's layers' bytes (a dense
     model's layers are alike: ``layers`` times one layer's; with MoE layers each counts its
     kind's)."""
-    if not m.experts:
+    if not m.moe.experts:
         return activation_bytes_per_layer(m, *args, recompute, cp) * layers
     spec = model_spec(m)
     return max((sum(spec.block_activation_bytes(m, i, *args, recompute, cp)

@@ -127,7 +127,7 @@ def stage_times(plan: JobPlan, device: Device, blocks: range, split: bool = Fals
 def _layer_flops(m, b: int, blocks: range) -> dict[float, int]:
     """How many of ``blocks``' layers have each forward FLOP count (dense and MoE layers
     differ; alike layers are summed as a product, as they were before layers had kinds)."""
-    if not m.experts:  # every layer alike
+    if not m.moe.experts:  # every layer alike
         layers = sum(1 for block in blocks if 1 <= block <= m.layers)
         return {block_forward_flops(m, b, 1): layers} if layers else {}
     counts: dict[float, int] = {}

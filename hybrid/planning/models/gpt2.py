@@ -119,9 +119,9 @@ class Gpt2(ModelSpec):
             raise LayoutError(f"model.kv_heads={m.kv_heads} asks for grouped-query attention, "
                               f"which model.family={self.name} has not; set model.kv_heads=null "
                               f"or model.family=llama")
-        if m.experts:
-            raise LayoutError(f"model.experts={m.experts} asks for a mixture of experts, which "
-                              f"model.family={self.name} has not; set model.experts=0 or "
+        if m.moe.experts:
+            raise LayoutError(f"model.moe.experts={m.moe.experts} asks for a mixture of experts, which "
+                              f"model.family={self.name} has not; set model.moe.experts=0 or "
                               f"model.family=llama")
 
     def valid_tp_sizes(self, m):

@@ -4,10 +4,10 @@ blocks the model builds (``hybrid.model.llama``), each layer's parameters, FLOPs
 activation bytes (``hybrid.planning.models``), and so the partitioner's per-block costs.
 
 Two kinds today: attention plus a dense MLP, or attention plus an MoE MLP (routed experts and,
-with ``model.moe_shared_ffn_hidden`` > 0, a shared expert that every token goes through,
-scaled by a sigmoid gate: Qwen2-MoE). Which layers are MoE: with ``model.experts`` > 0, the
-first layer and every ``moe_every``-th after it (megatron's ``moe_layer_freq``), except those
-listed in ``model.moe_dense_layers`` (HF's ``mlp_only_layers``, counted from 1 here; a
+with ``model.moe.shared_ffn_hidden`` > 0, a shared expert that every token goes through,
+scaled by a sigmoid gate: Qwen2-MoE). Which layers are MoE: with ``model.moe.experts`` > 0, the
+first layer and every ``moe.every``-th after it (megatron's ``moe_layer_freq``), except those
+listed in ``model.moe.dense_layers`` (HF's ``mlp_only_layers``, counted from 1 here; a
 DeepSeek-style ``first_k_dense_replace=k`` is ``[1, ..., k]``).
 """
 
@@ -39,12 +39,12 @@ DENSE = LayerSpec()
 def layer_spec(m, block_id: int) -> LayerSpec:
     """The kind of layer ``block_id`` (1..``m.layers``) of model config ``m``: the one rule
     that says which layers are MoE layers."""
-    experts = getattr(m, "experts", 0)
-    if not experts or block_id in (getattr(m, "moe_dense_layers", None) or ()):
+    moe = getattr(m, "moe", None)
+    if moe is None or not moe.experts or block_id in (moe.dense_layers or ()):
         return DENSE
-    if (block_id - 1) % getattr(m, "moe_every", 1):
+    if (block_id - 1) % moe.every:
         return DENSE
-    return LayerSpec(moe=True, shared_ffn=getattr(m, "moe_shared_ffn_hidden", 0) or 0)
+    return LayerSpec(moe=True, shared_ffn=moe.shared_ffn_hidden or 0)
 
 
 def layer_specs(m) -> list[LayerSpec]:

@@ -15,7 +15,7 @@ size ``h/n`` or ``model.head_dim``, ``f`` ffn_hidden)::
     blocks.{b}.mlp.gate.weight         [f, h]          dim 0
     blocks.{b}.mlp.up.weight           [f, h]          dim 0
     blocks.{b}.mlp.down.weight         [h, f]          dim 1
-      (an MoE layer, ``model.experts > 0``: ``mlp.router.weight`` and ``mlp.experts.*``
+      (an MoE layer, ``model.moe.experts > 0``: ``mlp.router.weight`` and ``mlp.experts.*``
       instead, ``hybrid.planning.models.moe``)
     final_norm.weight                  [h]             replicated
     head.output_layer.weight           [V, h]          dim 0 (untied only)
@@ -196,7 +196,7 @@ class Llama(ModelSpec):
         if recompute == "none" or cp > 1:
             nbytes += 4 * b * (m.heads // tp) * s  # the attention kernel's log-sum-exp
         if precision == "bf16":  # the bf16 weight copies autocast keeps
-            mlp = 3 * h * (m.experts * m.moe_ffn + kind.shared_ffn if kind.moe else m.ffn)
+            mlp = 3 * h * (m.moe.experts * m.moe_ffn + kind.shared_ffn if kind.moe else m.ffn)
             nbytes += 2 * (qkv_rows(m) * h + h * h + mlp) // tp
         return nbytes
 
@@ -227,8 +227,8 @@ class Llama(ModelSpec):
 
     def valid_tp_sizes(self, m):
         return [d for d in common_tp_sizes(m)
-                if m.kv % d == 0 and (m.experts == 0 or m.moe_ffn % d == 0)
-                and (m.experts == 0 or m.moe_shared_ffn_hidden % d == 0)]
+                if m.kv % d == 0 and (m.moe.experts == 0 or m.moe_ffn % d == 0)
+                and (m.moe.experts == 0 or m.moe.shared_ffn_hidden % d == 0)]
 
 
 LLAMA = register_model(Llama())
