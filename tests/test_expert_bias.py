@@ -74,7 +74,7 @@ def _layer(rate: float, block_id: int = 1) -> nn.Module:
 
     holder = nn.Module()
     holder.block_id = block_id
-    holder.mlp = MoeMLP(replace(preset("moe-tiny"), moe_expert_bias_rate=rate), _OneRank(),
+    holder.mlp = MoeMLP(preset("moe-tiny").with_moe(expert_bias_rate=rate), _OneRank(),
                         generator=torch.Generator().manual_seed(0), sequence_parallel=False)
     return holder
 
@@ -161,7 +161,7 @@ def test_the_plan_predicts_the_bias_all_reduce(parallel):
     from hybrid.planning.view import plan_dict
 
     model = preset("moe-tiny")
-    on = Config(model=replace(model, moe_expert_bias_rate=1e-3),
+    on = Config(model=model.with_moe(expert_bias_rate=1e-3),
                 parallel=ParallelConfig(**parallel))
     off = replace(on, model=model)
     plan_on, plan_off = plan_job(on), plan_job(off)
@@ -185,7 +185,7 @@ def _manifest(model) -> dict:
 def test_a_checkpoint_with_expert_biases_needs_the_bias_on_before_launch():
     from hybrid.checkpoint.store import CheckpointError, check_model_matches
 
-    biased = replace(preset("moe-tiny"), moe_expert_bias_rate=0.01)
+    biased = preset("moe-tiny").with_moe(expert_bias_rate=0.01)
     check_model_matches(_manifest(biased), biased, Path("step_00000003"))
     with pytest.raises(CheckpointError) as err:
         check_model_matches(_manifest(biased), preset("moe-tiny"), Path("step_00000003"))
@@ -198,7 +198,7 @@ def test_hf_export_drops_a_zero_bias_and_refuses_a_moved_one():
     from hybrid.interop.mixtral import to_hf
     from hybrid.planning.params import model_param_specs
 
-    model = replace(preset("moe-tiny"), moe_expert_bias_rate=0.01)
+    model = preset("moe-tiny").with_moe(expert_bias_rate=0.01)
     weights = {name: torch.zeros(spec.shape) for name, spec in model_param_specs(model).items()}
     biases = {f"blocks.{b}.mlp.expert_bias": torch.zeros(model.moe.experts)
               for b in range(1, model.layers + 1)}
@@ -218,7 +218,8 @@ def test_a_resume_loads_the_saved_biases_and_leaves_missing_ones_at_zero(capsys)
 
     biases = {"blocks.1.mlp.expert_bias": torch.zeros(4)}
     rank0 = SimpleNamespace(biases=biases, groups=SimpleNamespace(world=_OneRank()),
-                            cfg=SimpleNamespace(model=SimpleNamespace(moe_expert_bias_rate=0.01)))
+                            cfg=SimpleNamespace(model=SimpleNamespace(
+                                moe=SimpleNamespace(expert_bias_rate=0.01))))
     saved = {"model.blocks.1.mlp.expert_bias": {}, "model.blocks.1.mlp.router.weight": {}}
     assert Checkpointer._bias_targets(rank0, Path("step_3"), saved) == {
         "model.blocks.1.mlp.expert_bias": biases["blocks.1.mlp.expert_bias"]}

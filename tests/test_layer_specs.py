@@ -3,7 +3,6 @@ list of kinds from its config (dense MLP, or MoE MLP with an optional shared exp
 parameters, FLOPs, activation bytes and the pipeline partition are counted layer by layer from
 it. Pure (no processes), except one build of the torch model against the spec table."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -14,12 +13,13 @@ from hybrid.planning.cost.flops import block_forward_flops, layer_forward_flops
 from hybrid.planning.cost.sizes import estimate_memory, param_count
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.models.layers import LayerSpec, layer_kinds, layer_specs
+from hybrid.planning.moe_config import MoEConfig
 from hybrid.planning.params import model_param_specs
 from hybrid.planning.validate import check_model_shape
 
 QWEN_LIKE = ModelConfig(family="llama", layers=8, hidden=64, heads=4, kv_heads=2, ffn_hidden=128,
-                        experts=4, experts_topk=2, moe_ffn_hidden=128, moe_shared_ffn_hidden=64,
-                        moe_dense_layers=[1, 2, 3, 4], moe_norm_topk_prob=False,
+                        moe=MoEConfig(experts=4, topk=2, ffn_hidden=128, shared_ffn_hidden=64,
+                                      dense_layers=[1, 2, 3, 4], norm_topk_prob=False),
                         qkv_bias=True, vocab=256)
 """Dense first layers (1-4), then MoE layers with a shared expert: Qwen2-MoE's kinds."""
 
@@ -27,9 +27,9 @@ QWEN_LIKE = ModelConfig(family="llama", layers=8, hidden=64, heads=4, kv_heads=2
 def test_the_layer_kinds_follow_moe_every_the_dense_list_and_the_shared_expert():
     moe = LayerSpec(moe=True, shared_ffn=64)
     assert layer_specs(QWEN_LIKE) == [LayerSpec()] * 4 + [moe] * 4
-    assert [s.kind for s in layer_specs(replace(QWEN_LIKE, moe_every=2, moe_dense_layers=[5]))] \
+    assert [s.kind for s in layer_specs(QWEN_LIKE.with_moe(every=2, dense_layers=[5]))] \
         == ["moe+shared", "dense", "moe+shared", "dense", "dense", "dense", "moe+shared", "dense"]
-    assert layer_kinds(replace(QWEN_LIKE, experts=0)) == {LayerSpec(): 8}
+    assert layer_kinds(QWEN_LIKE.with_moe(experts=0)) == {LayerSpec(): 8}
     assert [QWEN_LIKE.is_moe_layer(b) for b in (4, 5)] == [False, True]  # the same rule
 
 
@@ -41,7 +41,7 @@ def test_each_layer_counts_its_own_parameters_and_flops():
     assert specs["blocks.5.mlp.shared.down"].tp_dim == 1
     gate = specs["blocks.5.mlp.shared_gate.weight"]
     assert gate.shape == (1, h) and gate.tp_dim is None and gate.sequence_partial
-    dense = replace(QWEN_LIKE, experts=0)
+    dense = QWEN_LIKE.with_moe(experts=0)
     e, f = QWEN_LIKE.experts, QWEN_LIKE.moe_ffn
     per_moe = e * h + 3 * e * f * h + 3 * s * h + h - 3 * h * QWEN_LIKE.ffn
     assert param_count(QWEN_LIKE) == param_count(dense) + 4 * per_moe
@@ -60,7 +60,7 @@ def test_a_stage_of_moe_layers_keeps_more_activations_than_one_of_dense_layers()
     dense_stage = estimate_memory(QWEN_LIKE, [[1, 2, 3, 4]], **args).activation_bytes
     moe_stage = estimate_memory(QWEN_LIKE, [[5, 6, 7, 8]], **args).activation_bytes
     assert moe_stage > dense_stage
-    plain = replace(QWEN_LIKE, experts=0)  # alike layers: 4 times one layer's, as ever
+    plain = QWEN_LIKE.with_moe(experts=0)  # alike layers: 4 times one layer's, as ever
     assert estimate_memory(plain, [[1, 2, 3, 4]], **args).activation_bytes == dense_stage
 
 
@@ -95,22 +95,22 @@ def test_route_leaves_the_top_k_unnormalised_when_asked():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"moe_dense_layers": [0]}, "model.moe.dense_layers=[0] holds 0, not a layer; list layers "
+    ({"dense_layers": [0]}, "model.moe.dense_layers=[0] holds 0, not a layer; list layers "
                                 "in 1..8"),
-    ({"moe_shared_ffn_hidden": -1}, "model.moe.shared_ffn_hidden=-1 must be an integer >= 0"),
-    ({"moe_router": "topk_softmax"}, "model.moe.norm_topk_prob=false needs "
+    ({"shared_ffn_hidden": -1}, "model.moe.shared_ffn_hidden=-1 must be an integer >= 0"),
+    ({"router": "topk_softmax"}, "model.moe.norm_topk_prob=false needs "
                                      "model.moe.router=softmax_topk"),
 ])
 def test_bad_layer_settings_are_one_line(change, needle):
     with pytest.raises(LayoutError) as err:
-        check_model_shape(replace(QWEN_LIKE, **change))
+        check_model_shape(QWEN_LIKE.with_moe(**change))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_tp_must_divide_the_shared_expert():
     with pytest.raises(LayoutError, match=r"parallel.tp=2 does not divide "
                                           r"model.moe.shared_ffn_hidden=7; choose tp in \{1\}"):
-        check_model_shape(replace(QWEN_LIKE, moe_shared_ffn_hidden=7), tp=2)
+        check_model_shape(QWEN_LIKE.with_moe(shared_ffn_hidden=7), tp=2)
 
 
 def test_the_torch_model_builds_each_layer_from_its_spec():
@@ -136,7 +136,7 @@ def test_the_ranks_time_one_layer_of_each_kind_and_give_each_layer_its_kinds_tim
     from hybrid.testing import spawn
 
     assert timed_blocks(QWEN_LIKE) == [0, 1, 5, 9]
-    assert timed_blocks(replace(QWEN_LIKE, experts=0)) == [0, 1, 9]
+    assert timed_blocks(QWEN_LIKE.with_moe(experts=0)) == [0, 1, 9]
     forward, backward = spawn(_agreed, 1)[0]
     assert len(forward) == len(backward) == 10
     for seconds in (forward, backward):

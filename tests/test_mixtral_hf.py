@@ -83,9 +83,9 @@ def test_import_then_export_gives_every_tensor_back(layout, hf_dirs, tmp_path):
     done = run(CKPT, "import", hf_dirs[layout], tmp_path / "imported")
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
-    assert manifest["config"]["model"]["experts"] == 4
+    assert manifest["config"]["model"]["moe"]["experts"] == 4
     assert "model.moe.experts=4" in done.stdout and "model.moe.topk=2" in done.stdout
-    assert manifest["config"]["model"]["moe_aux_loss"] == AUX_LOSS
+    assert manifest["config"]["model"]["moe"]["aux_loss"] == AUX_LOSS
     assert f"model.moe.aux_loss={AUX_LOSS}" in done.stdout  # the use: line trains with it
     done = run(CKPT, "export", tmp_path / "imported", tmp_path / "out", "--format", "hf")
     assert done.returncode == 0, done.stderr

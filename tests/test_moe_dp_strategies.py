@@ -12,7 +12,6 @@ Each layout is one job of in-process ``Trainer`` runs, one per strategy and ep, 
 table costs two process starts."""
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,7 +49,7 @@ def _config(dp: int, ep: int, name: str):
     from hybrid.planning.config import Config, ParallelConfig, TrainConfig
 
     parallel, _ = STRATEGIES[name]
-    model = replace(preset("moe-tiny"), moe_expert_bias_rate=0.01)
+    model = preset("moe-tiny").with_moe(expert_bias_rate=0.01)
     return Config(model=model, parallel=ParallelConfig(dp=dp, ep=ep, **parallel),
                   train=TrainConfig(steps=STEPS, global_batch=8, micro_batch=2,
                                     timeline_step=0, log_every=100, grad_clip=0.5,

@@ -24,7 +24,7 @@ well): each layout's losses and final biases are the 1-process run's."""
 
 
 def test_moe_layers_carry_a_router_and_stacked_experts_with_the_expert_placement():
-    cfg = replace(preset("moe-tiny"), moe_every=2)
+    cfg = preset("moe-tiny").with_moe(every=2)
     specs = model_param_specs(cfg)
     e, f, h = cfg.moe.experts, cfg.moe_ffn, cfg.hidden
     assert specs["blocks.1.mlp.router.weight"].shape == (e, h)
@@ -40,8 +40,8 @@ def test_moe_layers_carry_a_router_and_stacked_experts_with_the_expert_placement
 
 
 def test_param_count_and_flops_know_the_experts():
-    dense = replace(preset("moe-tiny"), experts=0)
-    cfg = replace(preset("moe-tiny"), moe_every=2)
+    dense = preset("moe-tiny").with_moe(experts=0)
+    cfg = preset("moe-tiny").with_moe(every=2)
     h, e, f = cfg.hidden, cfg.moe.experts, cfg.moe_ffn
     per_moe = e * h + 3 * e * f * h - 3 * h * dense.ffn  # router + experts - SwiGLU
     assert param_count(cfg) == param_count(dense) + 2 * per_moe
@@ -57,7 +57,7 @@ def test_the_torch_model_builds_exactly_the_spec_table():
     from hybrid.model.moe import MoeMLP  # noqa: F401  (build through the family below)
     from hybrid.testing import spawn
 
-    assert spawn(_count_built, 1)[0] == param_count(replace(preset("moe-tiny"), moe_every=2))
+    assert spawn(_count_built, 1)[0] == param_count(preset("moe-tiny").with_moe(every=2))
 
 
 def _count_built(rank, world):
@@ -65,7 +65,7 @@ def _count_built(rank, world):
     from hybrid.model.gpt import GPT
     from hybrid.planning.layout import Layout
 
-    model = GPT(replace(preset("moe-tiny"), moe_every=2), ParallelGroups.create(Layout()),
+    model = GPT(preset("moe-tiny").with_moe(every=2), ParallelGroups.create(Layout()),
                 seed=1)  # attach_specs checks names, order and shapes against the specs
     return sum(p.numel() for p in model.parameters())
 
@@ -100,21 +100,21 @@ def test_the_aux_loss_adds_its_scaled_gradient_and_leaves_the_output_alone():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"experts_topk": 5}, "model.moe.topk=5 exceeds model.moe.experts=4; choose experts_topk "
-                          "in 1..4"),
-    ({"moe_capacity_factor": 0.0}, "model.moe.capacity_factor=0.0 must be a number > 0"),
-    ({"moe_capacity_factor": -1.0}, "model.moe.capacity_factor=-1.0 must be a number > 0"),
-    ({"moe_aux_loss": -0.1}, "model.moe.aux_loss=-0.1 must be a number >= 0"),
-    ({"moe_every": 0}, "model.moe.every=0 must be an integer >= 1"),
+    ({"topk": 5}, "model.moe.topk=5 exceeds model.moe.experts=4; choose "
+                          "model.moe.topk in 1..4"),
+    ({"capacity_factor": 0.0}, "model.moe.capacity_factor=0.0 must be a number > 0"),
+    ({"capacity_factor": -1.0}, "model.moe.capacity_factor=-1.0 must be a number > 0"),
+    ({"aux_loss": -0.1}, "model.moe.aux_loss=-0.1 must be a number >= 0"),
+    ({"every": 0}, "model.moe.every=0 must be an integer >= 1"),
     ({"experts": -2}, "model.moe.experts=-2 must be an integer >= 1"),
-    ({"moe_expert_bias_rate": -0.001}, "model.moe.expert_bias_rate=-0.001 must be a number "
+    ({"expert_bias_rate": -0.001}, "model.moe.expert_bias_rate=-0.001 must be a number "
                                         ">= 0"),
-    ({"moe_router": "sinkhorn"}, "model.moe.router='sinkhorn' is not one of softmax_topk, "
+    ({"router": "sinkhorn"}, "model.moe.router='sinkhorn' is not one of softmax_topk, "
                                  "topk_softmax"),
-    ({"moe_ffn_hidden": 31}, None),  # tp=2 below does not split 31
+    ({"ffn_hidden": 31}, None),  # tp=2 below does not split 31
 ])
 def test_bad_moe_settings_are_one_line(change, needle):
-    cfg = replace(preset("moe-tiny"), **change)
+    cfg = preset("moe-tiny").with_moe(**change)
     with pytest.raises(LayoutError) as err:
         check_model_shape(cfg, tp=2 if needle is None else 1)
     line = str(err.value)

@@ -41,7 +41,7 @@ def test_export_picks_mixtral_or_qwen_by_what_the_model_has():
     assert llama_family._of_model(replace(mixtral_like, moe_dense_layers=[1],
                                           qk_norm=True)) is qwen_moe
     assert qwen_moe.model_type(replace(mixtral_like, qk_norm=True)) == "qwen3_moe"
-    assert qwen_moe.model_type(replace(mixtral_like, moe_shared_ffn_hidden=8)) == "qwen2_moe"
+    assert qwen_moe.model_type(mixtral_like.with_moe(shared_ffn_hidden=8)) == "qwen2_moe"
 
 
 @pytest.mark.parametrize("changes, needle", [

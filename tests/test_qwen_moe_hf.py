@@ -74,8 +74,9 @@ def test_import_then_export_gives_every_tensor_back(hf_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "imported" / "step_00000000" / "hybrid.json").read_text())
     model = manifest["config"]["model"]
-    assert (model["experts"], model["moe_dense_layers"], model["moe_shared_ffn_hidden"],
-            model["moe_norm_topk_prob"], model["qkv_bias"], model["moe_aux_loss"]) == \
+    moe = model["moe"]
+    assert (moe["experts"], moe["dense_layers"], moe["shared_ffn_hidden"],
+            moe["norm_topk_prob"], model["qkv_bias"], moe["aux_loss"]) == \
         (4, [1], 40, False, True, AUX_LOSS)
     assert "model.moe.dense_layers=[1]" in done.stdout
     assert "model.moe.norm_topk_prob=false" in done.stdout
@@ -140,7 +141,7 @@ def test_from_hf_trains_on_dp2_ep2_tp2_as_the_1_process_run(hf_dir, tmp_path):
         losses[name] = [r["loss"] for r in records]
         aux += [r["moe"]["aux_loss"] for r in records]
     config = json.loads((tmp_path / "single" / "config.json").read_text())["model"]
-    assert config["moe_aux_loss"] == AUX_LOSS and config["moe_shared_ffn_hidden"] == 40
+    assert config["moe"]["aux_loss"] == AUX_LOSS and config["moe"]["shared_ffn_hidden"] == 40
     assert len(losses["single"]) == 2 and min(aux) > 0  # the aux loss on, and in the second
     # step's weights; its figure is rank 0's micro-batches', so it is compared on no layout
     assert losses["dp2-ep2-tp2"] == pytest.approx(losses["single"], rel=1e-4)

@@ -15,7 +15,8 @@ QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
 def _of_model(model: Any):
-    if getattr(model, "experts", 0) <= 0:
+    moe = getattr(model, "moe", None)
+    if moe is None or moe.experts <= 0:
         return llama
     return qwen_moe if mixtral.beyond_mixtral(model) else mixtral
 
