@@ -6,6 +6,7 @@ or checkpoint the run started from, not the ``seq_len`` it was fine-tuned at); G
 positions are sliced to a shorter context and refused beyond their table in one line. Data
 tokenized with another tokenizer than the folder's is refused before launch in one line."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def test_a_rotary_checkpoint_generates_at_its_sources_context_or_any(tmp_path):
     folder = make_variant_dir(tmp_path / "llama", "llama3.2", tokenizer=False)
     model, weights, _, _ = hf_model(str(folder))
     assert model.seq_len == 64
-    fields = {**model.__dict__, "seq_len": 16, "from_hf": str(folder)}
+    fields = {**dataclasses.asdict(model), "seq_len": 16, "from_hf": str(folder)}
     checkpoint = write_weights_checkpoint(tmp_path / "run", weights, model_shape=model_shape(
         model), config={"model": fields}, source=str(folder))
     assert load_source(str(checkpoint)).model.seq_len == 64
