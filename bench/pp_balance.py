@@ -10,7 +10,7 @@ each with the slowed stage's worker stopped and continued from outside again and
 (SIGSTOP ``--stop-ms``, SIGCONT ``--run-ms``: about half speed,
 ``hybrid.testing.throttle``). A stop longer than a stage's micro-batch (the 60 ms default
 against 7-15 ms on ``tiny``) holds the whole pipeline while it lasts, which no split helps;
-``--stop-ms 5 --run-ms 5`` makes the stage slow at a finer grain, the kind ``pp_balance``
+``--stop-ms 2 --run-ms 2`` makes the stage slow at a finer grain, the kind ``pp_balance``
 follows (docs/performance.md). 100 steps by default (the issue's 60 left a move inside
 the median's window). Prints each run's median step over the last ``--last`` steps, its
 split by step, its last split and the number of moves, the largest relative difference of its losses from
@@ -20,7 +20,7 @@ and the floor that puts on the ratio (``cores_busy``), and last
 ``ratio=<dynamic median / static median>``.
 
     .venv/bin/python bench/pp_balance.py [--layouts pp2,pp4,dp2xpp2] [--rounds 1]
-    .venv/bin/python bench/pp_balance.py --layouts pp2 --rounds 2 --stop-ms 5 --run-ms 5
+    .venv/bin/python bench/pp_balance.py --layouts pp2 --rounds 2 --stop-ms 2 --run-ms 2
     .venv/bin/python bench/pp_balance.py --smoke   # the smallest run; its figures mean nothing
 """
 
