@@ -8,14 +8,19 @@ through ``hybrid-train`` with ``parallel.pp_balance=static`` and ``=dynamic``, a
 (``--rounds`` pairs: the machine's load drifts), both split at the start by those costs and
 each with the slowed stage's worker stopped and continued from outside again and again
 (SIGSTOP ``--stop-ms``, SIGCONT ``--run-ms``: about half speed,
-``hybrid.testing.throttle``). Prints each run's median step over the last ``--last`` steps,
-its last split and the number of moves, the largest relative difference of its losses from
+``hybrid.testing.throttle``). A stop longer than a stage's micro-batch (the 60 ms default
+against 7-15 ms on ``tiny``) holds the whole pipeline while it lasts, which no split helps;
+``--stop-ms 2 --run-ms 2`` makes the stage slow at a finer grain, the kind ``pp_balance``
+follows (docs/performance.md). 100 steps by default (the issue's 60 left a move inside
+the median's window). Prints each run's median step over the last ``--last`` steps, its
+split by step, its last split and the number of moves, the largest relative difference of its losses from
 the static run's; then per layout the medians, the split's own prediction at the speeds the
 static runs measured (``hybrid.planning.stage_balance``), how busy each mode kept the cores
 and the floor that puts on the ratio (``cores_busy``), and last
 ``ratio=<dynamic median / static median>``.
 
     .venv/bin/python bench/pp_balance.py [--layouts pp2,pp4,dp2xpp2] [--rounds 1]
+    .venv/bin/python bench/pp_balance.py --layouts pp2 --rounds 2 --stop-ms 2 --run-ms 2
     .venv/bin/python bench/pp_balance.py --smoke   # the smallest run; its figures mean nothing
 """
 
@@ -110,6 +115,7 @@ def bench_layout(layout: str, args, out: Path) -> str:
                   f" ms  split {list(row['splits'][-1]) or 'static'}  moves {len(row['moves'])}  "
                   f"losses differ from static by {differs:.1e}  load {os.getloadavg()[0]:.1f}",
                   flush=True)
+            print(f"    split by step: {trajectory(row['splits'])}", flush=True)
             for line in row["moves"]:
                 print(f"    {line}", flush=True)
     median = {mode: statistics.median(t for row in rows for t in row["step_s"])
@@ -123,6 +129,17 @@ def bench_layout(layout: str, args, out: Path) -> str:
             f"{relative}; predicted {predicted:.3f}; cores busy static {busy['static']:.2f}, "
             f"dynamic {busy['dynamic']:.2f}; cpu floor {floor:.3f}; "
             f"ratio={median['dynamic'] / median['static']:.3f}")
+
+
+def trajectory(splits: list) -> str:
+    """Each split the run held and for how many steps, in order ("[4, 4] x10, [6, 2] x50")."""
+    runs: list = []
+    for split in splits:
+        if runs and runs[-1][0] == split:
+            runs[-1][1] += 1
+        else:
+            runs.append([split, 1])
+    return ", ".join(f"{list(split) or 'static'} x{n}" for split, n in runs)
 
 
 def predicted_ratio(run_dir: Path, speeds: list[float]) -> float:
@@ -150,7 +167,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100,
+                        help="the issue asks 60; 100 puts the window after the settling")
     parser.add_argument("--last", type=int, default=20, help="steps the median is over")
     parser.add_argument("--every", type=int, default=5, help="parallel.pp_balance_every")
     parser.add_argument("--rounds", type=int, default=1, help="static-then-dynamic pairs")

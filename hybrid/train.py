@@ -268,7 +268,8 @@ class Trainer:
                 faults.maybe_die("die_at_step", step=step, rank=dist.get_rank())
                 ran = self.shares.of_ranks()  # the micro-batches of this step, not the next
                 self.shares.after_step(step, report.compute_s, report.pipeline_s, say=is_rank0)
-                moved = self.split.after_step(step, report.pipeline_s, ran, say=is_rank0)
+                moved = self.split.after_step(step, report.pipeline_s, ran, say=is_rank0,
+                                              final=step >= cfg.train.steps)
                 losses.append(report.loss)
                 norms.append(report.grad_norm)
                 evaluation = self._evaluate(step)

@@ -14,7 +14,7 @@ import pytest
 from hybrid.planning.balance import best_shares, pipeline_bubble, predicted_step_s
 from hybrid.planning.cost.devices import DeviceError
 from hybrid.planning.cost.mixed import (
-    cluster, mixed_step, node_devices_problem, plan_mixed,
+    cluster, mixed_step, node_devices_problem, node_names, plan_mixed,
 )
 from hybrid.planning.cost.mixed_report import (
     mixed_lines, mixed_prediction, mixed_search, mixed_search_lines,
@@ -110,22 +110,51 @@ def test_a_split_that_would_not_fit_memory_is_held_back():
 
 
 def test_a_list_of_the_wrong_length_or_an_unknown_device_is_refused_in_one_line():
-    cfg = compose_plan_config(["model=gpt3-2.7b", "parallel.dp=8", "parallel.pp=2",
-                               "cost.node_devices=[a100-80gb,h100-80gb]"])
+    three = "cost.node_devices=[a100-80gb,h100-80gb,a100-80gb]"
+    cfg = compose_plan_config(["model=gpt3-2.7b", "parallel.dp=8", "parallel.pp=2", three])
     assert node_devices_problem(cfg, 32) == (
-        "cost.node_devices=[a100-80gb, h100-80gb] names 2 node(s) but the job's 32 ranks "
-        "(parallel.dp=8 x cp=1 x tp=2 x pp=2) fill 4 node(s) of 8 (cost.gpus_per_node); give "
-        "4 devices (one per node), or place 16 ranks per node, or use a layout of 16 ranks")
-    placed = replace(cfg, launcher=replace(cfg.launcher, nnodes=2))
-    assert node_devices_problem(placed, 32) is None  # the launcher's 2 nodes of 16
+        "cost.node_devices=[a100-80gb, h100-80gb, a100-80gb] names 3 node(s) but the job's 32 "
+        "ranks (parallel.dp=8 x cp=1 x tp=2 x pp=2) fill 4 node(s) of 8 (cost.gpus_per_node); "
+        "give 4 devices (one per node) or a number of devices that divides 4 (one per group "
+        "of consecutive nodes), or place 11 ranks per node, or use a layout of 24 ranks")
+    placed = replace(cfg, launcher=replace(cfg.launcher, nnodes=3))
+    assert node_devices_problem(placed, 33) is None  # the launcher's 3 nodes of 11
+    five = replace(cfg, cost=replace(cfg.cost, node_devices=["a100-80gb"] * 5))
+    assert "names 5 node(s)" in node_devices_problem(five, 32)  # more than the nodes
     bad = replace(cfg, cost=replace(cfg.cost, node_devices=["a100-80gb", "b100"]))
     with pytest.raises(DeviceError, match=r"^cost.node_devices\[1\]: cost.device=b100 is "):
         cluster(bad, HYBRID, 2)
-    done = subprocess.run([PLAN, "model=gpt3-2.7b", "parallel.dp=8", "parallel.pp=2",
-                           "cost.node_devices=[a100-80gb,h100-80gb]"],
+    done = subprocess.run([PLAN, "model=gpt3-2.7b", "parallel.dp=8", "parallel.pp=2", three],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [f"error: {node_devices_problem(cfg, 32)}"]
+
+
+def test_the_issues_command_reads_two_devices_as_two_halves_of_four_nodes():
+    """``model=gpt3-2.7b parallel.dp=8 parallel.pp=2`` keeps the preset's tp=2: 32 ranks, 4
+    nodes of 8. Two devices name two groups of two consecutive nodes: pp rank 0 (ranks 0-15)
+    on the A100s, pp rank 1 on the H100s."""
+    issue = ["model=gpt3-2.7b", "parallel.dp=8", "parallel.pp=2",
+             "cost.node_devices=[a100-80gb,h100-80gb]"]
+    cfg = compose_plan_config(issue)
+    assert node_devices_problem(cfg, 32) is None
+    assert node_names(cfg) == ["a100-80gb", "a100-80gb", "h100-80gb", "h100-80gb"]
+    four = compose_plan_config([*issue[:-1], "cost.node_devices=[a100-80gb,a100-80gb,"
+                                "h100-80gb,h100-80gb]"])
+    job = cfg.job()
+    mix = plan_mixed(job, cluster(cfg, HYBRID, 2))
+    same = plan_mixed(four.job(), cluster(four, HYBRID, 2))  # the list written out in full
+    assert [d.name for d in mix.nodes] == [d.name for d in same.nodes]
+    a100, h100 = layers_per_rank(mix.plan)
+    assert h100 > a100 and layers_per_rank(mix.plan) == layers_per_rank(same.plan)
+    split = mixed_step(mix.plan, mix.link, mix.grid)["step_time_s"]
+    assert split < mixed_step(mix.uniform, mix.link, mix.grid)["step_time_s"]
+    done = subprocess.run([PLAN, *issue], capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert ("cost.node_devices names 2 devices for 4 nodes: each names 2 consecutive nodes "
+            "(nodes 0-1: a100-80gb, nodes 2-3: h100-80gb)") in done.stdout
+    assert f"  node 3: h100-80gb  pp rank 1: {h100} layers" in done.stdout
+    assert f"mixed cluster: step {split:.4g} s; the same layout split as" in done.stdout
 
 
 def test_hybrid_plan_prints_each_nodes_device_its_stages_and_the_comparisons():
@@ -159,6 +188,7 @@ def test_the_search_on_a_mixed_cluster_ranks_layouts_apart_from_either_uniform_c
     assert mixed_step(again.plan, again.link, again.grid)["step_time_s"] == first["step_time_s"]
     text = mixed_search_lines(result)
     assert "against the best uniform cluster (all h100-80gb" in text
+    assert "its slower nodes hold back the stages or replicas they run" in text  # the reason
     assert text.count("on the mix") == 2
 
 

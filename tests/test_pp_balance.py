@@ -133,3 +133,27 @@ def test_a_resume_continues_on_the_split_its_checkpoint_holds(tmp_path):
     assert resumed_plan(static, tmp_path) is static
     write_manifest(saved, {"format": FORMAT_VERSION, "stages": [[0, 3], [3, 6], [6, 10]]})
     assert resumed_plan(plan, tmp_path) is plan  # saved on another pp: the partition's
+
+
+def test_the_last_step_of_a_run_decides_nothing():
+    """A decision at the run's last step has no step to move for: no split, no console line
+    (a 100-step bench run once announced ``step 101 on``). The same steps not last move."""
+    from hybrid.balance.stages import StageSplit
+
+    plan = plan_job(cfg_of("parallel.pp_balance=dynamic", "parallel.partition=measured",
+                           "parallel.pp_balance_every=2"), block_costs=list(COSTS))
+    assert plan.costs_measured  # the plan's costs: no ranks timed, no collective
+
+    def run(final_at):
+        split = StageSplit(plan, groups=None, pp_of_rank=[0, 1])
+        moved = []
+        for step in range(1, 8):
+            per_rank = stage_times([1.0, 3.0], split.balancer.split)
+            got = split.after_step(step, per_rank, [1, 1], say=False, final=step == final_at)
+            if got is not None:
+                moved.append(step)
+        return moved
+
+    anywhere = run(final_at=None)
+    assert anywhere  # stage 1 at a third of the speed moves layers
+    assert anywhere[0] not in run(final_at=anywhere[0])

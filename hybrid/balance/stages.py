@@ -69,10 +69,13 @@ class StageSplit:
         """Layers per stage in the step last fed (what its record says)."""
 
     def after_step(self, step: int, pipeline_s: Sequence[float],
-                   microbatches_of_rank: Sequence[int], *, say: bool) -> Optional[list[range]]:
+                   microbatches_of_rank: Sequence[int], *, say: bool,
+                   final: bool = False) -> Optional[list[range]]:
         """Feed one step's per-rank pipeline seconds (and each rank's micro-batches); decide
-        at every ``every``-th step. Returns the new split when it changed (from the next step
-        on); ``say``: print one line then (rank 0)."""
+        at every ``every``-th step but the run's ``final`` one (no step follows to move
+        for, and a line announcing a move that never happens would mislead). Returns the
+        new split when it changed (from the next step on); ``say``: print one line then
+        (rank 0)."""
         if not self.dynamic:
             return None
         self.ran = layer_counts(self.balancer.split)
@@ -83,7 +86,7 @@ class StageSplit:
         before = balancer.split
         per_mb = stage_seconds(pipeline_s, self.pp_of_rank, microbatches_of_rank,
                                len(before))
-        if not balancer.observe(per_mb, decide=step % balancer.every == 0):
+        if not balancer.observe(per_mb, decide=step % balancer.every == 0 and not final):
             return None
         if say:
             last = balancer.last

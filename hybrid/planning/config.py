@@ -244,7 +244,8 @@ class CostConfig:
     node_devices: Optional[List[str]] = None
     """One device per node, each as cost.device takes it (e.g. [a100-80gb, h100-80gb]): a
     cluster of mixed devices. The nodes are launcher.nnodes when the launcher places them, else
-    the ranks in nodes of cost.gpus_per_node. hybrid-plan splits the layers by each stage's
+    the ranks in nodes of cost.gpus_per_node; a shorter list whose length divides the nodes
+    names consecutive equal groups of nodes. hybrid-plan splits the layers by each stage's
     device (a slower stage gets fewer), gives replicas of unequal speed
     parallel.dp_balance=dynamic's shares, and prices the step against each uniform cluster;
     None: every node is cost.device."""

@@ -36,7 +36,9 @@ from hybrid.planning.cost.search import format_search, no_layout_line, overrides
 from hybrid.planning.cost.search_limits import search_limits
 from hybrid.planning.cost.software import software_named
 from hybrid.planning.cost.replicas import replica_line, replica_prediction
-from hybrid.planning.cost.mixed import cluster, node_devices_problem, plan_mixed
+from hybrid.planning.cost.mixed import (
+    cluster, node_devices_problem, node_groups_line, plan_mixed,
+)
 from hybrid.planning.cost.mixed_report import (
     mixed_lines, mixed_search, mixed_search_lines, with_mixed,
 )
@@ -91,6 +93,7 @@ def _plan(dict_cfg: DictConfig) -> None:
     plan = plan_dict(job)  # one plan, printed and priced
     if mixed is not None:
         plan = with_mixed(plan, mixed)
+        plan["mixed_nodes"]["node_groups"] = node_groups_line(cfg)
     predicted = plan["mixed_nodes"].pop("slowest") if mixed else predict_step(job, device)
     plan["predicted"] = predicted.to_dict() | {
         "device": "+".join(dict.fromkeys(d.name for d in mixed.nodes)) if mixed

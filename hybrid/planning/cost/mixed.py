@@ -3,7 +3,11 @@
 One device (a preset or a device file, as ``cost.device`` takes) per node. The nodes are
 those the cost model prices: ``launcher.nnodes`` when the launcher places the nodes, else
 the job's ranks in nodes of ``cost.gpus_per_node`` (what ``JobPlan.priced_ranks_per_node``
-says); node ``i`` holds ranks ``i * per_node`` onwards. A list of another length is refused.
+says); node ``i`` holds ranks ``i * per_node`` onwards. A list shorter than the nodes whose
+length divides their number names consecutive equal groups of nodes (``[a100, h100]`` on four
+nodes: nodes 0-1 A100, nodes 2-3 H100), as a cluster bought in two halves is racked and as
+the ranks fill the nodes (``node_names``; ``hybrid-plan`` prints the reading). Any other
+length is refused.
 
 Every (replica, pipeline rank) cell computes at the pace of the slowest device among its
 ranks (a TP or CP group waits for its slowest member). The layers are split by each pipeline
@@ -53,31 +57,61 @@ def node_devices_problem(cfg: Config, world: int) -> Optional[str]:
     if names is None:
         return None
     nodes, per_node, said = node_shape(cfg, world)
-    if len(names) != nodes:
-        shown = "[" + ", ".join(map(str, names)) + "]"
-        par = cfg.parallel
-        sizes = (f" (parallel.dp={par.dp} x cp={par.cp} x tp={par.tp} x pp={par.pp})"
-                 if world == par.dp * par.cp * par.tp * par.pp else "")
-        # the one-line fix names the numbers: the nodes the list would need, and the ranks
-        # per node (or ranks in all) that would make the list's length right
-        wanted = -(-world // len(names)) if names else per_node
-        return (f"cost.node_devices={shown} names {len(names)} node(s) but the job's {world} "
-                f"ranks{sizes} fill {nodes} node(s) of {per_node} ({said}); give {nodes} "
-                f"devices (one per node), or place {wanted} ranks per node, or use a layout "
-                f"of {len(names) * per_node} ranks")
-    return None
+    if names and len(names) <= nodes and nodes % len(names) == 0:
+        return None  # one per node, or one per consecutive group of nodes (node_names)
+    shown = "[" + ", ".join(map(str, names)) + "]"
+    par = cfg.parallel
+    sizes = (f" (parallel.dp={par.dp} x cp={par.cp} x tp={par.tp} x pp={par.pp})"
+             if world == par.dp * par.cp * par.tp * par.pp else "")
+    # the one-line fix names the numbers: the nodes the list would need, and the ranks
+    # per node (or ranks in all) that would make the list's length right
+    wanted = -(-world // len(names)) if names else per_node
+    return (f"cost.node_devices={shown} names {len(names)} node(s) but the job's {world} "
+            f"ranks{sizes} fill {nodes} node(s) of {per_node} ({said}); give {nodes} "
+            f"devices (one per node) or a number of devices that divides {nodes} (one per "
+            f"group of consecutive nodes), or place {wanted} ranks per node, or use a layout "
+            f"of {len(names) * per_node} ranks")
 
 
-def cluster(cfg: Config, software, pp: int) -> list[Device]:
+def node_names(cfg: Config, world: Optional[int] = None) -> list[str]:
+    """Each node's device name: ``cost.node_devices`` as given when it names every node,
+    else each name repeated for its group of consecutive nodes (``node_devices_problem``
+    has refused any other length). ``world``: the job's ranks (default: the layout's)."""
+    par = cfg.parallel
+    world = world or par.dp * par.cp * par.tp * par.pp
+    names = [str(n) for n in cfg.cost.node_devices]
+    nodes = node_shape(cfg, world)[0]
+    group = max(1, nodes // len(names))
+    return [names[i // group] for i in range(nodes)] if len(names) < nodes else names
+
+
+def node_groups_line(cfg: Config, world: Optional[int] = None) -> Optional[str]:
+    """How a list shorter than the nodes was read (one line), else None."""
+    names = [str(n) for n in cfg.cost.node_devices]
+    expanded = node_names(cfg, world)
+    if len(expanded) == len(names):
+        return None
+    group = len(expanded) // len(names)
+    spans = ", ".join(f"nodes {i * group}-{(i + 1) * group - 1}: {name}"
+                      for i, name in enumerate(names))
+    return (f"cost.node_devices names {len(names)} devices for {len(expanded)} nodes: each "
+            f"names {group} consecutive nodes ({spans})")
+
+
+def cluster(cfg: Config, software, pp: int, world: Optional[int] = None) -> list[Device]:
     """Each node's device, as ``software`` drives it on ``pp`` stages (``cost.device``'s
-    rules: a preset or a device file, ``cost.inter_node_gbit`` applied)."""
-    devices = []
-    for i, name in enumerate(cfg.cost.node_devices):
-        try:
-            device = device_for(replace(cfg.cost, device=str(name)))
-        except DeviceError as err:
-            raise DeviceError(f"cost.node_devices[{i}]: {err}") from None
-        devices.append(software.device(device, pp))
+    rules: a preset or a device file, ``cost.inter_node_gbit`` applied); a list shorter
+    than the nodes is read as ``node_names`` reads it."""
+    devices, known = [], {}
+    listed = [str(n) for n in cfg.cost.node_devices]
+    for name in node_names(cfg, world):
+        if name not in known:
+            try:
+                device = device_for(replace(cfg.cost, device=name))
+            except DeviceError as err:
+                raise DeviceError(f"cost.node_devices[{listed.index(name)}]: {err}") from None
+            known[name] = software.device(device, pp)
+        devices.append(known[name])
     return devices
 
 

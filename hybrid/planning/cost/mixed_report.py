@@ -81,8 +81,9 @@ def with_mixed(plan: dict, mixed: MixedPlan) -> dict:
 
 def mixed_lines(p: dict) -> str:
     """``hybrid-plan``'s lines for ``mixed_prediction``."""
-    lines = ["nodes (cost.node_devices; layers split by each stage's device, "
-             "hybrid/planning/cost/mixed.py):"]
+    lines = [p["node_groups"]] if p.get("node_groups") else []
+    lines.append("nodes (cost.node_devices; layers split by each stage's device, "
+                 "hybrid/planning/cost/mixed.py):")
     for row in p["nodes"]:
         held = ", ".join(f"pp rank {r}: {n} layers" for r, n in zip(row["pp_ranks"],
                                                                      row["layers"]))
@@ -115,7 +116,7 @@ def config_of(cfg: Config, settings: dict) -> Config:
 def _priced_on_mix(cfg: Config, settings: dict, software) -> Optional[dict]:
     """One layout on the mixed cluster, or None when a rank does not fit its memory."""
     candidate = config_of(cfg, settings)
-    nodes = cluster(cfg, software, candidate.parallel.pp)
+    nodes = cluster(candidate, software, candidate.parallel.pp)  # its ranks' nodes
     mixed = plan_mixed(candidate, nodes)
     if max(est.total_bytes for est in mixed.plan.memory) > min(d.memory_bytes for d in nodes):
         return None
