@@ -48,8 +48,8 @@ the table):
 - *16-bit gradients accumulated in place* (``ACCUMULATE_16BIT_BYTES``): 6 bytes a parameter a
   micro-batch where the model prices 12: -6.6 ms a micro-batch on the last stage, the step
   1.8 s shorter. (The BF16 optimizer of 2022, ``bf16_optimizer.update_hp_grads``, adds each
-  micro-batch's gradient to a 32-bit copy, 18 bytes, and reduces that copy in 32 bits; not
-  this profile's.)
+  micro-batch's gradient to a 32-bit copy, 18 bytes (``BF16_ACCUMULATE_BYTES``), and reduces
+  that copy in 32 bits: priced for BLOOM's held-out row, ``held_out.BLOOM_2022``.)
 - *The fp16 step and the DP all-reduce's copies* (``FP16_STEP_BYTES``,
   ``ALLREDUCE_FALLBACK_BYTES``): 82 bytes a parameter where Megatron-LM's step and ``local``
   DDP move 50: +0.04 s.
