@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from hybrid.planning.config import Config, ModelConfig, TrainConfig
-from hybrid.planning.cost.devices import Device, load_device
+from hybrid.planning.cost.devices import Device, load_device, with_inter_bandwidth
 from hybrid.planning.cost.published import (
     KORTHIKANTI_2022, NARAYANAN_2021, GptRun, ThroughputRun, a100_gpt,
 )
+from hybrid.planning.cost.pipe_engine import BF16_ACCUMULATE_BYTES
 from hybrid.planning.cost.software import DEEPSPEED_PIPE, MEGATRON_LM_2021, Software
 from hybrid.planning.cost.steptime import StepPrediction, predict_step
 from hybrid.planning.job import plan_job
@@ -138,6 +139,13 @@ class IterationRun:
     vocab: int
     seconds: float
     source: str
+    micro_batch: int = 1
+    nic_gbit: Optional[float] = None
+    """Gb/s between nodes a GPU has (None: the preset's, Selene's 8 HDR NICs a node)."""
+    bf16_optimizer: bool = False
+    """DeepSpeed's ``BF16_Optimizer`` (2022): gradients accumulated into a 32-bit copy
+    (``pipe_engine.BF16_ACCUMULATE_BYTES``) and reduced in 32 bits; else 16-bit ones."""
+    partition: str = "uniform"
 
 
 MT_NLG_2022 = tuple(
@@ -148,16 +156,38 @@ MT_NLG_2022 = tuple(
 global batch 1920, sequence 2048, micro-batch 1, on DeepSpeed's pipeline engine
 (``cost.software=deepspeed-pipe``: ``pipe_engine`` prices what it does)."""
 
+BLOOM_2022 = (IterationRun(
+    GptRun("BLOOM 176B, 384 GPUs", 112, 14336, 70, 4, 12, 384, 2048), 250880, 104.70,
+    "BigScience tr11-176B-ml: README.md (iteration 85376), tr11-176B-ml.slurm",
+    micro_batch=2, nic_gbit=4 * 100 / 8, bf16_optimizer=True, partition="balanced"),)
+"""BLOOM 176B as ``bigscience-workshop/bigscience``'s ``train/tr11-176B-ml`` gives it: TP 4 x
+PP 12 x DP 8 on 48 nodes of 8 A100-80GB, micro-batch 2, global batch 2048, sequence 2048,
+``--bf16`` with the ``BF16_Optimizer`` (``ZERO_STAGE=0``: its own ZeRO-1), full recompute
+(``--checkpoint-activations``), the embedding counted as a layer in the split
+(``--pp-partition-method 'type:transformer|embedding'``: here ``partition=balanced``); 4
+Omni-Path links of 100 Gb/s a node; 104.70 s an iteration at global batch 2048 (the README's
+log line at iteration 85376, 149.77 TFLOP/s by its own count). Held out: nothing was fitted
+to it."""
 
-def other_rows(software: Software = DEEPSPEED_PIPE) -> list[dict]:
-    """Each of ``MT_NLG_2022`` priced as it ran (on ``software``): predicted against
-    published seconds."""
-    device = software.device(load_device("a100-80gb"), MT_NLG_2022[0].run.pp)
+
+def other_rows(runs: tuple = MT_NLG_2022 + BLOOM_2022,
+               software: Software = DEEPSPEED_PIPE) -> list[dict]:
+    """Each of ``runs`` priced as it ran (on ``software``, its network and optimizer):
+    predicted against published seconds."""
     rows = []
-    for other in MT_NLG_2022:
+    for other in runs:
+        device = load_device("a100-80gb")
+        if other.nic_gbit is not None:
+            device = with_inter_bandwidth(device, other.nic_gbit)
+        device = software.device(device, other.run.pp)
+        if other.bf16_optimizer:
+            device = replace(device, grad_accumulate_bytes=BF16_ACCUMULATE_BYTES)
         cfg = a100_gpt(other.run, "full", other.run.tp, other.run.pp)
         cfg.model = replace(cfg.model, vocab=other.vocab)
-        cfg.parallel = replace(cfg.parallel, dp_compress="bf16")
+        cfg.train = replace(cfg.train, micro_batch=other.micro_batch)
+        cfg.parallel = replace(cfg.parallel, partition=other.partition, **(
+            dict(dp_compress="none", zero=1) if other.bf16_optimizer else  # its own ZeRO-1
+            dict(dp_compress="bf16")))
         predicted = predict_step(plan_job(cfg), device)
         rows.append({"run": other.run.name, "source": other.source,
                      "published_s": other.seconds, "predicted_s": predicted.step_time_s,

@@ -48,8 +48,8 @@ the table):
 - *16-bit gradients accumulated in place* (``ACCUMULATE_16BIT_BYTES``): 6 bytes a parameter a
   micro-batch where the model prices 12: -6.6 ms a micro-batch on the last stage, the step
   1.8 s shorter. (The BF16 optimizer of 2022, ``bf16_optimizer.update_hp_grads``, adds each
-  micro-batch's gradient to a 32-bit copy, 18 bytes, and reduces that copy in 32 bits; not
-  this profile's.)
+  micro-batch's gradient to a 32-bit copy, 18 bytes (``BF16_ACCUMULATE_BYTES``), and reduces
+  that copy in 32 bits: priced for BLOOM's held-out row, ``held_out.BLOOM_2022``.)
 - *The fp16 step and the DP all-reduce's copies* (``FP16_STEP_BYTES``,
   ``ALLREDUCE_FALLBACK_BYTES``): 82 bytes a parameter where Megatron-LM's step and ``local``
   DDP move 50: +0.04 s.
@@ -91,6 +91,10 @@ ACCUMULATE_16BIT_BYTES = 6
 (read both, write one: 2 bytes each): DeepSpeed casts the module to 16 bits and keeps no
 32-bit gradient buffer until the step (``FP16_Optimizer``; ZeRO-1's hooks reduce nothing
 before ``_exec_reduce_grads``), where Megatron-LM adds it to a 32-bit ``main_grad`` (12)."""
+BF16_ACCUMULATE_BYTES = 18
+"""Bytes a parameter DeepSpeed's ``BF16_Optimizer`` (0.7.0, BLOOM's) moves each micro-batch:
+``update_hp_grads`` adds the 16-bit ``.grad`` made 32-bit into a 32-bit copy (read 2, write
+4, read 4, read 4, write 4)."""
 FP16_STEP_BYTES = 70
 """Bytes a parameter ``FP16_Optimizer.step`` (``fp16/fused_optimizer.py``) moves: the
 overflow check (``has_overflow_serial``: ``x.float().sum()``, read 2, write 4, read 4), the
