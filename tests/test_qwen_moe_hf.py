@@ -3,7 +3,8 @@ random one, its first layer dense (``mlp_only_layers=[0]``), 4 experts top-2 unr
 a shared expert with its sigmoid gate and q/k/v biases, saved sharded by ``save_pretrained``
 (nothing downloads): import then export gives every tensor back, the imported model's logits
 are HF's within 1e-5 (fp32), greedy ``hybrid-generate`` equals HF's greedy ``generate``, and
-``model.from_hf`` trains on dp2 x ep2 x tp2 with the aux loss on as the 1-process run does."""
+``model.from_hf`` trains with the aux loss on as the 1-process run does on dp2 x ep2 ZeRO-3,
+dp2 x ep2 with dp_balance=dynamic, dp4 x ep4 ZeRO-2 and dp2 x ep2 x tp2 x pp2."""
 
 import json
 import os
@@ -128,23 +129,43 @@ def test_greedy_generation_equals_hfs(hf_dir):
 TRAIN = ["data=synthetic", "model.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
          "train.steps=2", "train.timeline_step=0", "train.log_every=100", "seed=5",
          "parallel=single"]
-LAYOUTS = {"single": [], "dp2-ep2-tp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]}
+LAYOUTS = {
+    # issue 53's layouts on the model with a dense first layer and a shared expert: every DP
+    # strategy on the expert placement, and the four axes together (8 ranks)
+    "dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
+                      "parallel.bucket_mb=0.02"],
+    "dp2-ep2-dynamic": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_balance=dynamic",
+                        "parallel.dp_balance_every=1"],
+    "dp4-ep4-zero2": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
+                      "parallel.bucket_mb=0.02"],
+    "dp2-ep2-tp2-pp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
+                        "parallel.schedule=1f1b"],
+}
 
 
-def test_from_hf_trains_on_dp2_ep2_tp2_as_the_1_process_run(hf_dir, tmp_path):
-    losses, aux = {}, []
-    for name, layout in LAYOUTS.items():
-        done = run(BIN / "hybrid-train", f"model.from_hf={hf_dir}", *TRAIN, *layout,
-                   f"hydra.run.dir={tmp_path / name}", timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        records = read_metrics(tmp_path / name / "metrics.jsonl")
-        losses[name] = [r["loss"] for r in records]
-        aux += [r["moe"]["aux_loss"] for r in records]
-    config = json.loads((tmp_path / "single" / "config.json").read_text())["model"]
+def train_from_hf(hf_dir: Path, run_dir: Path, *layout: str) -> list[dict]:
+    done = run(BIN / "hybrid-train", f"model.from_hf={hf_dir}", *TRAIN, *layout,
+               f"hydra.run.dir={run_dir}", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def single_from_hf(hf_dir, tmp_path_factory) -> list[float]:
+    run_dir = tmp_path_factory.mktemp("qwen2-moe-single")
+    records = train_from_hf(hf_dir, run_dir)
+    config = json.loads((run_dir / "config.json").read_text())["model"]
     assert config["moe"]["aux_loss"] == AUX_LOSS and config["moe"]["shared_ffn_hidden"] == 40
-    assert len(losses["single"]) == 2 and min(aux) > 0  # the aux loss on, and in the second
-    # step's weights; its figure is rank 0's micro-batches', so it is compared on no layout
-    assert losses["dp2-ep2-tp2"] == pytest.approx(losses["single"], rel=1e-4)
+    assert len(records) == 2 and min(r["moe"]["aux_loss"] for r in records) > 0  # on, and in
+    # the second step's weights; its figure is rank 0's micro-batches', compared on no layout
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_from_hf_trains_on_expert_layouts_as_the_1_process_run(name, hf_dir, single_from_hf,
+                                                                  tmp_path):
+    records = train_from_hf(hf_dir, tmp_path / name, *LAYOUTS[name])
+    assert [r["loss"] for r in records] == pytest.approx(single_from_hf, rel=1e-4)
 
 
 def test_a_qwen3_moe_with_a_sparse_step_round_trips_and_gives_hfs_logits(tmp_path):
