@@ -12,7 +12,8 @@ import pytest
 from hybrid.planning.config import ParallelConfig, from_dict, to_dict
 from hybrid.planning.dp_config import FLAT_KEYS, new_key
 from hybrid.planning.strategies import DpOptions, reduction_of, sharding_of
-from launch.commands.app import CONF_DIR, composition_error, compose_train_config
+from launch.commands.app import CONF_DIR, compose_train_config
+from refusals import hydra_compose_refusal
 
 GROUP = sorted(p.stem for p in (Path(CONF_DIR) / "parallel" / "dp").glob("*.yaml"))
 SELECTS = {
@@ -80,16 +81,7 @@ def test_flat_keys_in_python_and_in_a_saved_config():
 def test_a_flat_key_in_a_yaml_file_is_refused_in_one_line_naming_the_new_key():
     """The command line's flat keys are rewritten (``new_overrides``); Hydra's own compose,
     as a YAML file does, meets the key where it no longer is."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    from launch.commands.app import register_schemas
-
-    register_schemas()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        with pytest.raises(HydraException) as err:
-            compose(config_name="config", overrides=["parallel.dp_delay=1"])
-    line = composition_error(err.value)
+    line = hydra_compose_refusal("parallel.dp_delay=1")
     assert "\n" not in line
     assert line.endswith("; parallel.dp_delay is now parallel.dp_strategy.delay (or choose a "
                          "file of conf/parallel/dp: parallel/dp=NAME)"), line
