@@ -9,6 +9,8 @@ compute (``pair_time``); the simulation and the ranks' busy time then count the 
 
 from __future__ import annotations
 
+import functools
+
 from hybrid.planning.job import JobPlan
 from hybrid.planning.schedules import schedule_spec
 from hybrid.planning.schedules.actions import BACKWARD, FORWARD, Action, Composite, stage_rank
@@ -28,25 +30,50 @@ def pair_time(forward, backward) -> float:
             + max(0.0, backward.comm_backward - compute_f))
 
 
-def _overlapped_pairs(plan: JobPlan, times: list) -> list[tuple[int, Action, float]]:
-    """(rank, the pair's backward part, seconds the overlap saves) of every F+B composite."""
-    layout, m = plan.layout, plan.schedule.microbatches
+def _composite_pairs(schedule: str, pp: int, m: int, vpp: int) -> tuple:
+    """(rank, forward stage, the backward part) of every F+B composite of a schedule's
+    steps (most schedules have none)."""
     pairs = []
-    for rank, steps in enumerate(schedule_steps(plan.schedule.name, layout.pp, m, layout.vpp)):
+    for rank, steps in enumerate(schedule_steps(schedule, pp, m, vpp)):
         for step in steps:
             if isinstance(step, Composite) and [p.kind for p in step.parts] == [FORWARD,
                                                                                 BACKWARD]:
                 f, b = step.parts
-                whole = times[f.stage].forward + times[b.stage].backward
-                pairs.append((rank, b, whole - pair_time(times[f.stage], times[b.stage])))
+                pairs.append((rank, f.stage, b))
+    return tuple(pairs)
+
+
+def _overlapped_pairs(plan: JobPlan, times: list) -> list[tuple[int, Action, float]]:
+    """(rank, the pair's backward part, seconds the overlap saves) of every F+B composite."""
+    layout = plan.layout
+    pairs = []
+    for rank, f_stage, b in _composite_pairs(plan.schedule.name, layout.pp,
+                                             plan.schedule.microbatches, layout.vpp):
+        whole = times[f_stage].forward + times[b.stage].backward
+        pairs.append((rank, b, whole - pair_time(times[f_stage], times[b.stage])))
     return pairs
+
+
+@functools.lru_cache(maxsize=1024)
+def _pair_counts(schedule: str, pp: int, m: int, vpp: int) -> tuple:
+    """(rank, forward stage, backward stage, how many) of the F+B composites: a pair's
+    saving depends on its two stages only, so each distinct pair is priced once; cached per
+    shape, as the search prices thousands of layouts of a few hundred shapes."""
+    counts: dict[tuple[int, int, int], int] = {}
+    for rank, f_stage, b in _composite_pairs(schedule, pp, m, vpp):
+        key = (rank, f_stage, b.stage)
+        counts[key] = counts.get(key, 0) + 1
+    return tuple((*key, n) for key, n in counts.items())
 
 
 def overlap_savings(plan: JobPlan, times: list) -> list[float]:
     """Per pipeline rank, the seconds a step's composites save on a two-stream device."""
-    saved = [0.0] * plan.layout.pp
-    for rank, _, saving in _overlapped_pairs(plan, times):
-        saved[rank] += saving
+    layout = plan.layout
+    saved = [0.0] * layout.pp
+    for rank, f_stage, b_stage, n in _pair_counts(plan.schedule.name, layout.pp,
+                                                  plan.schedule.microbatches, layout.vpp):
+        f, b = times[f_stage], times[b_stage]
+        saved[rank] += n * (f.forward + b.backward - pair_time(f, b))
     return saved
 
 
