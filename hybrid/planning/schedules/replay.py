@@ -14,6 +14,7 @@ schedule deadlocks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,15 +51,25 @@ class Dependency:
 def dependencies(action: Action, pp: int, n_stages: int, lowered: bool,
                  placement: Placement = LOOP) -> list[Dependency]:
     """What ``action`` needs done before it can start (see the module docstring)."""
+    return _dependencies(action, _rank_table(pp, n_stages, placement), lowered)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_table(pp: int, n_stages: int, placement: Placement) -> tuple[int, ...]:
+    """Each virtual stage's pipeline rank (a replay asks hundreds of thousands of times)."""
+    return tuple(stage_rank(s, pp, placement) for s in range(n_stages))
+
+
+def _dependencies(action: Action, rank_of: tuple[int, ...], lowered: bool) -> list[Dependency]:
     s, mb = action.stage, action.mb
-    here = stage_rank(s, pp, placement)
+    here = rank_of[s]
 
     def local(key: ResultKey) -> Dependency:
         return Dependency(key, here, False)
 
     def neighbour(other: int, kind: str, recv_kind: str) -> Dependency:
         """Data computed by stage ``other``: via our RECV when lowered and remote."""
-        other_rank = stage_rank(other, pp, placement)
+        other_rank = rank_of[other]
         if other_rank == here:
             return local((other, kind, mb))
         if lowered:
@@ -70,7 +81,7 @@ def dependencies(action: Action, pp: int, n_stages: int, lowered: bool,
         return [neighbour(s - 1, FORWARD, RECV_F)] if s > 0 else []
     if action.is_backward_input:
         deps = [local((s, FORWARD, mb))]
-        if s < n_stages - 1:
+        if s < len(rank_of) - 1:
             deps.append(neighbour(s + 1, BACKWARD_INPUT, RECV_B))
         return deps
     if kind == BACKWARD_WEIGHT:
@@ -80,8 +91,8 @@ def dependencies(action: Action, pp: int, n_stages: int, lowered: bool,
     if kind == SEND_B:
         return [local((s, BACKWARD_INPUT, mb))]
     if kind == RECV_F:
-        return [Dependency((s - 1, SEND_F, mb), stage_rank(s - 1, pp, placement), True)]
-    return [Dependency((s + 1, SEND_B, mb), stage_rank(s + 1, pp, placement), True)]  # RECV_B
+        return [Dependency((s - 1, SEND_F, mb), rank_of[s - 1], True)]
+    return [Dependency((s + 1, SEND_B, mb), rank_of[s + 1], True)]  # RECV_B
 
 
 class OrderViolation(Exception):
@@ -123,6 +134,9 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
     lists = [[a for a in actions if not (a.is_shard or a.is_extra)] for actions in lists]
     n_stages = pp * vpp
     lowered = any(action.is_comm for actions in lists for action in actions)
+    rank_of = _rank_table(pp, n_stages, placement)
+    needs = [[_dependencies(action, rank_of, lowered) for action in actions]
+             for actions in lists]  # once: a waiting action is visited again
     finished: dict[ResultKey, float] = {}
     clock, cursor = [0] * len(lists), [0] * len(lists)
     timed: list[Timed] = []
@@ -133,7 +147,7 @@ def replay(lists: list[list[Action]], pp: int, vpp: int,
             while cursor[rank] < len(actions):
                 action = actions[cursor[rank]]
                 ready = _ready_time(rank, cursor[rank], action, clock[rank], finished,
-                                    dependencies(action, pp, n_stages, lowered, placement), p2p)
+                                    needs[rank][cursor[rank]], p2p)
                 if ready is None:
                     break  # waits for another rank; try the others
                 start = clock[rank] if action.kind in (RECV_F, RECV_B) else ready
