@@ -175,14 +175,16 @@ class JobPlan:
 
 def plan_job(cfg: Config, simulated: bool = True,
              block_costs: Optional[list[float]] = None,
-             stage_ranges: Optional[list[range]] = None) -> JobPlan:
+             stage_ranges: Optional[list[range]] = None, lower: bool = True) -> JobPlan:
     """Validate ``cfg`` (``LayoutError`` with one line) and plan it; ``simulated=False``
     takes the schedule's shape and the ranks' state bytes from closed forms instead of
     simulating the schedule and laying out the gradient buckets (what searches need).
     ``block_costs``: partition=measured's measured costs (a calibration file's, or the
     ranks'), else ``parallel.block_costs``, else predicted FLOPs until the ranks measure.
     ``stage_ranges``: the blocks of each virtual stage, split elsewhere (``cost.node_devices``:
-    by each stage's device, ``hybrid.planning.cost.mixed``)."""
+    by each stage's device, ``hybrid.planning.cost.mixed``). ``lower=False``: without the
+    runtime's lowered lists (and their check), which no prediction reads: what a search's
+    and the published runs' predictions plan (a 405B search lowered 46 plans for nothing)."""
     layout = validate_config(cfg)
     costs, measured = partition_costs(cfg, block_costs)
     ranges = partition_for_config(cfg, costs) if stage_ranges is None else list(stage_ranges)
@@ -198,7 +200,7 @@ def plan_job(cfg: Config, simulated: bool = True,
     if gather_policy(cfg) is not None:
         memory = with_gathered(cfg, layout, memory, by_rank, chunks, simulated)
     placed = ranks_per_node(cfg, layout)
-    lowered = () if not simulated else tuple(
+    lowered = () if not (simulated and lower) else tuple(
         tuple(actions) for actions in lowered_lists(cfg, layout, schedule.microbatches))
     return JobPlan(cfg=cfg, layout=layout, ranks_per_node=placed, stages=stages,
                    schedule=schedule, memory=memory, by_rank=by_rank, lowered=lowered,

@@ -100,7 +100,7 @@ def software_2021(device: Device, pp: int) -> Device:
 
 def held_out_row(run: ThroughputRun, device: Device, error: float) -> dict:
     """The published run against the model: throughput, and the rank of its split."""
-    published = predict_step(plan_job(run.config()), software_2021(device, run.pp))  # as it ran
+    published = predict_step(plan_job(run.config(), lower=False), software_2021(device, run.pp))  # as it ran
     ranked = []  # in closed form, the published split too, so that all compare alike
     for tp, pp in splits(run):
         predicted = best_prediction(run.config(tp, pp), software_2021(device, pp),
@@ -188,7 +188,7 @@ def other_rows(runs: tuple = MT_NLG_2022 + BLOOM_2022,
         cfg.parallel = replace(cfg.parallel, partition=other.partition, **(
             dict(dp_compress="none", zero=1) if other.bf16_optimizer else  # its own ZeRO-1
             dict(dp_compress="bf16")))
-        predicted = predict_step(plan_job(cfg), device)
+        predicted = predict_step(plan_job(cfg, lower=False), device)
         rows.append({"run": other.run.name, "source": other.source,
                      "published_s": other.seconds, "predicted_s": predicted.step_time_s,
                      "error": predicted.step_time_s / other.seconds - 1})

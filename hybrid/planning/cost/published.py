@@ -128,7 +128,7 @@ def compare_with_published(simulated: bool = True) -> list[dict]:
         for recompute, published in (("full", run.full_recompute_s),
                                      ("selective", run.selective_sp_s)):
             cfg = run.config(recompute)
-            predicted = predict_step(plan_job(cfg, simulated=simulated),
+            predicted = predict_step(plan_job(cfg, simulated=simulated, lower=False),
                                      megatron_lm(load_device(cfg.cost.device)),
                                      simulated=simulated)
             rows.append({"run": run.name, "recompute": recompute, "published_s": published,

@@ -280,7 +280,7 @@ def _finish(priced: list, device_of, top: int) -> list[Candidate]:
             break
         simulated = final is None
         if simulated:  # what hybrid-plan predicts for it
-            final = predict_step(plan_job(candidate), device_of(candidate))
+            final = predict_step(plan_job(candidate, lower=False), device_of(candidate))
         done = Candidate(settings_of(candidate), final, simulated=simulated)
         bisect.insort(finished, (final.step_time_s, order, done), key=lambda entry: entry[:2])
     return [final for _, _, final in finished[:top]]

@@ -55,6 +55,9 @@ def layer_specs(m) -> list[LayerSpec]:
 def layer_kinds(m) -> dict[LayerSpec, int]:
     """How many layers of each kind, in order of first appearance: what the counts that are
     the same for alike layers (FLOPs, activation bytes) are computed once per."""
+    moe = getattr(m, "moe", None)
+    if moe is None or not moe.experts:  # a dense model: asked thousands of times in a search
+        return {DENSE: m.layers} if m.layers else {}
     counts: dict[LayerSpec, int] = {}
     for spec in layer_specs(m):
         counts[spec] = counts.get(spec, 0) + 1
