@@ -111,7 +111,8 @@ class ModelConfig:
     def cache_key(self) -> tuple:
         """The fields as a hashable tuple (a list made a tuple, ``moe`` a tuple of pairs): what
         the planning caches key a model by; ``ModelConfig(**dict(key))`` builds it back."""
-        return tuple((name, _hashable(value)) for name, value in vars(self).items())
+        return tuple((name, value if type(value) in _PLAIN else _hashable(value))
+                     for name, value in vars(self).items())
 
     @property
     def head_size(self) -> int:
@@ -134,6 +135,10 @@ def setting_paths() -> list[str]:
     path (``moe.topk``): what ``hybrid.planning.moved_keys.get_path`` reads."""
     return [f.name for f in fields(ModelConfig) if f.name != "moe"] + \
         [f"moe.{f.name}" for f in fields(MoEConfig)]
+
+
+_PLAIN = frozenset((int, float, str, bool, type(None)))
+"""Field types that are hashable as they are (a search keys a model thousands of times)."""
 
 
 def _hashable(value: Any) -> Any:
