@@ -204,7 +204,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--shard-mb", type=float, default=200)
     parser.add_argument("--smoke", action="store_true",
-                        help="a model of a few MB (hidden 64, vocabulary 512): the script runs")
+                        help="a model of a few MB (hidden 64, vocabulary 512), two of the "
+                        "four ranks: the script runs")
     parser.add_argument("--child", nargs="+")
     args = parser.parse_args()
     if args.child:
@@ -225,14 +226,14 @@ def main() -> None:
               f"shards, largest {shard:.0f} MB")
         peer = in_child("whole", str(folder))
         print(f"peer load_file of every shard: peak growth {peer['peak_growth_mb']:.0f} MB")
-        for stage in range(2):
-            for tp_rank in range(2):
-                got = in_child("rank", str(folder), str(tp_rank), str(stage))
-                print(f"rank tp{tp_rank} pp{stage}: share {got['share_mb']:.0f} MB, peak growth "
-                      f"{got['peak_growth_mb']:.0f} MB = "
-                      f"{got['peak_growth_mb'] / got['share_mb']:.2f} x share, "
-                      f"{got['peak_growth_mb'] / shard:.2f} x largest shard, "
-                      f"ratio={got['peak_growth_mb'] / max(peer['peak_growth_mb'], 1e-3):.3f}")
+        ranks = [(0, 0), (1, 1)] if args.smoke else [(s, t) for s in range(2) for t in range(2)]
+        for stage, tp_rank in ranks:  # the smoke run: the first rank and the last
+            got = in_child("rank", str(folder), str(tp_rank), str(stage))
+            print(f"rank tp{tp_rank} pp{stage}: share {got['share_mb']:.0f} MB, peak growth "
+                  f"{got['peak_growth_mb']:.0f} MB = "
+                  f"{got['peak_growth_mb'] / got['share_mb']:.2f} x share, "
+                  f"{got['peak_growth_mb'] / shard:.2f} x largest shard, "
+                  f"ratio={got['peak_growth_mb'] / max(peer['peak_growth_mb'], 1e-3):.3f}")
         conversions(folder, shard, 0.05 if args.smoke else args.shard_mb)
 
 
