@@ -8,7 +8,8 @@ import pytest
 
 from hybrid.planning.config import Config, ModelConfig, TrainConfig
 from hybrid.planning.cost.devices import PRESETS
-from hybrid.planning.cost.makespan import overlap_savings, pair_time, simulated_makespan
+from hybrid.planning.cost.makespan import (_overlapped_pairs, overlap_savings, pair_time,
+                                           simulated_makespan)
 from hybrid.planning.cost.search import search, searched_schedules
 from hybrid.planning.cost.search_limits import SearchLimits
 from hybrid.planning.cost.software import HYBRID, MEGATRON_LM_2021
@@ -61,3 +62,28 @@ def test_the_search_proposes_dualpipev_to_hybrid_not_to_megatron_lm_2021():
     found = search(cfg, 4, A100, top=200, limits=SearchLimits(software=HYBRID))
     schedules = {c["settings"]["schedule"] for c in found["candidates"]}
     assert "dualpipev" in schedules
+
+
+def test_the_counted_pairs_are_the_composites_of_the_built_lists():
+    """``dualpipev_pairs`` (what the cost model prices, counted without building a list)
+    equals the F+B composites of ``dualpipev_steps``, rank by rank, on every shape the
+    search can ask for from pp 1 to 8; and a pair's saving priced from the counts equals
+    the saving summed over the built composites."""
+    from collections import Counter
+
+    from hybrid.planning.schedules.actions import Composite
+    from hybrid.planning.schedules.dualpipev import dualpipev_pairs, dualpipev_steps
+
+    for pp in range(1, 9):
+        for m in range(2 * pp, 2 * pp + 9):
+            built = [Counter((s.parts[0].stage, s.parts[1].stage) for s in steps
+                             if isinstance(s, Composite)) for steps in dualpipev_steps(pp, m)]
+            counted = [{(f, b): n for f, b, n in held} for held in dualpipev_pairs(pp, m)]
+            assert counted == [dict(c) for c in built], (pp, m)
+    assert any(dualpipev_pairs(4, 8))  # not vacuous: the steady state pairs
+    plan = plan_job(config("dualpipev", pp=4))
+    times = _parts(plan, A100).times
+    per_rank = [0.0] * 4
+    for rank, _, saving in _overlapped_pairs(plan, times):  # over the built composites
+        per_rank[rank] += saving
+    assert overlap_savings(plan, times) == pytest.approx(per_rank, rel=1e-12)

@@ -59,6 +59,10 @@ def _pair_counts(schedule: str, pp: int, m: int, vpp: int) -> tuple:
     """(rank, forward stage, backward stage, how many) of the F+B composites: a pair's
     saving depends on its two stages only, so each distinct pair is priced once; cached per
     shape, as the search prices thousands of layouts of a few hundred shapes."""
+    pairs = schedule_spec(schedule).pairs
+    if pairs is not None:
+        return tuple((rank, f, b, n) for rank, held in enumerate(pairs(pp, m, vpp))
+                     for f, b, n in held)
     counts: dict[tuple[int, int, int], int] = {}
     for rank, f_stage, b in _composite_pairs(schedule, pp, m, vpp):
         key = (rank, f_stage, b.stage)

@@ -55,12 +55,49 @@ class _RankBuilder:
             self.actions.append(Action(stage, BACKWARD_WEIGHT, mb))
 
 
+class _PairCounter:
+    """``_RankBuilder``'s moves, counting only the overlapped pairs by forward chunk: what
+    the cost model prices, without building a list (a search prices hundreds of shapes)."""
+
+    def __init__(self) -> None:
+        self.pairs = [0, 0]
+
+    def add(self, chunk: int, kind: str) -> None:
+        pass
+
+    def overlap(self, forward_chunk: int) -> None:
+        self.pairs[forward_chunk] += 1
+
+    def oldest_weight(self) -> None:
+        pass
+
+
 def _dualpipev_rank(rank: int, pp: int, m: int) -> list[Action | Composite]:
+    b = _RankBuilder(rank, pp)
+    _phases(b, rank, pp, m)
+    return b.actions
+
+
+def dualpipev_pairs(pp: int, m: int, vpp: int = 2) -> list[list[tuple[int, int, int]]]:
+    """Per rank, (forward stage, backward stage, how many) of its overlapped pairs: the
+    counts of ``dualpipev_steps``' composites, from the same phases
+    (``tests/test_dualpipev_cost.py``)."""
+    out = []
+    for rank in range(pp):
+        counter = _PairCounter()
+        _phases(counter, rank, pp, m)
+        down, up = rank, 2 * pp - 1 - rank
+        out.append([(f, b, n) for (f, b), n in (((down, up), counter.pairs[0]),
+                                                ((up, down), counter.pairs[1])) if n])
+    return out
+
+
+def _phases(b, rank: int, pp: int, m: int) -> None:
     """Eight phases, as DeepSeek's reference: warm up chunk 0, then pairs of chunk 0 and 1
     forwards, the up leg's first backwards split (I now, W later) to fill the bubble, the
     overlapped steady state, and a cool-down whose second half splits again (rank parity
-    decides where the split starts) so that deferred W's fill the drain."""
-    b = _RankBuilder(rank, pp)
+    decides where the split starts) so that deferred W's fill the drain. ``b``: a
+    ``_RankBuilder`` or a ``_PairCounter``."""
     for _ in range(2 * (pp - rank - 1)):
         b.add(0, FORWARD)
     for _ in range(rank + 1):
@@ -91,7 +128,6 @@ def _dualpipev_rank(rank: int, pp: int, m: int) -> list[Action | Composite]:
         b.add(0, BACKWARD_INPUT if split else BACKWARD)
     for _ in range(rank + 1):
         b.oldest_weight()
-    return b.actions
 
 
 def dualpipev_steps(pp: int, m: int) -> list[list[Action | Composite]]:
@@ -114,6 +150,6 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     name="dualpipev", build=_dualpipev_lists, closed_form=_dualpipev_closed_form,
     warmup_step=lambda forward, backward, vpp: forward / vpp,
     chunks=TWO, instead="zb-v", placement=V_SHAPE, tag_matched=True, min_microbatches_per_pp=2,
-    steps=lambda pp, m, vpp: dualpipev_steps(pp, m), search_vpps=(2,),
+    steps=lambda pp, m, vpp: dualpipev_steps(pp, m), pairs=dualpipev_pairs, search_vpps=(2,),
     doc="DeepSeek-V3's DualPipeV: ZB-V's V, each steady step one chunk's F overlapped with "
         "the other's B; gloo only"))

@@ -67,6 +67,10 @@ class ScheduleSpec:
     """``steps(pp, m, vpp)``: the lists with the schedule's composite actions whole (what a
     two-stream runtime runs and the cost model prices as overlapped on a GPU); None: its
     ``build`` lists have none."""
+    pairs: Optional[Callable[[int, int, int], list]] = None
+    """``pairs(pp, m, vpp)``: per rank, (forward stage, backward stage, count) of the F+B
+    composites of ``steps``, counted without building them (the search prices hundreds of
+    shapes); None: counted from ``steps``."""
     search_vpps: tuple[int, ...] = ()
     """Chunk counts the layout search tries with this schedule (none: it is not searched)."""
     doc: str = ""
