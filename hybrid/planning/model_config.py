@@ -142,6 +142,7 @@ _PLAIN = frozenset((int, float, str, bool, type(None)))
 
 
 def _hashable(value: Any) -> Any:
-    if isinstance(value, MoEConfig):
-        return tuple((f.name, _hashable(getattr(value, f.name))) for f in fields(value))
+    if isinstance(value, MoEConfig):  # its fields in order, as vars holds them
+        return tuple((name, tuple(v) if isinstance(v, list) else v)
+                     for name, v in vars(value).items())
     return tuple(value) if isinstance(value, list) else value

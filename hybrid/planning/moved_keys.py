@@ -15,9 +15,15 @@ from typing import Any, Mapping
 
 
 def get_path(settings: Any, path: str) -> Any:
-    for name in path.split("."):
+    for name in _names(path):
         settings = getattr(settings, name)
     return settings
+
+
+@functools.lru_cache(maxsize=None)
+def _names(path: str) -> tuple[str, ...]:
+    """A path's names (a search reads the flat keys of before 180,000 times)."""
+    return tuple(path.split("."))
 
 
 def with_path(settings: Any, path: str, value: Any) -> Any:
