@@ -106,8 +106,11 @@ class Trainer:
             self._build_stages(self.plan.with_stage_ranges(ranges))
             return self.checkpointer
 
+        started = time.perf_counter()
         move_state(self.checkpointer, rebuild, step)
-        self.split.restart_window()
+        took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        self.groups.world.all_reduce(took, op=dist.ReduceOp.MAX)  # every rank decides alike
+        self.split.restart_window(float(took))
 
     def set_watching(self, on: bool) -> None:
         """Wait timing and stall diagnosis on or off (off: compute is the whole step): only

@@ -68,6 +68,50 @@ def test_the_split_moves_when_a_slowdown_starts_and_returns_when_it_stops():
     assert len({tuple(s) for s in splits[changed:120]}) == 1  # one move, no back and forth
 
 
+def run_phases(balancer, phases, rng):
+    """Feed ``balancer`` (steps, stage speeds) phases with +-5% jitter; the layers per stage
+    after every step."""
+    splits = []
+    for steps, speeds in phases:
+        for _ in range(steps):
+            noise = [rng.uniform(0.95, 1.05) for _ in speeds]
+            balancer.observe(stage_times(speeds, balancer.split, noise))
+            splits.append(layer_counts(balancer.split))
+    return splits
+
+
+def test_a_move_back_to_the_split_before_must_save_twice_as_much():
+    """Stage 1 at half speed moves the split to [6, 2]; then at 1/1.2 of stage 0's speed,
+    [4, 4] would save 17% (more than min_saving, less than twice it): the split stays; at
+    equal speeds [4, 4] saves 31% and the split returns. A balancer that did not know where
+    it came from moves back at 1/1.2 (the damping is what holds it)."""
+    phases = [(40, [1.0, 2.0]), (60, [1.0, 1.2]), (40, [1.0, 1.0])]
+    splits = run_phases(StageBalancer(UNIFORM, COSTS, microbatches=4, every=5), phases,
+                        random.Random(2))
+    assert splits[39] == [6, 2] and splits[40:100] == [[6, 2]] * 60
+    assert splits[-1] == [4, 4]
+    forgetful = StageBalancer(UNIFORM, COSTS, microbatches=4, every=5)
+    undamped = run_phases(forgetful, phases[:1], random.Random(2))
+    forgetful.before = None  # as if [6, 2] were where it started
+    undamped += run_phases(forgetful, phases[1:2], random.Random(3))
+    assert undamped[39] == [6, 2] and undamped[-1] == [4, 4]
+
+
+def test_a_move_must_win_back_twice_its_cost_over_the_steps_left():
+    """After a move timed at 30 s, a half-speed stage 1 ([4, 4] -> [6, 2] saves 12.5 s a
+    step at m=4: 5 slots of 9 -> 6.5) moves only with 5 or more steps left (12.5 x 5 >= 2 x
+    30 > 12.5 x 4)."""
+    for steps_left, moves in ((4, False), (5, True)):
+        balancer = StageBalancer(UNIFORM, COSTS, microbatches=4, every=5)
+        balancer.moved(30.0)
+        moved = [balancer.observe(stage_times([1.0, 2.0], balancer.split),
+                                  steps_left=steps_left) for _ in range(10)]
+        assert any(moved) == moves, (steps_left, balancer.last)
+    untimed = StageBalancer(UNIFORM, COSTS, microbatches=4, every=5)  # no move timed yet
+    assert any(untimed.observe(stage_times([1.0, 2.0], untimed.split), steps_left=1)
+               for _ in range(10))
+
+
 def test_an_undisturbed_noisy_run_of_200_steps_keeps_its_split():
     """As this 2-core machine under six sessions' load measures stages: +-30% on every step
     and, one step in eight, a stage 3x slower for a step."""

@@ -64,6 +64,7 @@ class StageSplit:
             tuple(stage.blocks for stage in plan.stages), costs,
             plan.schedule.microbatches, every=cfg.parallel.pp_balance_every,
             min_saving=cfg.parallel.pp_balance_min_saving)
+        self.steps = cfg.train.steps
         self.warm = False
         self.ran = layer_counts(self.balancer.split)
         """Layers per stage in the step last fed (what its record says)."""
@@ -86,7 +87,8 @@ class StageSplit:
         before = balancer.split
         per_mb = stage_seconds(pipeline_s, self.pp_of_rank, microbatches_of_rank,
                                len(before))
-        if not balancer.observe(per_mb, decide=step % balancer.every == 0 and not final):
+        if not balancer.observe(per_mb, decide=step % balancer.every == 0 and not final,
+                                steps_left=self.steps - step):
             return None
         if say:
             last = balancer.last
@@ -102,8 +104,10 @@ class StageSplit:
         """This step's ``metrics.jsonl`` fields (only under dynamic)."""
         return {"pp_split": self.ran} if self.dynamic else {}
 
-    def restart_window(self) -> None:
-        """After a move, the next step builds caches again: not measured."""
+    def restart_window(self, move_s: float) -> None:
+        """After a move (which took ``move_s`` seconds: the next must win back twice that,
+        ``StageBalancer.moved``), the next step builds caches again: not measured."""
+        self.balancer.moved(move_s)
         self.warm = False
 
 

@@ -25,6 +25,12 @@ save at least ``min_saving`` of the current split's predicted step, when the kep
 the last window alone both ask for it, and when two decisions in a row ask (a burst of
 scheduling noise passes, a slow worker stays). A split that moves a layer must save a whole
 layer's share of the slowest stage, so an undisturbed run keeps its split.
+
+A move costs seconds of its own (the state travels, the stages are built again), and a
+machine's load drifts: on pp4 a move once followed the cores' share from one stage to
+another and back. So, once a move has been timed, the next must save ``PAYBACK`` times that
+time over the run's steps left; and a move back to the split the last move left must save
+``BACK_FACTOR`` times ``min_saving`` (a slowdown that ends saves far more than that).
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ DEFAULT_EVERY = 5
 DEFAULT_MIN_SAVING = 0.1
 HISTORY_WINDOWS = 3
 """Decision windows the stages' speeds are estimated over."""
+PAYBACK = 2.0
+"""A move must save, over the steps left, this many times what the last move cost."""
+BACK_FACTOR = 2.0
+"""A move back to the split before the last move must save this many times ``min_saving``."""
 
 Split = tuple[range, ...]
 """Block ids per stage, in model order (0 the embedding, 1..L the layers, L+1 the head)."""
@@ -116,11 +126,17 @@ class StageBalancer:
         self.since_decision = 0
         self.proposed: Optional[Split] = None
         self.last: Optional[SplitDecision] = None
+        self.before: Optional[Split] = None
+        """The split the last move left (a move back to it is damped)."""
+        self.move_s = 0.0
+        """Seconds the last move took (``moved``); 0 until one is timed."""
 
-    def observe(self, per_mb_s: Sequence[float], decide: Optional[bool] = None) -> bool:
+    def observe(self, per_mb_s: Sequence[float], decide: Optional[bool] = None,
+                steps_left: Optional[int] = None) -> bool:
         """One step's seconds per micro-batch of each stage (its slowest rank's forward and
-        backward); decide when ``decide`` says so (default: every ``every`` steps). Returns
-        whether the split changed (from the next step on)."""
+        backward); decide when ``decide`` says so (default: every ``every`` steps);
+        ``steps_left``: the run's steps after this one (None: unbounded). Returns whether
+        the split changed (from the next step on)."""
         self.history.append(stage_speeds(per_mb_s, self.split, self.costs))
         self.since_decision += 1
         if not (self.since_decision >= self.every if decide is None else decide):
@@ -128,13 +144,25 @@ class StageBalancer:
         self.since_decision = 0
         self.last = self.decision()
         recent = self.decision(steps=self.every)
-        asked = self.last.split != self.split and recent.split != self.split
+        asked = self.last.split != self.split and recent.split != self.split \
+            and self._pays_back(self.last, steps_left)
         wanted = self.last.split if asked else None
         confirmed = wanted is not None and self.proposed is not None
         self.proposed = None if confirmed else wanted
         if confirmed:
-            self.split = wanted
+            self.before, self.split = self.split, wanted
         return confirmed
+
+    def moved(self, seconds: float) -> None:
+        """The last move took ``seconds`` (the state's travel and the stages' rebuild)."""
+        self.move_s = seconds
+
+    def _pays_back(self, decision: SplitDecision, steps_left: Optional[int]) -> bool:
+        """Whether the saving over the steps left wins back ``PAYBACK`` times a move."""
+        if steps_left is None or not self.move_s:
+            return True
+        return (decision.current_s - decision.predicted_s) * steps_left >= \
+            PAYBACK * self.move_s
 
     def speeds(self, steps: Optional[int] = None) -> list[float]:
         """Each stage's median seconds per unit of cost over the last ``steps`` kept."""
@@ -142,8 +170,13 @@ class StageBalancer:
         return [statistics.median(step[s] for step in kept) for s in range(len(self.split))]
 
     def decision(self, steps: Optional[int] = None) -> SplitDecision:
-        return decide_split(self.speeds(steps), self.split, self.costs, self.microbatches,
-                            self.min_saving)
+        speeds = self.speeds(steps)
+        chosen = decide_split(speeds, self.split, self.costs, self.microbatches,
+                              self.min_saving)
+        if chosen.split == self.before and chosen.split != self.split:  # a move back
+            chosen = decide_split(speeds, self.split, self.costs, self.microbatches,
+                                  min(BACK_FACTOR * self.min_saving, 0.99))
+        return chosen
 
     def stage_ms(self, split: Optional[Split] = None) -> list[float]:
         """Each stage's median ms per micro-batch over the kept steps, on ``split`` (default:
