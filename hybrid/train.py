@@ -106,7 +106,7 @@ class Trainer:
             self._build_stages(self.plan.with_stage_ranges(ranges))
             return self.checkpointer
 
-        move_state(self.checkpointer, rebuild, step)
+        move_state(self.checkpointer, rebuild, step, how=self.cfg.parallel.pp_balance_move)
         self.split.restart_window()
 
     def set_watching(self, on: bool) -> None:
