@@ -64,14 +64,16 @@ def test_pp2_moves_send_each_moved_layer_once_to_each_rank_of_its_new_stage(old,
 def test_pp4_moves_go_both_ways_and_past_a_neighbour():
     layout = Layout(dp=2, tp=2, pp=4)
     names = names_of(8)
-    transfers = check_plan(layout, names, split_of_counts([2, 2, 2, 2]), split_of_counts([1, 3, 3, 1]))
+    even = split_of_counts([2, 2, 2, 2])
+    transfers = check_plan(layout, names, even, split_of_counts([1, 3, 3, 1]))
     by_pair = Counter((layout.coords(t.src)["pp"], layout.coords(t.dst)["pp"])
                       for t in transfers)
     assert by_pair == {(0, 1): 12 * 4, (3, 2): 12 * 4}  # layer 2 down, layer 7 up
-    far = check_plan(layout, names, split_of_counts([1, 1, 1, 5]), split_of_counts([5, 1, 1, 1]))
+    far = check_plan(layout, names, split_of_counts([1, 1, 1, 5]),
+                     split_of_counts([5, 1, 1, 1]))
     assert {(layout.coords(t.src)["pp"], layout.coords(t.dst)["pp"]) for t in far} == {
         (1, 0), (2, 0), (3, 0), (3, 1), (3, 2)}
-    assert not check_plan(layout, names, split_of_counts([2, 2, 2, 2]), split_of_counts([2, 2, 2, 2]))
+    assert not check_plan(layout, names, even, even)
 
 
 def test_a_split_in_layers_per_stage_is_block_ranges():

@@ -90,19 +90,21 @@ def target_state(ckpt: Checkpointer) -> State:
     return state
 
 
-def state_names(ckpt: Checkpointer, ranges: list[range]) -> list[frozenset[str]]:
-    """Every block's state names in ``ckpt``'s model (``ranges``: its stages' blocks)."""
+def state_names(ckpt: Checkpointer) -> list[frozenset[str]]:
+    """Every block's state names in ``ckpt``'s model, by block id."""
     cfg = ckpt.cfg
-    blocks = ranges[-1].stop
+    blocks = ckpt.plan.stages[-1].blocks.stop
     return [block_state_names(cfg.model, b, sequence_parallel=cfg.parallel.sequence_parallel)
             for b in range(blocks)]
 
 
-def exchange(group, transfers: list, rank: int, held: State, targets: State) -> None:
+def exchange(groups, transfers: list, held: State, targets: State) -> None:
     """Post every send of ``held``'s and receive into ``targets`` of this rank's
-    ``transfers`` in one batch over ``group`` (the pipeline); wait for all of them. Each
-    pair's messages are tagged by their place in the pair's sequence, which both ends count
-    alike (the same transfers, parts sorted by name)."""
+    ``transfers`` in one batch over its pipeline group; wait for all of them. Each pair's
+    messages are tagged by their place in the pair's sequence, which both ends count alike
+    (the same transfers, parts sorted by name)."""
+    offset = groups.replica_offset  # the layout's ranks are this replica of the job's
+    rank = groups.local_rank_in_layout
     sends, recvs = rank_transfers(transfers, rank)
     messages, count = [], {}
     for t in sorted(sends + recvs):
@@ -114,8 +116,8 @@ def exchange(group, transfers: list, rank: int, held: State, targets: State) -> 
             if kind == SEND:
                 tensor = tensor.contiguous()
             assert tensor.is_contiguous(), f"{t.name} {part}: a receive needs a whole buffer"
-            messages.append(Message(kind, tensor, peer, tag))
-    for work in group.exchange(messages) if messages else ():
+            messages.append(Message(kind, tensor, peer + offset, tag))
+    for work in groups.pipeline.exchange(messages) if messages else ():
         work.wait()
 
 
@@ -144,8 +146,8 @@ def move_in_memory(old: Checkpointer, rebuild: Callable[[], Checkpointer]) -> Ch
     old_ranges = [stage.blocks for stage in old.plan.stages]
     new = rebuild()
     new_ranges = [stage.blocks for stage in new.plan.stages]
-    names = state_names(new, new_ranges)
-    rank, stage = new.groups.world.rank(), new.groups.pp_rank
+    names = state_names(new)
+    rank, stage = new.groups.local_rank_in_layout, new.groups.pp_rank
     transfers = stage_transfers(new.groups.layout, names, old_ranges, new_ranges)
     assert set(held) == stage_state_names(names, old_ranges)[stage], \
         f"stage {stage} held other names than its blocks' specs list"
@@ -155,7 +157,7 @@ def move_in_memory(old: Checkpointer, rebuild: Callable[[], Checkpointer]) -> Ch
         received = {name: parts for name, parts in targets.items() if name not in held}
         assert {t.name for t in transfers if t.dst == rank} == set(received), \
             f"stage {stage} expects other names than the move plan sends it"
-        exchange(new.groups.pipeline, transfers, rank, held, targets)
+        exchange(new.groups, transfers, held, targets)
         for name, parts in kept.items():
             targets[name][PARAM].copy_(parts[PARAM])
     load_moved(new, kept, received)
