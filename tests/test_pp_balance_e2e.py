@@ -13,7 +13,10 @@ two runs, each checking several things:
   the same run moving through the checkpoint (``=checkpoint``) gives the same losses and the
   same step-6 checkpoint, bitwise;
 - the same three runs on dp2 x tp2 x pp2 under ZeRO-3 (8 ranks): the weights that move are
-  each TP shard, gathered whole over DP and sharded again on the new stage.
+  each TP shard, gathered whole over DP and sharded again on the new stage;
+- and on dp2 x pp2 of an MoE model with expert biases under PowerSGD (compressing from step
+  3, before the move): its error feedback and ``Q`` move with their layers, and so do the
+  biases.
 
 Step times are not asserted here (the machine is shared): ``bench/pp_balance.py`` measures
 them, with a stage's worker throttled from outside (SIGSTOP/SIGCONT cycles). The decision
@@ -46,6 +49,8 @@ SLOW = "slow:1:1:0.2"
 DP_TP = ["parallel.dp=2", "parallel.tp=2", "parallel/dp=zero3"]
 SLOW_DP_TP = "slow:1:4:0.2"
 """Global rank 4 (dp 0, tp 0 of stage 1 on dp2 x tp2 x pp2) sleeps likewise."""
+MOE_POWERSGD = ["model=moe-tiny", "model.moe.expert_bias_rate=0.01", "parallel.dp=2",
+                "parallel/dp=powersgd", "parallel.dp_strategy.powersgd.warmup=2"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,10 +66,12 @@ def train(run_dir: Path, *overrides: str, slow=False):
 
 
 def saved_tensors(path: Path) -> dict:
-    """Every model and optimizer tensor of checkpoint ``path``, whole (one process)."""
+    """Every model, optimizer and DP option tensor of checkpoint ``path``, whole (one
+    process)."""
     metadata = read_metadata(path).state_dict_metadata
     state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-             for key, item in metadata.items() if key.startswith(("model.", "optim."))}
+             for key, item in metadata.items()
+             if key.startswith(("model.", "optim.", "dp_option."))}
     with single_process():
         dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
     return state
@@ -86,10 +93,10 @@ def moved_runs(tmp_path: Path, layout: list, fault: str):
     return static, runs
 
 
-def check_moves(tmp_path: Path, static: list, runs: dict) -> list:
+def check_moves(tmp_path: Path, static: list, runs: dict) -> tuple[list, dict]:
     """Both dynamic runs moved layers, kept the static run's losses, and agree bitwise
     (losses and the step-6 checkpoint, whatever split each chose); returns the memory
-    run's splits."""
+    run's splits and its step-6 checkpoint's tensors."""
     assert all("pp_split" not in r for r in static)
     for move, (records, said) in runs.items():
         splits = [r["pp_split"] for r in records]
@@ -108,12 +115,12 @@ def check_moves(tmp_path: Path, static: list, runs: dict) -> list:
     assert sorted(ours) == sorted(theirs) and any(k.startswith("optim.") for k in ours)
     differ = [key for key in ours if not torch.equal(ours[key], theirs[key])]
     assert not differ, differ[:5]
-    return [r["pp_split"] for r in memory]
+    return [r["pp_split"] for r in memory], ours
 
 
 def test_a_slow_stage_gives_up_layers_and_the_losses_stay(tmp_path):
     static, runs = moved_runs(tmp_path, [], SLOW)
-    splits = check_moves(tmp_path, static, runs)
+    splits, _ = check_moves(tmp_path, static, runs)
     assert splits[-1][1] < 4, splits  # the slowed stage 1 gave up layers
 
     # the step-6 checkpoint holds the split step 7 runs on: what a resume continues on
@@ -124,5 +131,13 @@ def test_a_slow_stage_gives_up_layers_and_the_losses_stay(tmp_path):
 
 def test_layers_move_in_memory_between_tp_shards_under_zero3(tmp_path):
     static, runs = moved_runs(tmp_path, DP_TP, SLOW_DP_TP)
-    splits = check_moves(tmp_path, static, runs)
+    splits, _ = check_moves(tmp_path, static, runs)
     assert splits[-1][1] < 4, splits
+
+
+def test_powersgd_state_and_expert_biases_move_with_their_layers(tmp_path):
+    static, runs = moved_runs(tmp_path, MOE_POWERSGD, SLOW)  # rank 1: dp 1 of stage 0
+    splits, saved = check_moves(tmp_path, static, runs)
+    assert splits[-1][0] < 4, splits
+    assert any(k.endswith(".q") for k in saved) and any(k.endswith(".mlp.expert_bias")
+                                                        for k in saved)
