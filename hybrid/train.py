@@ -98,16 +98,18 @@ class Trainer:
         self.checkpointer = Checkpointer(plan, self.groups, self.chunks, self.sync,
                                          self.run_dir, shares=self.shares)
 
-    def _resplit(self, step: int, ranges: list) -> None:
+    def _resplit(self, step: int, ranges: list, how: Optional[str] = None) -> None:
         """``parallel.pp_balance=dynamic`` moved layers: the state goes to the new split's
-        stages (``hybrid.balance.stages.move_state``) before step ``step + 1``."""
+        stages (``hybrid.balance.stages.move_state``) before step ``step + 1``; ``how``:
+        memory or checkpoint (default ``parallel.pp_balance_move``; ``bench/pp_move.py``
+        times both)."""
         def rebuild() -> Checkpointer:
             self.sync.close()
             self._build_stages(self.plan.with_stage_ranges(ranges))
             return self.checkpointer
 
         started = time.perf_counter()
-        move_state(self.checkpointer, rebuild, step)
+        move_state(self.checkpointer, rebuild, step, how=how or self.cfg.parallel.pp_balance_move)
         took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         self.groups.world.all_reduce(took, op=dist.ReduceOp.MAX)  # every rank decides alike
         self.split.restart_window(float(took))

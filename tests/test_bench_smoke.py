@@ -44,6 +44,7 @@ SMOKE: dict[str, list[str]] = {  # {tmp}: the test's scratch directory (where ru
     "partition_balance.py": ["--smoke", "--out", "{tmp}"],
     "pipeline_floor.py": ["--smoke"],
     "pp_balance.py": ["--smoke", "--out", "{tmp}"],
+    "pp_move.py": ["--smoke"],
     "pipeline_vs_torch.py": ["--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "2",
                              "--seq", "16", "--micro-batch", "1", "--microbatches", "2",
                              "--steps", "1", "--schedules", "1f1b"],

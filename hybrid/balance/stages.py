@@ -9,13 +9,23 @@ steps) lets the pure ``hybrid.planning.stage_balance.StageBalancer`` decide. Sam
 same pure code: every rank holds the same split, no extra collective. The split is the same
 in every DP replica.
 
-A new split is applied at the step boundary through the checkpoint machinery
-(``move_state``): every rank writes its state (weights, AdamW moments, RNG, DP shares) to a
-checkpoint of its own in ``<checkpoint dir>/pp_balance``, builds its stages for the new
-split, and loads it back, resharded as a resume on another layout is (DCP, keyed by global
-names): the same values, only their owners change. Moving layers in memory between
-neighbouring stages would spare the disk; the checkpoint is what every layout, TP and ZeRO
-stage already restores exactly.
+A new split is applied at the step boundary (``move_state``), by ``parallel.pp_balance_move``:
+
+- ``memory`` (the default): every rank builds its stages for the new split and the layers
+  that changed stage travel between the ranks of each pipeline as point-to-point messages
+  (weights, AdamW moments and step, DP option state, expert biases;
+  ``hybrid.balance.stage_move``). No disk, and only the moved layers travel:
+  ``bench/pp_move.py`` measures it against the checkpoint.
+- ``checkpoint``: every rank writes its state (weights, AdamW moments, RNG, DP shares) to a
+  checkpoint of its own in ``<checkpoint dir>/pp_balance``, builds its stages for the new
+  split, and loads it back, resharded as a resume on another layout is (DCP, keyed by global
+  names). Every rank's RNG is then the one copy DCP kept of ``rng.cpu``; ``memory`` leaves
+  each rank's as it was.
+
+State filed under no parameter cannot follow a layer (``dp_delay``'s mean in flight is each
+bucket's): ``hybrid.planning.stage_balance`` refuses it with ``dynamic`` before launch.
+
+Either way the same values, only their owners change: the losses are the static split's.
 
 The split travels in every checkpoint's manifest (``stages``), so a resumed run continues
 on it (``resumed_plan``).
@@ -28,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from hybrid.balance.stage_move import move_in_memory
 from hybrid.checkpoint.checkpointer import Checkpointer, checkpoints_of, resume_path
 from hybrid.checkpoint.store import checkpoint_name, read_manifest
 from hybrid.planning.job import JobPlan
@@ -127,19 +138,32 @@ def resumed_plan(plan: JobPlan, run_dir: Path) -> JobPlan:
     return plan if ranges == current else plan.with_stage_ranges(ranges)
 
 
-def move_state(old: Checkpointer, rebuild: Callable[[], Checkpointer], step: int) -> None:
-    """Every rank: write the state through ``old`` into ``MOVE_DIR``, let ``rebuild`` build
-    the stages of the new split (returning their checkpointer), load the state into them."""
+def move_state(old: Checkpointer, rebuild: Callable[[], Checkpointer], step: int,
+               how: str = "checkpoint") -> None:
+    """Every rank: move the state of ``old``'s stages into those ``rebuild`` builds for the
+    new split (returning their checkpointer), in memory or through a checkpoint (``how``:
+    ``parallel.pp_balance_move``)."""
     old.close()  # a background save of the run's own finishes first
-    stall_s, directory = old.stall_s, old.directory / MOVE_DIR
+    stall_s = old.stall_s
+    if how == "memory":
+        new = move_in_memory(old, rebuild)
+    else:
+        new = _through_checkpoint(old, rebuild, step)
+    # what the run started from, and the stalls its own saves caused, stay the run's
+    new.resumed_from, new.initialised_from = old.resumed_from, old.initialised_from
+    new.stall_s = stall_s
+
+
+def _through_checkpoint(old: Checkpointer, rebuild: Callable[[], Checkpointer],
+                        step: int) -> Checkpointer:
+    """Write the state through ``old`` into ``MOVE_DIR``, rebuild, load it back."""
+    directory = old.directory / MOVE_DIR
     old.directory, old.quiet = directory, True
     old.save(step)
     old.close()
     new = rebuild()
     new.load(directory / checkpoint_name(step))
-    # what the run started from, and the stalls its own saves caused, stay the run's
-    new.resumed_from, new.initialised_from = old.resumed_from, old.initialised_from
-    new.stall_s = stall_s
     new.groups.world.barrier()  # every rank has read it
     if new.rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
+    return new

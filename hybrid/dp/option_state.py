@@ -23,7 +23,8 @@ PREFIX = "dp_option."
 MATCHING = (*COORD_ORDER, "vpp", "bucket_mb", "zero")
 
 
-def _tag(sync) -> str:
+def option_tag(sync) -> str:
+    """The prefix of this rank's option state keys (its TP rank and DP shard)."""
     return f"{PREFIX}tp{sync.groups.tp_rank}.dp{sync.groups.sharding.rank()}."
 
 
@@ -33,18 +34,18 @@ def _name_of(sync):
 
 def option_state(sync) -> dict[str, torch.Tensor]:
     """This rank's reduction state, by checkpoint key (a delayed mean is waited for)."""
-    tag = _tag(sync)
+    tag = option_tag(sync)
     return {tag + key: t for key, t in sync.reducer.checkpoint_state(_name_of(sync)).items()}
 
 
 def option_targets(sync) -> dict[str, torch.Tensor]:
     """Tensors to load ``option_state`` into (``load_option_state`` then takes them)."""
-    tag = _tag(sync)
+    tag = option_tag(sync)
     return {tag + key: t for key, t in sync.reducer.checkpoint_targets(_name_of(sync)).items()}
 
 
 def load_option_state(sync, targets: dict[str, torch.Tensor]) -> None:
-    tag = _tag(sync)
+    tag = option_tag(sync)
     mine = {key[len(tag):]: t for key, t in targets.items() if key.startswith(tag)}
     if mine:
         sync.reducer.load_checkpoint_state(mine, _name_of(sync))

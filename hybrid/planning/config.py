@@ -101,6 +101,10 @@ class ParallelConfig:
     pp_balance_min_saving: float = 0.1
     """pp_balance=dynamic: a new split is taken only when predicted to save at least this
     share of the step (hysteresis: scheduling noise moves nothing)."""
+    pp_balance_move: str = "memory"
+    """pp_balance=dynamic: how a new split's state reaches its stages: memory (the moved
+    layers' weights, optimizer and DP state sent between the pipeline's ranks) | checkpoint
+    (every rank saves its state to disk and loads it back resharded; slower, the fallback)."""
     dp_strategy: DpStrategyConfig = field(default_factory=DpStrategyConfig)
     """The DP strategies' settings, one group each (``parallel/dp=zero3``, several at once:
     ``parallel/dp=[zero1,bf16]``; ``hybrid.planning.dp_config``). The flat keys of before

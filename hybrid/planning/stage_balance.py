@@ -42,8 +42,11 @@ from typing import Optional, Sequence
 
 from hybrid.planning.layout import LayoutError
 from hybrid.planning.schedules.partition import partition_per_stage
+from hybrid.planning.strategies import DpOptions, reduction_of
 
 PP_BALANCE_MODES = ("static", "dynamic")
+PP_BALANCE_MOVES = ("memory", "checkpoint")
+"""How a new split's state moves (``hybrid.balance.stages.move_state``)."""
 DEFAULT_EVERY = 5
 DEFAULT_MIN_SAVING = 0.1
 HISTORY_WINDOWS = 3
@@ -61,6 +64,17 @@ def layer_counts(split: Sequence[range]) -> list[int]:
     """Layers per stage (the embedding and the head are not counted)."""
     last = split[-1].stop - 1
     return [sum(1 for b in blocks if 0 < b < last) for blocks in split]
+
+
+def split_of_counts(counts: Sequence[int]) -> Split:
+    """The block ranges of ``counts`` layers per stage (``layer_counts``' inverse: the
+    embedding on the first stage, the head on the last)."""
+    stops, stop = [], 1
+    for layers in counts:
+        stop += layers
+        stops.append(stop)
+    stops[-1] += 1
+    return [range(first, last) for first, last in zip([0, *stops[:-1]], stops)]
 
 
 def stage_cost(blocks: range, costs: Sequence[float]) -> float:
@@ -210,6 +224,16 @@ def stage_balance_problem(parallel) -> Optional[str]:
     if not 0 < saving < 1:
         return (f"parallel.pp_balance_min_saving={saving} must be in (0, 1) (the share of the "
                 f"step a change must save; {DEFAULT_MIN_SAVING} is the default)")
+    move = parallel.pp_balance_move
+    if move not in PP_BALANCE_MOVES:
+        return (f"parallel.pp_balance_move={move!r} is unknown; choose one of "
+                f"{', '.join(PP_BALANCE_MOVES)}")
+    if mode == "dynamic" and not reduction_of(DpOptions.of(parallel)).state_by_parameter:
+        spec = reduction_of(DpOptions.of(parallel))
+        return (f"parallel.pp_balance=dynamic cannot move the {spec.name} DP reduction's "
+                f"state between stages ({spec.setting(DpOptions.of(parallel))}: it is each "
+                f"gradient bucket's, and the buckets change with the split); use "
+                f"parallel.pp_balance=static or another DP strategy")
     if mode == "dynamic" and parallel.vpp > 1:
         return (f"parallel.pp_balance=dynamic needs one stage per pipeline rank, not "
                 f"parallel.vpp={parallel.vpp} (schedule {parallel.schedule}): a rank's "

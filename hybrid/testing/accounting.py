@@ -52,10 +52,11 @@ def checked_records(run_dir) -> list[dict]:
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     assert plan.cfg == cfg and plan.stages == plan_job(cfg, block_costs=plan.block_costs).stages
     records = read_metrics(run_dir / "metrics.jsonl")
-    layers = [b for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers]
-    ring = cp_step_bytes(cfg, plan.layout, len(layers), plan.schedule.microbatches,
-                         moe_layers=sum(cfg.model.is_moe_layer(b) for b in layers))
     for record in records:
+        plan = _plan_of_step(plan, record)  # pp_balance=dynamic: the split the step ran
+        layers = [b for st in plan.stages_of(0) for b in st.blocks if 1 <= b <= cfg.model.layers]
+        ring = cp_step_bytes(cfg, plan.layout, len(layers), plan.schedule.microbatches,
+                             moe_layers=sum(cfg.model.is_moe_layer(b) for b in layers))
         predicted = rank_dp_bytes(cfg, plan, 0, record["step"],
                                   rounds=max(record.get("dp_shares", [0])) or None)
         assert abs(record["comm_bytes"]["dp"] - predicted) <= 1e-9 * predicted, \
@@ -69,3 +70,13 @@ def checked_records(run_dir) -> list[dict]:
                 for label, want in groups.items()), (record["step"], counted, groups)
         assert record["comm_bytes"]["cp"] == ring, (record["step"], record["comm_bytes"], ring)
     return records
+
+
+def _plan_of_step(plan, record: dict):
+    """``plan`` on the split a ``pp_balance=dynamic`` step ran (its ``pp_split``)."""
+    from hybrid.planning.stage_balance import layer_counts, split_of_counts
+
+    split = record.get("pp_split")
+    if split is None or split == layer_counts([stage.blocks for stage in plan.stages]):
+        return plan
+    return plan.with_stage_ranges(split_of_counts(split))

@@ -194,6 +194,9 @@ class ReductionSpec:
     checkpoint_fields: tuple[str, ...] = ()
     """``parallel.*`` fields its checkpointed state depends on (besides the layout): a resume
     with other values starts that state afresh."""
+    state_by_parameter = True
+    """Its state between steps is filed by parameter name, so it can follow a layer to
+    another pipeline stage (``parallel.pp_balance=dynamic``); False: it is a bucket's."""
     doc = ""
 
     def setting(self, options: DpOptions) -> Optional[str]:

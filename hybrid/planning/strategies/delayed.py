@@ -17,6 +17,7 @@ class Delayed(ReductionSpec):
     name, runtime = "delayed", "hybrid.dp.replicas:DelayedMean"
     grad_width, shardings = FP32, (0,)
     checkpoint_fields = ("dp_delay",)
+    state_by_parameter = False  # the mean in flight is each bucket's flat buffer
     doc = "the mean applied one step late, its all-reduce overlapping the next step"
 
     def setting(self, options):
