@@ -22,17 +22,14 @@ expert gradient ep times too large shows in the losses as well as in ``grad_norm
 
 
 LAYOUTS = {
-    "dp2": ["parallel=single", "parallel.dp=2"],
-    # full recompute: the backward re-runs each layer's forward, routing its tokens again
-    "tp2-recompute": ["parallel=single", "parallel.tp=2", "model.recompute=full"],
-    "tp2-sp": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
-    "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.schedule=1f1b"],
     # small buckets: dense and expert buckets apart, each padded for its ZeRO shards
     "dp2-zero1": ["parallel=single", "parallel.dp=2", "parallel.zero=1",
                   "parallel.bucket_mb=0.02"],
+    # full recompute: the backward re-runs each layer's forward, routing its tokens again;
+    # with sequence parallelism, the router sees each TP rank's share of the sequence
+    "tp2-sp-recompute": ["parallel=single", "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "model.recompute=full"],
     # expert parallelism: experts spread over ranks carved out of dp x cp
-    "dp2-ep2": ["parallel=single", "parallel.dp=2", "parallel.ep=2"],
-    "dp2-ep2-tp2": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
     "dp2-ep2-pp2-1f1b": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
                          "parallel.schedule=1f1b"],
     "dp4-ep4-zero2": ["parallel=single", "parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
@@ -48,6 +45,12 @@ LAYOUTS = {
     "dp2-ep2-tp2-pp2": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
                         "parallel.pp=2", "parallel.schedule=1f1b"],
 }
+"""Each run one launch (about 15 s of two cores): what another run covers is not run twice
+(plain dp2 and dp2 ep2 are inside these; pp2 alone in the DualPipeV test below)."""
+RESUMED = {"dp2-ep2-tp2": ["parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+           "dp2": ["parallel=single", "parallel.dp=2"],
+           "dp4-ep4-zero2": LAYOUTS["dp4-ep4-zero2"]}
+"""The resume test's layouts: saved on the first, resumed on the others."""
 WEIGHTS_CHECKED = ("dp2-ep2-zero3", "dp2-ep2-dynamic", "dp4-ep4-zero2", "dp2-ep2-tp2-pp2")
 """The layouts whose final weights (every step's gradients went into them) are compared with
 the 1-process run's too: each DP strategy that issue 53 opened to expert weights, and the four
@@ -229,13 +232,13 @@ def test_a_checkpoint_saved_on_ep2_resumes_on_ep1_and_ep4_with_the_same_losses(
     runs end with the uninterrupted run's biases too."""
     moe_reference, reference_biases, *_ = moe_reference_run
     source = tmp_path / "source"
-    done = run_train(source, *MOE, *LAYOUTS["dp2-ep2-tp2"], "parallel.sequence_parallel=true",
+    done = run_train(source, *MOE, *RESUMED["dp2-ep2-tp2"], "parallel.sequence_parallel=true",
                      "checkpoint.every=3")
     assert done.returncode == 0, done.stderr[-3000:]
     step = source / "checkpoints" / "step_00000003"
     for name in ("dp2", "dp4-ep4-zero2"):
         target = tmp_path / name
-        done = run_train(target, *MOE, *LAYOUTS[name], f"checkpoint.resume_from={step}",
+        done = run_train(target, *MOE, *RESUMED[name], f"checkpoint.resume_from={step}",
                          "checkpoint.every=3")
         assert done.returncode == 0, done.stderr[-3000:]
         resumed = {r["step"]: r["loss"] for r in checked_records(target)}

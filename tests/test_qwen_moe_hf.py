@@ -130,16 +130,16 @@ TRAIN = ["data=synthetic", "model.seq_len=32", "train.global_batch=8", "train.mi
          "train.steps=2", "train.timeline_step=0", "train.log_every=100", "seed=5",
          "parallel=single"]
 LAYOUTS = {
-    # issue 53's layouts on the model with a dense first layer and a shared expert: every DP
-    # strategy on the expert placement, and the four axes together (8 ranks)
-    "dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
-                      "parallel.bucket_mb=0.02"],
-    "dp2-ep2-dynamic": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_balance=dynamic",
-                        "parallel.dp_balance_every=1"],
-    "dp4-ep4-zero2": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
-                      "parallel.bucket_mb=0.02"],
-    "dp2-ep2-tp2-pp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
-                        "parallel.schedule=1f1b"],
+    # issue 53's layouts on the model with a dense first layer and a shared expert, in two
+    # runs: the four axes together on 8 ranks under ZeRO-3 (the experts' weights gathered
+    # over their expert-DP group), and ep4 under ZeRO-2 with dynamic replica shares (which
+    # ZeRO-3 takes only without a pipeline)
+    "dp2-ep2-tp2-pp2-zero3": [
+        "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
+        "parallel.schedule=1f1b", "parallel.zero=3", "parallel.bucket_mb=0.02"],
+    "dp4-ep4-zero2-dynamic": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=2",
+                              "parallel.bucket_mb=0.02", "parallel.dp_balance=dynamic",
+                              "parallel.dp_balance_every=1"],
 }
 
 
