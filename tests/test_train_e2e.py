@@ -25,11 +25,14 @@ COMMON = ["model=tiny", "data=synthetic", "model.layers=8", f"train.steps={STEPS
           "train.micro_batch=2", "train.log_every=100", "train.timeline_step=2", "seed=7"]
 TIED = ["model.tie_embeddings=true"]
 LAYOUTS = {
+    # Each layout is one launch (about 15 s of two cores); what another run of the suite
+    # covers is not run again here: tp2 (test_checkpoint_e2e's tp2 -> pp4 reshard, the 2x2x2
+    # runs below), ZeRO-3 on dp2 (test_dp_balance_e2e, test_checkpoint_e2e's reshard target),
+    # DualPipeV on pp2 (test_checkpoint_e2e, test_eval_e2e; with dp2, tp2 and pp4 below).
     # zero=2 reduce-scatters every micro-batch (dp2 with it: the zb-h1 run below; plain dp2
     # runs inside 2x2x2 and torchrun)
     "dp4-zero2": ["parallel=single", "parallel.dp=4", "parallel.zero=2",
                   "parallel.bucket_mb=0.02"],
-    "tp2": ["parallel=single", "parallel.tp=2"],
     # measured: the ranks time the blocks before training; any partition trains the same
     "pp2-1f1b": ["parallel=single", "parallel.pp=2", "parallel.partition=measured"],
     "pp4-interleaved-vpp2": ["parallel=single", "parallel.pp=4", "parallel.vpp=2",
@@ -38,8 +41,6 @@ LAYOUTS = {
     # deferred weight gradients; plain, under 1F1B on 2x2x2, and interleaved with each policy
     "dp2-pp2-zb-h1-zero3": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
                             "parallel.schedule=zb-h1", "parallel.zero=3"],
-    "dp2-zero3": ["parallel=single", "parallel.dp=2", "parallel.zero=3",
-                  "parallel.bucket_mb=0.02"],
     "dp4-zero3": ["parallel=single", "parallel.dp=4", "parallel.zero=3",
                   "parallel.bucket_mb=0.02", "parallel.zero3_reshard=after_step"],
     "2x2x2-1f1b-zero3": ["parallel.zero=3", "parallel.bucket_mb=0.02",
@@ -57,8 +58,6 @@ LAYOUTS = {
                       "parallel.schedule=zb-v", *TIED],
     # DualPipeV (issue 54) on the same V; it needs >= 2*pp micro-batches, so dp2 and pp4 run
     # micro-batches of 1 (the same global batch, so the same losses)
-    "pp2-dualpipev": ["parallel=single", "parallel.pp=2", "parallel.vpp=2",
-                      "parallel.schedule=dualpipev"],
     "dp2-pp2-dualpipev-zero1": ["parallel=single", "parallel.dp=2", "parallel.pp=2",
                                 "parallel.vpp=2", "parallel.schedule=dualpipev",
                                 "parallel.zero=1", "train.micro_batch=1"],
