@@ -21,14 +21,14 @@ def test_groups_equal_megatron_rank_generator_for_every_layout_and_order():
     from megatron.core.parallel_state import RankGenerator
 
     checked = 0
-    for dp, tp, pp in _layouts_up_to(64):
+    for dp, tp, pp in _layouts_up_to(32):  # each axis up to 32, all three > 1 from 8 ranks
         for order in ORDERS:
             layout = Layout(dp=dp, tp=tp, pp=pp, order=order)
             gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
             for axis in AXES:
                 assert layout.groups(axis) == gen.get_ranks(axis), (dp, tp, pp, order, axis)
             checked += 1
-    assert checked == 6 * sum(1 for _ in _layouts_up_to(64))
+    assert checked == 6 * sum(1 for _ in _layouts_up_to(32))
 
 
 @pytest.mark.slow
@@ -40,9 +40,9 @@ def test_groups_with_cp_equal_megatron_rank_generator_for_every_order():
     axes = ["-".join(c) for n in (1, 2, 3, 4)
             for c in itertools.combinations(("tp", "cp", "dp", "pp"), n)]
     checked = 0
-    for dp, tp, pp in _layouts_up_to(24):
+    for dp, tp, pp in _layouts_up_to(16):
         for cp in (2, 3):
-            if dp * tp * pp * cp > 48:
+            if dp * tp * pp * cp > 32:
                 continue
             for order in ("-".join(p) for p in itertools.permutations(("tp", "cp", "dp", "pp"))):
                 layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, order=order)
@@ -51,7 +51,7 @@ def test_groups_with_cp_equal_megatron_rank_generator_for_every_order():
                     assert layout.groups(axis) == gen.get_ranks(axis), (dp, cp, tp, pp, order,
                                                                          axis)
                 checked += 1
-    assert checked > 1000
+    assert checked > 500
 
 
 def test_cp_joins_the_gradient_loss_and_sharding_roles_and_has_its_own():
@@ -150,4 +150,4 @@ def test_crosses_nodes_agrees_with_the_listed_crossing_groups():
                     assert layout.crosses_nodes(axis, per_node) == listed, \
                         (order, dp, tp, pp, per_node, axis)
                     checked += 1
-    assert checked > 1000
+    assert checked > 500

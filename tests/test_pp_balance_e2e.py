@@ -77,16 +77,17 @@ def saved_tensors(path: Path) -> dict:
     return state
 
 
-def moved_runs(tmp_path: Path, layout: list, fault: str):
+def moved_runs(tmp_path: Path, layout: list, fault: str, moves=("memory", "checkpoint")):
     """The static run, and a slowed dynamic run moving in memory and one moving through a
-    checkpoint, each checkpointing at step 6 (after the move); in the memory run a file
-    named ``pp_balance`` stands where the checkpoint move writes, so writing there fails."""
+    checkpoint (``moves``), each checkpointing at step 6 (after the move); in the memory run
+    a file named ``pp_balance`` stands where the checkpoint move writes, so writing there
+    fails."""
     static, _ = train(tmp_path / "static", *layout)
     blocked = tmp_path / "memory" / "checkpoints"
     blocked.mkdir(parents=True)
     (blocked / "pp_balance").write_text("a memory move writes nothing here\n")
     runs = {}
-    for move in ("memory", "checkpoint"):
+    for move in moves:
         runs[move] = train(tmp_path / move, *layout, "parallel.pp_balance=dynamic",
                            f"parallel.pp_balance_move={move}", "checkpoint.every=6",
                            slow=fault)
@@ -94,9 +95,9 @@ def moved_runs(tmp_path: Path, layout: list, fault: str):
 
 
 def check_moves(tmp_path: Path, static: list, runs: dict) -> tuple[list, dict]:
-    """Both dynamic runs moved layers, kept the static run's losses, and agree bitwise
-    (losses and the step-6 checkpoint, whatever split each chose); returns the memory
-    run's splits and its step-6 checkpoint's tensors."""
+    """The dynamic runs moved layers and kept the static run's losses; with both moves,
+    they agree bitwise (losses and the step-6 checkpoint, whatever split each chose).
+    Returns the memory run's splits and (both moves) its step-6 checkpoint's tensors."""
     assert all("pp_split" not in r for r in static)
     for move, (records, said) in runs.items():
         splits = [r["pp_split"] for r in records]
@@ -106,9 +107,11 @@ def check_moves(tmp_path: Path, static: list, runs: dict) -> tuple[list, dict]:
         assert moved and "layers per stage [4, 4] -> " in moved[0], said[-2000:]
         assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in static],
                                                              rel=1e-5)
+    assert (tmp_path / "memory" / "checkpoints" / "pp_balance").is_file()
+    if "checkpoint" not in runs:
+        return [r["pp_split"] for r in runs["memory"][0]], None
     memory, checkpoint = runs["memory"][0], runs["checkpoint"][0]
     assert [r["loss"] for r in memory] == [r["loss"] for r in checkpoint]
-    assert (tmp_path / "memory" / "checkpoints" / "pp_balance").is_file()
     assert not (tmp_path / "checkpoint" / "checkpoints" / "pp_balance").exists()
     ours, theirs = (saved_tensors(tmp_path / move / "checkpoints" / "step_00000006")
                     for move in ("memory", "checkpoint"))
@@ -119,7 +122,8 @@ def check_moves(tmp_path: Path, static: list, runs: dict) -> tuple[list, dict]:
 
 
 def test_a_slow_stage_gives_up_layers_and_the_losses_stay(tmp_path):
-    static, runs = moved_runs(tmp_path, [], SLOW)
+    # the two moves agree bitwise in the other two tests (ZeRO-3 with TP; PowerSGD, MoE)
+    static, runs = moved_runs(tmp_path, [], SLOW, moves=("memory",))
     splits, _ = check_moves(tmp_path, static, runs)
     assert splits[-1][1] < 4, splits  # the slowed stage 1 gave up layers
 
