@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid.planning.config import (  # noqa: E402
     CheckpointConfig, Config, ModelConfig, ParallelConfig, TrainConfig, to_dict,
 )
-from hybrid.testing import spawn  # noqa: E402
+from hybrid.testing import barrier_timed, spawn  # noqa: E402
 
 SMALL = ModelConfig(name="small", layers=4, hidden=128, heads=4, seq_len=64)
 TINY = ModelConfig(name="tiny", layers=2, hidden=32, heads=4, seq_len=32)
@@ -51,16 +51,6 @@ def job_config(steps: int, every: int, async_save: bool, zero: int, smoke: bool 
                   train=TrainConfig(steps=steps, global_batch=16, micro_batch=2,
                                     timeline_step=0, log_every=10_000),
                   checkpoint=CheckpointConfig(every=every, keep=1, async_save=async_save))
-
-
-def _timed(fn) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _rank_bytes(directory: Path, rank: int) -> int:
@@ -84,13 +74,13 @@ def _save_load(rank, world, cfg_dict, tmp, repeats):
     times = {key: [] for key in ("hybrid save", "dcp save", "hybrid load", "dcp load")}
     for r in range(repeats):
         plain = Path(tmp) / f"plain_{r}"
-        times["hybrid save"].append(_timed(lambda: ckpt.save(r + 1)))
+        times["hybrid save"].append(barrier_timed(lambda: ckpt.save(r + 1)))
         state = ckpt._state(r + 1)
-        times["dcp save"].append(_timed(lambda: dcp.save(state, checkpoint_id=plain)))
+        times["dcp save"].append(barrier_timed(lambda: dcp.save(state, checkpoint_id=plain)))
         saved = ckpt.directory / f"step_{r + 1:08d}"
-        times["hybrid load"].append(_timed(lambda: ckpt.load(saved)))
+        times["hybrid load"].append(barrier_timed(lambda: ckpt.load(saved)))
         targets, _ = load_targets(ckpt.params, ckpt.groups.layout, ckpt.mesh)
-        times["dcp load"].append(_timed(lambda: dcp.load(targets, checkpoint_id=plain)))
+        times["dcp load"].append(barrier_timed(lambda: dcp.load(targets, checkpoint_id=plain)))
     return {"times": times, "hybrid_bytes": _rank_bytes(saved, rank),
             "dcp_bytes": _rank_bytes(plain, rank)}
 

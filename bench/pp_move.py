@@ -26,12 +26,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.testing import spawn  # noqa: E402
+from hybrid.testing import barrier_timed, spawn  # noqa: E402
 
 MODES = ("memory", "checkpoint")
 
@@ -44,16 +43,6 @@ def job_overrides(args) -> list[str]:
             "parallel.pp_balance=dynamic", "train.micro_batch=1",
             f"train.global_batch={2 * args.dp}", "train.timeline_step=0",
             "train.log_every=1000", "train.collective_timeout_s=600"]
-
-
-def _timed(fn) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _moves(rank, world, overrides, tmp, moves, shift):
@@ -76,8 +65,9 @@ def _moves(rank, world, overrides, tmp, moves, shift):
     for move in range(2 * moves):
         mode = MODES[move % 2]
         split = shifted if move % 4 < 2 else even
-        times[mode].append(_timed(lambda: trainer._resplit(1, split_of_counts(split), mode)))
-    times["build"] = [_timed(lambda: _build_only(trainer)) for _ in range(moves)]
+        times[mode].append(barrier_timed(
+            lambda: trainer._resplit(1, split_of_counts(split), mode)))
+    times["build"] = [barrier_timed(lambda: _build_only(trainer)) for _ in range(moves)]
     return {"times": times, "state_bytes": state_bytes, "moved_bytes": moved}
 
 

@@ -110,9 +110,7 @@ class Trainer:
 
         started = time.perf_counter()
         move_state(self.checkpointer, rebuild, step, how=how or self.cfg.parallel.pp_balance_move)
-        took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        self.groups.world.all_reduce(took, op=dist.ReduceOp.MAX)  # every rank decides alike
-        self.split.restart_window(float(took))
+        self.split.restart_window(time.perf_counter() - started, self.groups.world)
 
     def set_watching(self, on: bool) -> None:
         """Wait timing and stall diagnosis on or off (off: compute is the whole step): only

@@ -38,6 +38,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 from hybrid.balance.stage_move import move_in_memory
 from hybrid.checkpoint.checkpointer import Checkpointer, checkpoints_of, resume_path
 from hybrid.checkpoint.store import checkpoint_name, read_manifest
@@ -115,10 +118,13 @@ class StageSplit:
         """This step's ``metrics.jsonl`` fields (only under dynamic)."""
         return {"pp_split": self.ran} if self.dynamic else {}
 
-    def restart_window(self, move_s: float) -> None:
-        """After a move (which took ``move_s`` seconds: the next must win back twice that,
-        ``StageBalancer.moved``), the next step builds caches again: not measured."""
-        self.balancer.moved(move_s)
+    def restart_window(self, move_s: float, world) -> None:
+        """After a move (which took ``move_s`` seconds on this rank: the next must win back
+        twice the slowest rank's, ``StageBalancer.moved``, agreed over ``world`` so that
+        every rank decides alike), the next step builds caches again: not measured."""
+        took = torch.tensor([move_s], dtype=torch.float64)
+        world.all_reduce(took, op=dist.ReduceOp.MAX)
+        self.balancer.moved(float(took))
         self.warm = False
 
 

@@ -90,6 +90,20 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> 
             results.join_thread()
 
 
+def barrier_timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes on the slowest rank of the default group (between two
+    barriers): what a bench run under ``spawn`` times a collective operation by."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list[Any]:
     import time
 
