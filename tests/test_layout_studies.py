@@ -130,4 +130,4 @@ def priced_with_pairs_in_order(settings: dict) -> float:
                   train=replace(cfg.train, micro_batch=settings["micro_batch"]),
                   model=replace(cfg.model, recompute=settings["recompute"]))
     in_order = replace(load_device("h100-80gb"), host=True)
-    return predict_step(plan_job(cfg), in_order).step_time_s
+    return predict_step(plan_job(cfg, lower=False), in_order).step_time_s
