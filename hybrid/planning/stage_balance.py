@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hybrid.planning.layout import LayoutError
-from hybrid.planning.schedules.partition import partition_per_stage
+from hybrid.planning.schedules.partition import (partition_per_stage,
+                                                 ranges_from_layer_counts)
 from hybrid.planning.strategies import DpOptions, reduction_of
 
 PP_BALANCE_MODES = ("static", "dynamic")
@@ -69,12 +70,7 @@ def layer_counts(split: Sequence[range]) -> list[int]:
 def split_of_counts(counts: Sequence[int]) -> Split:
     """The block ranges of ``counts`` layers per stage (``layer_counts``' inverse: the
     embedding on the first stage, the head on the last)."""
-    stops, stop = [], 1
-    for layers in counts:
-        stop += layers
-        stops.append(stop)
-    stops[-1] += 1
-    return [range(first, last) for first, last in zip([0, *stops[:-1]], stops)]
+    return ranges_from_layer_counts(counts, 1, sum(counts) + 2)
 
 
 def stage_cost(blocks: range, costs: Sequence[float]) -> float:
@@ -228,10 +224,11 @@ def stage_balance_problem(parallel) -> Optional[str]:
     if move not in PP_BALANCE_MOVES:
         return (f"parallel.pp_balance_move={move!r} is unknown; choose one of "
                 f"{', '.join(PP_BALANCE_MOVES)}")
-    if mode == "dynamic" and not reduction_of(DpOptions.of(parallel)).state_by_parameter:
-        spec = reduction_of(DpOptions.of(parallel))
+    options = DpOptions.of(parallel)
+    spec = reduction_of(options)
+    if mode == "dynamic" and not spec.state_by_parameter:
         return (f"parallel.pp_balance=dynamic cannot move the {spec.name} DP reduction's "
-                f"state between stages ({spec.setting(DpOptions.of(parallel))}: it is each "
+                f"state between stages ({spec.setting(options)}: it is each "
                 f"gradient bucket's, and the buckets change with the split); use "
                 f"parallel.pp_balance=static or another DP strategy")
     if mode == "dynamic" and parallel.vpp > 1:

@@ -45,7 +45,7 @@ def partition(costs: Sequence[float], pp: int, vpp: int = 1, mode: str = "unifor
         layer_costs = list(costs[n_leading:n_leading + n_layers])
         layer_counts = _balanced_layer_counts(
             layer_costs, n_stages, sum(costs[:n_leading]), sum(costs[n_leading + n_layers:]))
-    return _ranges_from_layer_counts(layer_counts, n_leading, len(costs))
+    return ranges_from_layer_counts(layer_counts, n_leading, len(costs))
 
 
 def partition_per_stage(stage_costs: Sequence[Sequence[float]],
@@ -83,7 +83,7 @@ def partition_per_stage(stage_costs: Sequence[Sequence[float]],
     limit = smallest_max * (1 + 1e-9) + 1e-12
     _, counts = _split_layers(n_layers, n_stages, group_cost, lambda a, b: a + b,
                               lambda c: c * c, limit)
-    return _ranges_from_layer_counts(counts, n_leading, n_blocks)
+    return ranges_from_layer_counts(counts, n_leading, n_blocks)
 
 
 def stage_costs(stages: list[range], costs: Sequence[float]) -> list[float]:
@@ -172,8 +172,10 @@ def _split_layers(n_layers: int, n_stages: int, group_cost, combine, weight,
     return best[n_stages][n_layers], counts[::-1]
 
 
-def _ranges_from_layer_counts(layer_counts: list[int], n_leading: int,
-                              n_blocks: int) -> list[range]:
+def ranges_from_layer_counts(layer_counts: Sequence[int], n_leading: int,
+                             n_blocks: int) -> list[range]:
+    """The block ranges of ``layer_counts`` layers per stage: the ``n_leading`` blocks on the
+    first stage, the blocks after the layers (up to ``n_blocks``) on the last."""
     stops, stop = [], n_leading  # stage 0 takes the leading blocks
     for count in layer_counts:
         stop += count
